@@ -1,0 +1,17 @@
+"""Paged attention and KV-cache update: Pallas kernels (TPU, GPU) and pure-jnp references.
+
+Use the two public ops; each validates shapes at trace time and picks an implementation by
+platform and `backend` ("auto" | "pallas" | "reference").
+"""
+
+from pallas_kernels.kv_cache_update.ops import update_kv_cache
+from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
+from pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+__all__ = [
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "update_kv_cache",
+    "update_kv_cache_reference",
+]

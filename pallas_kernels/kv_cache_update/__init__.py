@@ -1,0 +1,1 @@
+"""KV-cache update: reference scatter and per-backend kernels."""

@@ -1,0 +1,1 @@
+"""Ragged paged attention: reference, TPU and GPU kernels, public op."""

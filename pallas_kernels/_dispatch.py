@@ -1,0 +1,37 @@
+"""Backend choice shared by the public ops: which implementation runs where."""
+
+from __future__ import annotations
+
+import jax
+
+BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def resolve_backend(backend: str, interpret: bool) -> str:
+    """Map the user's choice to "reference", "tpu" or "gpu" for the current platform.
+
+    "auto": the kernel on TPU/GPU, the reference on CPU. "pallas": the kernel of the current
+    platform; on CPU only with `interpret=True` (then the GPU kernel, interpreted).
+    "pallas_tpu" / "pallas_gpu" force one kernel (for tests, lowering checks, interpret).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if backend == "pallas_tpu":
+        return "tpu"
+    if backend == "pallas_gpu":
+        return "gpu"
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if backend == "auto":
+        return "reference"
+    if not interpret:
+        raise ValueError(
+            f"backend='pallas' needs a TPU or GPU (platform is {platform!r}); "
+            "pass interpret=True to run the kernel in interpret mode, or use 'reference'"
+        )
+    return "gpu"

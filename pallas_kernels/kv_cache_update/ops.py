@@ -1,0 +1,52 @@
+"""Public entry point for the KV-cache write: validate, then dispatch by backend."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
+
+
+def _validate(k_new, v_new, k_pages, v_pages, slot_mapping) -> None:
+    check_shape("k_pages", k_pages, (None, None, None, None), "[num_pages, page_size, Hkv, D]")
+    check_shape("v_pages", v_pages, tuple(k_pages.shape), "like k_pages")
+    _, _, num_kv_heads, head_dim = k_pages.shape
+    check_shape("k_new", k_new, (None, num_kv_heads, head_dim), "[T, Hkv, D]")
+    num_tokens = k_new.shape[0]
+    check_shape("v_new", v_new, (num_tokens, num_kv_heads, head_dim), "[T, Hkv, D]")
+    check_shape("slot_mapping", slot_mapping, (num_tokens,), "[T]")
+    check_int32("slot_mapping", slot_mapping)
+    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
+        check_float(name, x)
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
+
+
+def update_kv_cache(
+    k_new: jax.Array,  # [T, Hkv, D]
+    v_new: jax.Array,  # [T, Hkv, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    slot_mapping: jax.Array,  # [T] int32
+    *,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Write the step's new K/V rows into their slots (page * page_size + offset).
+
+    Padding tokens must point at slots of the null page 0. Same backends as attention.
+    """
+    _validate(k_new, v_new, k_pages, v_pages, slot_mapping)
+    impl = resolve_backend(backend, interpret)
+    args = (k_new, v_new, k_pages, v_pages, slot_mapping)
+    if impl == "reference":
+        return update_kv_cache_reference(*args)
+    if impl == "tpu":
+        from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
+
+        return update_kv_cache_tpu(*args, interpret=interpret)
+    from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
+
+    return update_kv_cache_gpu(*args, interpret=interpret)

@@ -1,0 +1,220 @@
+"""Pure-jnp ragged paged attention: the correctness oracle and the CPU attention path.
+
+It runs once per layer inside the model's `lax.scan`, so it is written for XLA:CPU speed:
+
+* Query rows are grouped into *query blocks* of `block_q` tokens that all belong to one
+  sequence (a sequence's chunk is split into ceil(q_len / block_q) blocks; the last one is
+  partly empty). Every block then needs the KV pages of exactly one sequence, so pages are
+  gathered once per block rather than once per token. `block_q = 1` is the per-token
+  layout (best for decode); larger blocks turn prefill into small matmuls.
+* KV is visited in chunks of `chunk_pages` pages with an online softmax in f32, in a loop
+  whose trip count is data (ceil(longest real kv_len / chunk)), so memory stays bounded by
+  one chunk per block and short batches do not pay for the longest possible context.
+* With one query per block, scores use multiply-and-reduce (`(q * k).sum(-1)`), which XLA:CPU
+  runs about twice as fast as batches of tiny dot products (see DESIGN.md).
+
+Only `T` (tokens) and `R` (sequences) are static; the mix of decode and prefill is data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of NaNs
+
+
+def default_block_q(num_tokens: int, num_seqs_max: int) -> int:
+    """Query-block size for a batch of `num_tokens` tokens from up to `num_seqs_max` seqs.
+
+    Per-token (1) when the batch is decode-like; otherwise blocks of 16, which cost at most
+    `num_seqs_max * 15` wasted rows but read each KV page once per 16 queries.
+    """
+    if num_tokens <= 2 * num_seqs_max:
+        return 1
+    return 16
+
+
+def default_chunk_pages(page_size: int, block_q: int) -> int:
+    """KV pages per loop iteration: ~128 keys per step for per-token rows, ~256 for blocks."""
+    keys = 128 if block_q == 1 else 256
+    return max(1, keys // page_size)
+
+
+def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
+    """Per-sequence query lengths and per-token sequence ids / positions / validity."""
+    num_rows = kv_lens.shape[0]
+    n = num_seqs.reshape(())
+    seq_idx = jnp.arange(num_rows, dtype=jnp.int32)
+    real_seq = seq_idx < n  # [R]
+    q_lens = jnp.where(real_seq, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [R]
+    q_starts = cu_q_lens[:-1]  # [R]
+    total = cu_q_lens[n]  # tokens of real sequences
+    t = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    # Sequence of each token: number of real sequences that ended at or before it.
+    ends = jnp.where(real_seq, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)  # [R]
+    tok_seq = jnp.sum(ends[None, :] <= t[:, None], axis=1).astype(jnp.int32)  # [T]
+    tok_seq = jnp.minimum(tok_seq, num_rows - 1)
+    tok_valid = t < total  # [T]
+    return q_lens, q_starts, real_seq, tok_seq, tok_valid
+
+
+def _online_softmax_attention(
+    q: jax.Array,  # [NB, Bq, Hkv, G, D] f32, already scaled by sm_scale
+    row_pos: jax.Array,  # [NB, Bq] int32, query position in its sequence
+    row_valid: jax.Array,  # [NB, Bq] bool
+    row_tables: jax.Array,  # [NB, M'] int32, block-table row of each block's sequence
+    k_pages: jax.Array,  # [P, ps, Hkv, D]
+    v_pages: jax.Array,  # [P, ps, Hkv, D]
+    start_chunk: jax.Array,  # [] int32
+    end_chunk: jax.Array,  # [] int32
+    chunk_pages: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:  # [NB, Bq, Hkv, G, D] f32
+    nb, bq, hkv, g, d = q.shape
+    page_size = k_pages.shape[1]
+    chunk = chunk_pages * page_size
+    per_row = bq == 1
+
+    def body(c, carry):
+        m, denom, acc = carry  # [NB, Bq, Hkv, G], same, [NB, Bq, Hkv, G, D]
+        pages = jax.lax.dynamic_slice_in_dim(row_tables, c * chunk_pages, chunk_pages, axis=1)
+        k = k_pages[pages].reshape(nb, chunk, hkv, d).astype(jnp.float32)  # [NB, S, Hkv, D]
+        v = v_pages[pages].reshape(nb, chunk, hkv, d).astype(jnp.float32)  # [NB, S, Hkv, D]
+        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S]
+        mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
+        if sliding_window is not None:
+            mask &= row_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+        mask &= row_valid[:, :, None]
+        if per_row:
+            # [NB, 1, S, Hkv, G]: multiply-and-reduce, fast on XLA:CPU for one query per block.
+            s = (q[:, :, None] * k[:, None, :, :, None, :]).sum(-1)
+            s = jnp.moveaxis(s, 2, -1)  # [NB, 1, Hkv, G, S]
+        else:
+            s = jnp.einsum("bqhgd,bshd->bqhgs", q, k)  # [NB, Bq, Hkv, G, S]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask5 = mask[:, :, None, None, :]  # [NB, Bq, 1, 1, S]
+        s = jnp.where(mask5, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))  # [NB, Bq, Hkv, G]
+        p = jnp.where(mask5, jnp.exp(s - m_new[..., None]), 0.0)  # [NB, Bq, Hkv, G, S]
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * denom + p.sum(-1)
+        if per_row:
+            pv = (jnp.moveaxis(p, -1, 2)[..., None] * v[:, None, :, :, None, :]).sum(2)
+        else:
+            pv = jnp.einsum("bqhgs,bshd->bqhgd", p, v)  # [NB, Bq, Hkv, G, D]
+        acc_new = alpha[..., None] * acc + pv
+        return m_new, l_new, acc_new
+
+    m0 = jnp.full((nb, bq, hkv, g), _MASKED, jnp.float32)
+    l0 = jnp.zeros((nb, bq, hkv, g), jnp.float32)
+    acc0 = jnp.zeros((nb, bq, hkv, g, d), jnp.float32)
+    _, denom, acc = jax.lax.fori_loop(start_chunk, end_chunk, body, (m0, l0, acc0))
+    return acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    kv_lens: jax.Array,  # [R] int32
+    block_tables: jax.Array,  # [R, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [R+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    chunk_pages: int | None = None,
+) -> jax.Array:  # [T, Hq, D], dtype of q
+    """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
+
+    Token `j` of sequence `i` sits at position `kv_lens[i] - q_len_i + j` and attends to
+    cache positions `k <= p` (and `p - k < sliding_window`). Logits are `q.k * sm_scale`,
+    then `soft_cap * tanh(logits / soft_cap)`. Rows past `cu_q_lens[num_seqs]` give zeros.
+    `block_q` / `chunk_pages` are static tuning knobs (defaults picked from T, R, page size).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_rows, max_pages = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    if block_q is None:
+        block_q = default_block_q(num_tokens, num_rows)
+    if chunk_pages is None:
+        chunk_pages = default_chunk_pages(page_size, block_q)
+    chunk_pages = min(chunk_pages, max_pages)
+    chunk = chunk_pages * page_size
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    q_lens, q_starts, real_seq, tok_seq, tok_valid = _token_layout(
+        cu_q_lens, kv_lens, num_seqs.astype(jnp.int32), num_tokens
+    )
+    # Pad the block table so every chunk's dynamic slice stays in bounds (pads hit page 0).
+    padded_pages = math.ceil(max_pages / chunk_pages) * chunk_pages
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+
+    qf = q.astype(jnp.float32) * jnp.float32(sm_scale)  # [T, Hq, D]
+    tok_pos = kv_lens[tok_seq] - q_lens[tok_seq] + (jnp.arange(num_tokens) - q_starts[tok_seq])
+
+    if block_q == 1:
+        # One row per token: block b is token b.
+        num_blocks = num_tokens
+        q_blk = qf.reshape(num_tokens, 1, num_kv_heads, group, head_dim)
+        row_pos = tok_pos[:, None]  # [T, 1]
+        row_valid = tok_valid[:, None]  # [T, 1]
+        row_tables = tables[tok_seq]  # [T, M']
+        out_row = jnp.arange(num_tokens)  # [T] flat row of each token
+    else:
+        # Sequence-aligned blocks: sequence i owns blocks [blk_start_i, blk_start_i + nb_i).
+        num_blocks = -(-(num_tokens + min(num_rows, num_tokens) * (block_q - 1)) // block_q)
+        nb_seq = (q_lens + block_q - 1) // block_q  # [R]
+        blk_cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nb_seq, dtype=jnp.int32)])
+        b = jnp.arange(num_blocks, dtype=jnp.int32)
+        blk_seq = jnp.sum(blk_cu[1:][None, :] <= b[:, None], axis=1).astype(jnp.int32)
+        blk_seq = jnp.minimum(blk_seq, num_rows - 1)  # [NB]
+        blk_real = b < blk_cu[-1]  # [NB]
+        first_tok = q_starts[blk_seq] + (b - blk_cu[blk_seq]) * block_q  # [NB]
+        row_tok = first_tok[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [NB, Bq]
+        seq_end = q_starts[blk_seq] + q_lens[blk_seq]  # [NB]
+        row_valid = blk_real[:, None] & (row_tok < seq_end[:, None])  # [NB, Bq]
+        row_tok_safe = jnp.where(row_valid, row_tok, 0)
+        q_blk = qf[row_tok_safe.reshape(-1)].reshape(
+            num_blocks, block_q, num_kv_heads, group, head_dim
+        )
+        q_blk = jnp.where(row_valid[:, :, None, None, None], q_blk, 0.0)
+        row_pos = jnp.where(row_valid, tok_pos[row_tok_safe], -1)  # [NB, Bq]
+        row_tables = tables[blk_seq]  # [NB, M']
+        out_row = blk_cu[tok_seq] * block_q + (jnp.arange(num_tokens) - q_starts[tok_seq])
+        out_row = jnp.where(tok_valid, out_row, 0)
+
+    # Chunks to visit: from the first one any live window can see to the longest context.
+    max_kv = jnp.max(jnp.where(real_seq, kv_lens, 0))
+    end_chunk = (max_kv + chunk - 1) // chunk
+    start_chunk = jnp.int32(0)
+    if sliding_window is not None:
+        min_pos = jnp.min(jnp.where(tok_valid, tok_pos, jnp.iinfo(jnp.int32).max))
+        start_chunk = jnp.clip((min_pos - sliding_window + 1) // chunk, 0, end_chunk)
+    del num_blocks
+
+    out = _online_softmax_attention(
+        q_blk,
+        row_pos,
+        row_valid,
+        row_tables,
+        k_pages,
+        v_pages,
+        start_chunk.astype(jnp.int32),
+        end_chunk.astype(jnp.int32),
+        chunk_pages,
+        sliding_window,
+        soft_cap,
+    )  # [NB, Bq, Hkv, G, D]
+    out = out.reshape(-1, num_q_heads, head_dim)[out_row]  # [T, Hq, D]
+    out = jnp.where(tok_valid[:, None, None], out, 0.0)
+    return out.astype(q.dtype)
