@@ -1,0 +1,15 @@
+"""Exceptions that name what is wrong with a model file, so users need not read a traceback."""
+
+from __future__ import annotations
+
+
+class ModelFileNotFoundError(FileNotFoundError):
+    """The model path does not exist or holds none of the files jaxserve can load."""
+
+
+class CheckpointError(ValueError):
+    """A model file exists but is corrupt, truncated or inconsistent with its config."""
+
+
+class MissingTensorError(CheckpointError):
+    """A tensor the model needs is absent from the checkpoint."""
