@@ -36,7 +36,7 @@ QK_NORM_WEIGHTS = ("q_norm", "k_norm")  # [L, D] (Qwen3)
 
 def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The params tree the model expects, as shapes; loaders are checked against it."""
-    L, E, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    L, E, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
     layers = {
         "input_norm": (L, E),
         "q_proj": (L, E, cfg.q_size),
@@ -109,9 +109,9 @@ class LlamaForCausalLM(nnx.Module):
         L, P, S, Hkv, D = k_cache.shape
         T = token_ids.shape[0]
         Hq = cfg.num_heads
-        dtype = self.embed.value.dtype
+        dtype = self.embed[...].dtype
 
-        h = jnp.take(self.embed.value, token_ids, axis=0)  # [T, E]
+        h = jnp.take(self.embed[...], token_ids, axis=0)  # [T, E]
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self._inv_freq)[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, D/2]
         sm_scale = float(D) ** -0.5
@@ -120,11 +120,11 @@ class LlamaForCausalLM(nnx.Module):
         # offset by l*P, so no per-layer slice of the cache is ever copied.
         k_flat = k_cache.reshape(L * P, S, Hkv, D)
         v_flat = v_cache.reshape(L * P, S, Hkv, D)
-        layer_params = {k: v.value for k, v in self.layers.items()}
+        layer_params = {k: v[...] for k, v in self.layers.items()}
 
         def layer(carry, xs):
             h, k_flat, v_flat = carry
-            lp, l = xs
+            lp, layer_id = xs
             x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps)
             q = x @ lp["q_proj"]  # [T, Hq*D]
             k = x @ lp["k_proj"]  # [T, Hkv*D]
@@ -139,7 +139,7 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            page_offset = l * P
+            page_offset = layer_id * P
             k_flat, v_flat = kv_update_fn(k, v, k_flat, v_flat, md.slot_mapping + page_offset * S)
             attn = attention_fn(
                 q, k_flat, v_flat, md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
@@ -156,8 +156,8 @@ class LlamaForCausalLM(nnx.Module):
         (h, k_flat, v_flat), _ = jax.lax.scan(layer, (h, k_flat, v_flat), (layer_params, layer_ids))
 
         # Logits only for the rows that are sampled: the [R] last tokens, never all [T] rows.
-        h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm.value, cfg.rms_norm_eps)
-        head = self.embed.value.T if self.lm_head is None else self.lm_head.value  # [E, V]
+        h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
         logits = (h_last @ head).astype(jnp.float32)  # [R, V]
         kv_cache = (k_flat.reshape(L, P, S, Hkv, D), v_flat.reshape(L, P, S, Hkv, D))
         return logits, kv_cache

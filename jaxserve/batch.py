@@ -1,0 +1,85 @@
+"""Building the flat ragged step input in persistent host arrays, padded to static buckets.
+
+The arrays are allocated once at the largest bucket and filled in place each step; a step
+sends views of the first T / R entries. Padding tokens write to the null page (slot 0..S-1 of
+page 0) and padding sequences have zero length, so a padded batch computes the same values
+for its real rows as an unpadded one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpan:
+    """One sequence's share of a step: `token_ids` at positions start .. start+len-1."""
+
+    token_ids: np.ndarray  # [n] int32
+    start: int
+    block_table: np.ndarray  # [<= max_pages_per_seq] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """Host views of one padded step (shapes depend on T and R only)."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32
+    cu_q_lens: np.ndarray  # [R+1] int32
+    kv_lens: np.ndarray  # [R] int32
+    block_tables: np.ndarray  # [R, max_pages_per_seq] int32
+    num_seqs: np.ndarray  # [1] int32
+    logits_indices: np.ndarray  # [R] int32
+    num_tokens: int  # real tokens
+    num_reqs: int  # real sequences
+
+
+class BatchBuilder:
+    def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, page_size: int):
+        self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self._token_ids = np.zeros(max_tokens, np.int32)
+        self._positions = np.zeros(max_tokens, np.int32)
+        self._slots = np.zeros(max_tokens, np.int32)
+        self._cu = np.zeros(max_reqs + 1, np.int32)
+        self._kv_lens = np.zeros(max_reqs, np.int32)
+        self._tables = np.zeros((max_reqs, max_pages_per_seq), np.int32)
+        self._num_seqs = np.zeros(1, np.int32)
+        self._logits_idx = np.zeros(max_reqs, np.int32)
+
+    def build(self, spans: list[SequenceSpan], num_tokens_bucket: int, num_reqs_bucket: int) -> StepArrays:
+        T, R, S = num_tokens_bucket, num_reqs_bucket, self.page_size
+        n_reqs = len(spans)
+        if n_reqs > R:
+            raise ValueError(f"{n_reqs} sequences do not fit the request bucket {R}")
+        tok, pos, slots = self._token_ids[:T], self._positions[:T], self._slots[:T]
+        cu, kv, tables, lidx = self._cu[: R + 1], self._kv_lens[:R], self._tables[:R], self._logits_idx[:R]
+        t = 0
+        for i, sp in enumerate(spans):
+            n = len(sp.token_ids)
+            if t + n > T:
+                raise ValueError(f"{t + n} tokens do not fit the token bucket {T}")
+            tok[t : t + n] = sp.token_ids
+            p = np.arange(sp.start, sp.start + n, dtype=np.int32)
+            pos[t : t + n] = p
+            width = len(sp.block_table)
+            tables[i, :width] = sp.block_table
+            tables[i, width:] = 0
+            slots[t : t + n] = tables[i, p // S] * S + p % S
+            cu[i] = t
+            kv[i] = sp.start + n
+            lidx[i] = t + n - 1
+            t += n
+        tok[t:] = 0
+        pos[t:] = 0
+        slots[t:] = np.arange(T - t, dtype=np.int32) % S  # null page
+        cu[n_reqs:] = t
+        kv[n_reqs:] = 0
+        tables[n_reqs:] = 0
+        lidx[n_reqs:] = 0
+        self._num_seqs[0] = n_reqs
+        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs)
