@@ -1,0 +1,25 @@
+"""The scheduler: requests, KV block management, prefix caching and continuous batching.
+
+Pure Python + numpy; it never imports jax (tests/test_no_jax_in_scheduler.py enforces it).
+"""
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats
+
+__all__ = [
+    "FinishReason",
+    "KVCacheManager",
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

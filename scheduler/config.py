@@ -1,0 +1,67 @@
+"""Scheduler configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+Policy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes and policies of the scheduler.
+
+    ``num_blocks`` counts device blocks *including* the reserved null block 0, so the pool has
+    ``num_blocks - 1`` usable blocks (this is the first dimension of the runner's KV cache).
+    ``num_host_blocks`` sizes the host-side swap pool; 0 disables swapping, and a swap
+    preemption that finds no host room falls back to recompute.
+    ``long_prefill_token_threshold`` caps the tokens one prefill may take in a step (0 = off),
+    so a long prompt cannot starve the others.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    long_prefill_token_threshold: int = 0
+    policy: Policy = "fcfs"
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), "
+                f"got {self.num_blocks!r}"
+            )
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(
+                f"num_host_blocks must be an integer >= 0, got {self.num_host_blocks!r}"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block-table row: enough blocks for ``max_model_len`` tokens."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1

@@ -1,0 +1,285 @@
+"""The KV cache manager: the only owner of block tables.
+
+The scheduler talks to it in tokens (``allocate_slots(request, num_new_tokens)``); blocks,
+reference counts, hashes and the host swap pool stay behind this interface. Each request
+holding device blocks has a list of ``KVBlock`` (logical block i -> physical block) and a
+row of one persistent ``[rows, max_blocks_per_seq]`` int32 table (the same ids, padded with
+the null block 0). Rows are updated in place as blocks are added, so a step's block tables
+are one fancy-indexing copy (``gather_block_tables``), never rebuilt from lists.
+
+Prefix-cache registration happens *after* a block's K/V has been computed
+(``cache_computed_blocks``, called from ``update_from_output``), so a cached block always
+holds valid data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from scheduler.block_pool import BlockPool, HostBlockPool, KVBlock
+from scheduler.config import SchedulerConfig
+from scheduler.prefix_cache import extend_block_hashes
+from scheduler.request import Request
+
+
+class _Blocks:
+    """Per-request device allocation: logical -> physical blocks and its table slot."""
+
+    __slots__ = ("blocks", "slot", "num_registered")
+
+    def __init__(self, slot: int) -> None:
+        self.blocks: list[KVBlock] = []
+        self.slot = slot  # row of KVCacheManager.tables holding this request's block ids
+        # Leading blocks already offered to the prefix cache (registered or duplicates).
+        self.num_registered = 0
+
+
+class KVCacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.width = config.max_blocks_per_seq
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.host_pool = HostBlockPool(config.num_host_blocks)
+        self._reqs: dict[str, _Blocks] = {}
+        # Only running requests hold device blocks, so max_num_seqs rows usually suffice;
+        # the table grows if a caller holds more.
+        self.tables = np.zeros((config.max_num_seqs, self.width), dtype=np.int32)
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._host: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ----------------------------------------------------------------- queries
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` of K/V fit in the whole device pool and a table row."""
+        n = self.num_blocks_for(num_tokens)
+        return n <= self.pool.num_usable_blocks and n <= self.width
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        st = self._reqs.get(request_id)
+        return [b.block_id for b in st.blocks] if st else []
+
+    def get_blocks(self, request_id: str) -> list[KVBlock]:
+        st = self._reqs.get(request_id)
+        return list(st.blocks) if st else []
+
+    def block_table_row(self, request_id: str) -> np.ndarray:
+        """A copy of the request's block-table row (width ``max_blocks_per_seq``)."""
+        return self.tables[self._reqs[request_id].slot].copy()
+
+    def slot_of(self, request_id: str) -> int:
+        return self._reqs[request_id].slot
+
+    def gather_block_tables(self, slots: Sequence[int]) -> np.ndarray:
+        """Copies of the given table rows, ``[len(slots), max_blocks_per_seq]`` int32."""
+        return self.tables[slots] if slots else np.zeros((0, self.width), dtype=np.int32)
+
+    def _new_state(self, request_id: str) -> _Blocks:
+        if not self._free_slots:
+            old = self.tables.shape[0]
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self._free_slots = list(range(2 * old - 1, old - 1, -1))
+        st = self._reqs[request_id] = _Blocks(self._free_slots.pop())
+        return st
+
+    def _drop_state(self, request_id: str) -> _Blocks | None:
+        st = self._reqs.pop(request_id, None)
+        if st is not None:
+            self.tables[st.slot, : len(st.blocks)] = 0
+            self._free_slots.append(st.slot)
+        return st
+
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        return list(self._host.get(request_id, ()))
+
+    # ----------------------------------------------------------------- prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, in whole blocks, and its length in tokens.
+
+        At least the last token is always left to compute (the runner needs its logits), so
+        the hit is capped at ``num_tokens - 1`` and floored to the block size. The blocks are
+        not yet referenced; pass them to ``allocate_slots``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = request.num_tokens
+        max_hit_blocks = (num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            max_blocks=max_hit_blocks,
+        )
+        hits: list[KVBlock] = []
+        get = self.pool.cached.get
+        for i in range(max_hit_blocks):
+            block = get(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup in tokens. The scheduler calls this once per admission, so a
+        request retried over several steps is not counted several times."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def num_tokens_that_fit(
+        self, request: Request, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """How many new tokens ``allocate_slots`` could take right now for this request."""
+        st = self._reqs.get(request.request_id)
+        num_held = (len(st.blocks) if st is not None else 0) + len(new_computed_blocks)
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_blocks = min(num_held + self.pool.num_free_blocks - num_revived, self.width)
+        done = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        return max(num_blocks * self.block_size - done, 0)
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= st.num_registered:
+            return
+        hashes = extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            max_blocks=num_full,
+        )
+        cache_block = self.pool.cache_block
+        blocks = st.blocks
+        for i in range(st.num_registered, num_full):
+            cache_block(blocks[i], hashes[i])
+        st.num_registered = num_full
+
+    # ----------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only for a
+        request that holds no blocks yet). Returns the ids of newly allocated blocks (possibly
+        empty), or None if the pool cannot supply them; nothing changes on None.
+        """
+        st = self._reqs.get(request.request_id)
+        num_held = len(st.blocks) if st is not None else 0
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = -(-total // self.block_size)
+        num_new = num_needed - num_held - len(new_computed_blocks)
+        if num_new <= 0 and not new_computed_blocks:
+            return []  # fast path: decode inside the current block
+        if num_needed > self.width:
+            return None
+        pool = self.pool
+        # Cached hits sitting in the free queue stop being free when we take them.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new, 0) > pool.num_free_blocks - num_revived:
+            return None
+        if st is None:
+            st = self._new_state(request.request_id)
+        row = self.tables[st.slot]
+        if new_computed_blocks:
+            assert num_held == 0, "prefix hits only for a request without blocks"
+            pool.touch(new_computed_blocks)
+            for b in new_computed_blocks:
+                row[len(st.blocks)] = b.block_id
+                st.blocks.append(b)
+            st.num_registered = len(st.blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = pool.get_new_blocks(num_new)
+        start = len(st.blocks)
+        st.blocks.extend(new_blocks)
+        ids = [b.block_id for b in new_blocks]
+        row[start : start + num_new] = ids
+        return ids
+
+    def free(self, request: Request) -> None:
+        """Release all device and host blocks of the request.
+
+        Device blocks are freed last block first, so that when cached blocks are evicted the
+        tail of a sequence (least likely to be shared) goes before its prefix.
+        """
+        st = self._drop_state(request.request_id)
+        if st is not None:
+            self.pool.free_blocks(reversed(st.blocks))
+        host = self._host.pop(request.request_id, None)
+        if host is not None:
+            self.host_pool.free(host)
+
+    # ----------------------------------------------------------------- swapping
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's computed K/V to host blocks and free its device blocks.
+
+        Returns ``(device_block, host_block)`` copies the runner must do before the step's
+        compute (the freed device blocks may be reused within the same step), or None when
+        the host pool has no room (the caller then recomputes instead).
+        """
+        st = self._reqs.get(request.request_id)
+        num_copy = self.num_blocks_for(request.num_computed_tokens)
+        if st is not None:
+            num_copy = min(num_copy, len(st.blocks))
+        else:
+            num_copy = 0
+        host = self.host_pool.allocate(num_copy)
+        if host is None:
+            return None
+        mapping = [(st.blocks[i].block_id, host[i]) for i in range(num_copy)] if st else []
+        if st is not None:
+            self._drop_state(request.request_id)
+            self.pool.free_blocks(reversed(st.blocks))
+        self._host[request.request_id] = host
+        return mapping
+
+    def swap_in(
+        self, request: Request, num_new_tokens: int
+    ) -> tuple[list[tuple[int, int]], list[int]] | None:
+        """Bring a swapped request back: device blocks for its host blocks plus the new span.
+
+        Returns ``(host_block, device_block)`` copies and all new device block ids, or None
+        when the device pool cannot hold them (nothing changes then).
+        """
+        host = self._host[request.request_id]
+        total = request.num_computed_tokens + num_new_tokens
+        num_needed = max(self.num_blocks_for(total), len(host))
+        if num_needed > self.pool.num_free_blocks or num_needed > self.width:
+            return None
+        del self._host[request.request_id]
+        st = self._new_state(request.request_id)
+        st.blocks = self.pool.get_new_blocks(num_needed)
+        ids = [b.block_id for b in st.blocks]
+        self.tables[st.slot, :num_needed] = ids
+        mapping = list(zip(host, ids))
+        self.host_pool.free(host)
+        return mapping, ids
+
+    # ----------------------------------------------------------------- introspection
+    def num_owned_refs(self) -> dict[int, int]:
+        """block id -> number of requests whose table holds it (for invariant checks)."""
+        refs: dict[int, int] = {}
+        for st in self._reqs.values():
+            for b in st.blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        return refs
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,86 @@
+"""What crosses the scheduler boundary: the step plan for the runner, and per-request updates.
+
+Everything here is plain data. The runner gets copies (block tables are gathered into a
+fresh array each step), never the scheduler's own objects, so nothing it does can corrupt
+the scheduler's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler.request import FinishReason
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute K/V for tokens ``[start, start + num_tokens)``.
+
+    ``samples`` is True when the span reaches the end of the request's known tokens, so the
+    runner must sample the next token from the span's last position; it is False for a
+    non-final prefill chunk. ``block_table`` is a row of ``SchedulerOutput.block_tables``
+    (width ``max_blocks_per_seq``, padded with the null block 0); ``new_block_ids`` are the
+    blocks allocated for this request in this step (fresh blocks and swap-in targets).
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    new_block_ids: list[int]
+    block_table: np.ndarray
+    samples: bool
+
+    @property
+    def kv_len_after(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens > 1 or not self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one engine step.
+
+    The runner must first do every ``swap_out`` copy (device block -> host block), then every
+    ``swap_in`` copy (host block -> device block), then run the step: device blocks freed by a
+    swap-out may be reused for new K/V or as swap-in targets within the same step.
+    """
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    block_tables: np.ndarray  # [len(scheduled), max_blocks_per_seq] int32, batch order
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended (finished, aborted, capacity) since the previous step; the runner
+    # drops any per-request state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Requests preempted in this step (recompute or swap); they are not in ``scheduled``.
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What changed for one request in ``update_from_output`` (or when it was ended)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    # Token id that triggered STOP (None for EOS), or the stop string given to finish_requests.
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
