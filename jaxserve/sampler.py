@@ -287,6 +287,14 @@ def _logprobs(raw_logits: jax.Array, token_ids: jax.Array, k: int) -> dict[str, 
     )
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of the row max [R] int32; two plain reductions beat XLA:CPU's argmax ~2x."""
+    v = x.shape[-1]
+    is_max = x == x.max(-1, keepdims=True)  # [R, V]
+    first = jnp.min(jnp.where(is_max, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(first, v - 1)  # a NaN row matches nothing: stay in range
+
+
 def sample(
     logits: jax.Array,
     tensors: SamplingTensors,
@@ -304,7 +312,7 @@ def sample(
     raw = logits.astype(jnp.float32)  # [R, V]
     x = apply_penalties(raw, tensors) if use_penalties else raw
     x = apply_min_tokens(x, tensors)
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [R]
+    greedy = _argmax(x)  # [R]
     if all_greedy:
         token_ids = greedy
     else:

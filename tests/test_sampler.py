@@ -268,3 +268,15 @@ def test_full_vocab_smoke():
     for i in range(1, r):
         assert tok[i] in np.argsort(-logits[i])[:60]  # top-k 40 (penalties shuffle a little)
     assert out.top_token_ids.shape == (r, 20)
+
+
+def test_new_data_does_not_recompile():
+    """Per-row params are data: different values with the same flags reuse one executable."""
+    logits = _logits(4, seed=7)
+    flags = dict(use_penalties=True, use_top_k_top_p=True, num_logprobs=3)
+    sample_jit(logits, _tensors(4, p=8, temperature=0.5), **flags)
+    before = sample_jit._cache_size()
+    t = _tensors(4, p=8, temperature=[0, 1, 2, 3], top_k=[0, 1, 2, 3], top_p=0.5, seeds=7)
+    t.penalty_token_ids[:, :2] = 1
+    sample_jit(logits + 1, t, **flags)
+    assert sample_jit._cache_size() == before
