@@ -1,0 +1,40 @@
+"""Shared fixtures: the embedded SmolLM2 model, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from jaxserve.loading.loader import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    from jaxserve.loading import load_model
+
+    return load_model(smollm_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' own GGUF load of the same file (dequantized by transformers, torch f32)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype="float32"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path)
+    )
