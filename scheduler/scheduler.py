@@ -336,10 +336,9 @@ class Scheduler:
                 kv.cache_computed_blocks(req)
             if not sr.samples:
                 continue
-            try:
-                tokens = sampled[rid]
-            except KeyError:
-                raise ValueError(f"no sampled token for request {rid!r}") from None
+            tokens = sampled.get(rid)
+            if not tokens:
+                raise ValueError(f"no sampled token for request {rid!r}")
             new_tokens: list[int] = []
             reason = None
             for t in tokens:
