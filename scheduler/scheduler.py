@@ -146,7 +146,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
+            all_ids = req.all_token_ids
+            n = len(all_ids) - req.num_computed_tokens
             if n <= 0:
                 i += 1
                 continue
@@ -182,10 +183,10 @@ class Scheduler:
                     req.request_id,
                     start,
                     n,
-                    req.all_token_ids[start : start + n],
+                    all_ids[start : start + n],
                     new_ids,
                     None,  # type: ignore[arg-type]  # filled below
-                    start + n == req.num_tokens,
+                    start + n == len(all_ids),
                 )
             )
             slots.append(kv.slot_of(req.request_id))
@@ -322,6 +323,7 @@ class Scheduler:
         """
         updates, self._pending_updates = self._pending_updates, []
         max_model_len = self.config.max_model_len
+        bs = self.config.block_size
         requests = self._requests
         kv = self.kv
         caching = kv.enable_caching
@@ -331,26 +333,43 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
                 continue
-            req.num_computed_tokens = sr.start + sr.num_tokens
-            if caching:
-                kv.cache_computed_blocks(req)
+            start = sr.start
+            end = req.num_computed_tokens = start + sr.num_tokens
+            if caching and end // bs > start // bs:
+                kv.cache_computed_blocks(req)  # only when a block was completed
             if not sr.samples:
                 continue
             tokens = sampled.get(rid)
             if not tokens:
                 raise ValueError(f"no sampled token for request {rid!r}")
-            new_tokens: list[int] = []
             reason = None
-            for t in tokens:
-                req.append_output_token(t)
-                new_tokens.append(t)
+            if len(tokens) == 1:
+                req.append_output_token(tokens[0])
                 reason = req.check_stop(max_model_len)
-                if reason is not None:
-                    break
+            else:
+                new_tokens: list[int] = []
+                for t in tokens:
+                    req.append_output_token(t)
+                    new_tokens.append(t)
+                    reason = req.check_stop(max_model_len)
+                    if reason is not None:
+                        break
+                tokens = new_tokens
             if reason is not None:
                 self._finish(req, reason)
                 any_finished = True
-            updates.append(self._update_for(req, new_tokens))
+            updates.append(
+                RequestUpdate(
+                    rid,
+                    list(tokens),
+                    reason is not None,
+                    reason,
+                    req.stop_reason,
+                    len(req.prompt_token_ids),
+                    len(req.output_token_ids),
+                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                )
+            )
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
