@@ -343,3 +343,28 @@ def test_block_tables_are_copies():
     assert row[:3].all() and not row[3:].any()
     row[:] = 0
     assert s.kv.block_table_row("x")[:3].all()
+
+
+def test_swapped_out_blocks_are_reused_within_the_same_step():
+    """The runner must do swap-out copies before the step: the freed blocks get new data."""
+    cfg = tiny_pool_config("swap")
+    s = Scheduler(cfg)
+    runner = FakeModelRunner(cfg)
+    reqs = [
+        Request(f"p{i}", [i + 1] * (6 + i), SamplingParams(max_tokens=24, ignore_eos=True), EOS, i)
+        for i in range(5)
+    ]
+    live = clone(reqs)
+    for r in live:
+        s.add_request(r)
+    reused = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        freed = {d for d, _ in out.swap_out}
+        taken = {d for _, d in out.swap_in} | {b for sr in out.scheduled for b in sr.new_block_ids}
+        reused += bool(freed & taken)
+        s.update_from_output(out, runner.execute(out))
+    assert reused > 0
+    assert {r.request_id: (r.output_token_ids, r.finish_reason) for r in live} == expected(
+        reqs, cfg.max_model_len
+    )
