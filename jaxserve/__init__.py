@@ -1,0 +1,26 @@
+"""jaxserve: a JAX LLM serving engine.
+
+    from jaxserve import LLM, SamplingParams
+    llm = LLM()
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
+"""
+
+from jaxserve.config import EngineConfig
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from scheduler import SamplingParams
+
+
+def __getattr__(name: str):
+    # The engine pulls in jax and the model code: import it only when asked for.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    if name == "Engine":
+        from jaxserve.engine import Engine
+
+        return Engine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -104,6 +104,7 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: AttentionFn,
         kv_update_fn: KVUpdateFn,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Returns the final-normed hidden states of rows `logits_indices` ([R, E]) and the cache."""
         cfg = self.config
         k_cache, v_cache = kv_cache
         L, P, S, Hkv, D = k_cache.shape
@@ -155,12 +156,16 @@ class LlamaForCausalLM(nnx.Module):
         layer_ids = jnp.arange(L, dtype=jnp.int32)
         (h, k_flat, v_flat), _ = jax.lax.scan(layer, (h, k_flat, v_flat), (layer_params, layer_ids))
 
-        # Logits only for the rows that are sampled: the [R] last tokens, never all [T] rows.
+        # Only the rows that are sampled leave the backbone: logits are computed later, for
+        # those [R] rows only, never for all [T] tokens.
         h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-        logits = (h_last @ head).astype(jnp.float32)  # [R, V]
         kv_cache = (k_flat.reshape(L, P, S, Hkv, D), v_flat.reshape(L, P, S, Hkv, D))
-        return logits, kv_cache
+        return h_last, kv_cache
+
+    def compute_logits(self, h: jax.Array) -> jax.Array:
+        """h: [R, E] final-normed hidden states -> logits [R, V] in f32."""
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
+        return (h @ head).astype(jnp.float32)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> tuple[jax.Array, jax.Array]:

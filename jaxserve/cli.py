@@ -1,0 +1,116 @@
+"""The `jaxserve` command line: generate, convert (and, as they land, serve / warmup / client)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+
+from jaxserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--max-num-seqs`, `--no-enable-prefix-caching`, ...)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "extra_token_buckets":
+            p.add_argument(flag, type=int, nargs="*", default=())
+        else:
+            args = typing.get_args(hint)
+            base = next((a for a in args if a is not type(None)), hint)
+            if typing.get_origin(base) is typing.Literal:
+                p.add_argument(flag, choices=typing.get_args(base), default=f.default)
+            else:
+                conv = base if base in (int, float, str) else str
+                p.add_argument(flag, type=conv, default=f.default)
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
+    kwargs["extra_token_buckets"] = tuple(kwargs["extra_token_buckets"] or ())
+    return EngineConfig(**kwargs)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+    from scheduler import SamplingParams
+
+    cfg = engine_config_from_args(ns)
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
+    llm = LLM(cfg.model, warmup=ns.warmup, **kwargs)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.seed_sampling)
+    t0 = time.perf_counter()
+    if ns.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(ns.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    ntok = 0
+    for prompt, out in zip(ns.prompts, outs):
+        comp = out.outputs[0]
+        ntok += len(comp.token_ids)
+        print(f"### {prompt}\n{comp.text}\n[finish: {comp.finish_reason}, {len(comp.token_ids)} tokens]")
+    print(f"# {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from jaxserve.loading import load_model
+    from jaxserve.loading.checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    loaded = load_model(ns.src, dtype=ns.dtype)
+    t_convert = time.perf_counter() - t0
+    save_checkpoint(ns.dst, loaded.config, loaded.params, loaded.dtype, loaded.tokenizer)
+    t_save = time.perf_counter() - t0 - t_convert
+    t1 = time.perf_counter()
+    load_model(ns.dst, dtype=ns.dtype)
+    t_restore = time.perf_counter() - t1
+    print(f"converted {ns.src} ({loaded.source}) -> {ns.dst}: load+convert {t_convert:.2f} s, "
+          f"save {t_save:.2f} s, restore {t_restore:.2f} s ({t_convert / max(t_restore, 1e-9):.1f}x faster)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
+                   help="compile every planned shape before generating")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxserve (orbax) checkpoint")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

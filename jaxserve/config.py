@@ -1,0 +1,90 @@
+"""EngineConfig: every engine setting in one validated, frozen dataclass (no environment variables)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+
+from scheduler import SchedulerConfig
+
+AttentionBackend = Literal["auto", "pallas", "reference"]
+
+
+def default_dtype_for_platform(platform: str | None = None) -> str:
+    """f32 on CPU (bf16 is slow on XLA:CPU), bf16 on TPU/GPU."""
+    platform = platform or jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine. `model=None` is the embedded SmolLM2-135M-Instruct GGUF."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    page_size: int = 16
+    num_pages: int | None = None  # device KV pages incl. the null page; None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    num_host_pages: int | None = None  # swap pool; None: as many as device pages when swap is on
+    max_model_len: int | None = None  # None: min(model context, 4096)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    attention_backend: AttentionBackend = "auto"
+    max_logprobs: int = 20
+    max_n: int = 16
+    seed: int = 0
+    min_token_bucket: int = 16
+    token_bucket_gap: int = 256
+    extra_token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "pallas", "reference"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'pallas' or 'reference', got {self.attention_backend!r}"
+            )
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket",
+                     "token_bucket_gap", "max_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved), got {self.num_pages!r}")
+        if self.num_pages is None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.num_host_pages is not None and self.num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
+        if not 0 <= self.max_logprobs <= 100:
+            raise ValueError(f"max_logprobs must be in [0, 100], got {self.max_logprobs!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def resolved_dtype(self) -> str:
+        return default_dtype_for_platform() if self.dtype == "auto" else self.dtype
+
+    def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=self.page_size,
+            num_blocks=num_pages,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_host_blocks=num_host_pages,
+            enable_prefix_caching=self.enable_prefix_caching,
+            preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+        )

@@ -1,0 +1,122 @@
+"""The Python batch API, shaped like vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine
+from jaxserve.outputs import RequestOutput
+from scheduler import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Offline generation over the engine. `LLM()` loads the embedded SmolLM2 model;
+    `LLM(model=PATH)` a GGUF file, an HF directory or a jaxserve (orbax) checkpoint.
+    Any other keyword is an `EngineConfig` field."""
+
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_kwargs: Any):
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self._counter = 0
+        if warmup:
+            self.warmup()
+
+    def warmup(self) -> int:
+        """Compiles every planned step shape now, so generation never waits on the compiler."""
+        return self.engine.warmup()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns outputs in input order.
+
+        A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`).
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self._add(prompt, params))
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(
+                list(c), tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        rid = f"llm-{self._counter}"
+        self._counter += 1
+        if isinstance(prompt, str):
+            return self.engine.add_request(prompt, params, request_id=rid)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return self.engine.add_request(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.engine.add_request(prompt["prompt"], params, request_id=rid)
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            while len(results) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine stopped with requests unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = _cumulative(out)
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _cumulative(out: RequestOutput) -> RequestOutput:
+    """Batch callers want whole outputs; drop the per-step deltas."""
+    comps = [dataclasses.replace(c, delta_text="", delta_token_ids=[], delta_logprobs=None) for c in out.outputs]
+    return dataclasses.replace(out, outputs=comps)

@@ -1,0 +1,70 @@
+"""What the engine hands back per step: vLLM-shaped `RequestOutput`s carrying deltas."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one sampled token, its rank (1 = most likely) and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of the `n` sequences of a request; cumulative fields plus this step's delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Monotonic-clock timestamps (seconds, `time.monotonic()`), for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    usage: Usage
+    metrics: RequestMetrics
