@@ -18,11 +18,13 @@ def resolve_backend(backend: str, interpret: bool) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return "reference"
-    if backend == "pallas_tpu":
-        return "tpu"
-    if backend == "pallas_gpu":
-        return "gpu"
     platform = jax.default_backend()
+    if backend in ("pallas_tpu", "pallas_gpu"):
+        impl = backend.removeprefix("pallas_")
+        native = (platform == "tpu") if impl == "tpu" else platform in ("gpu", "cuda", "rocm")
+        if not native and not interpret:
+            raise ValueError(f"backend={backend!r} on platform {platform!r} needs interpret=True")
+        return impl
     if platform == "tpu":
         return "tpu"
     if platform in ("gpu", "cuda", "rocm"):

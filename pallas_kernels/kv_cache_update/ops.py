@@ -32,7 +32,7 @@ def update_kv_cache(
     slot_mapping: jax.Array,  # [T] int32
     *,
     backend: str = "auto",
-    interpret: bool = False,
+    interpret: bool | object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the step's new K/V rows into their slots (page * page_size + offset).
 
@@ -41,6 +41,11 @@ def update_kv_cache(
     _validate(k_new, v_new, k_pages, v_pages, slot_mapping)
     impl = resolve_backend(backend, interpret)
     args = (k_new, v_new, k_pages, v_pages, slot_mapping)
+    head_dim = k_pages.shape[3]
+    if impl == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
+        if backend != "auto":
+            raise ValueError(f"the gpu KV-update kernel needs a power-of-two D, got {head_dim}")
+        impl = "reference"
     if impl == "reference":
         return update_kv_cache_reference(*args)
     if impl == "tpu":
@@ -49,4 +54,4 @@ def update_kv_cache(
         return update_kv_cache_tpu(*args, interpret=interpret)
     from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
 
-    return update_kv_cache_gpu(*args, interpret=interpret)
+    return update_kv_cache_gpu(*args, interpret=bool(interpret))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 
 from pallas_kernels._dispatch import resolve_backend
@@ -56,17 +58,28 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     backend: str = "auto",
-    interpret: bool = False,
+    interpret: bool | object = False,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged batch over the paged cache (docs/architecture.md contract).
 
     backend: "auto" (kernel on TPU/GPU, reference on CPU), "pallas" (kernel; on CPU only with
     interpret=True), "reference", or "pallas_tpu"/"pallas_gpu" to force one kernel.
+    interpret: run the kernel in Pallas interpret mode (CPU); for the TPU kernel it may be a
+    `pltpu.InterpretParams()`. "auto" falls back to the reference (with a warning) when the
+    platform's kernel does not support the head layout; "pallas" raises instead.
     """
     _validate(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap
     )
     impl = resolve_backend(backend, interpret)
+    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    if impl != "reference" and not _kernel_supports(impl, num_kv_heads, head_dim):
+        msg = f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim}"
+        if backend == "auto":
+            warnings.warn(f"{msg}; using the reference attention", stacklevel=2)
+            impl = "reference"
+        else:
+            raise ValueError(msg)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "reference":
@@ -77,4 +90,13 @@ def ragged_paged_attention(
         return ragged_paged_attention_tpu(*args, **kw, interpret=interpret)
     from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
-    return ragged_paged_attention_gpu(*args, **kw, interpret=interpret)
+    return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret))
+
+
+def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes each kernel handles (Triton: power-of-two D; Mosaic: see tpu.supports)."""
+    if impl == "gpu":
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    from pallas_kernels.ragged_paged_attention.tpu import supports
+
+    return supports(num_kv_heads, head_dim)

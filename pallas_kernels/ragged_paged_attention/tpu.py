@@ -1,0 +1,251 @@
+"""Ragged paged attention for TPUs: a Mosaic kernel written in Pallas.
+
+Grid: one program per block of `block_q` consecutive tokens of the flat batch (blocks are
+aligned to the token axis, not to sequences, so the q/out BlockSpecs stay tile aligned).
+A program walks the sequences that overlap its block; for each it walks that sequence's
+KV chunks (`chunk_pages` pages) through the scalar-prefetched block table, copying pages
+from HBM into a double-buffered VMEM scratch with manual async DMAs (the next chunk is in
+flight while the current one is used), and runs an online softmax per KV head in f32 VMEM
+scratch. Rows of the block that belong to the sequence are then written into the output
+block with a masked select; rows of no sequence (padding) keep the zeros written first.
+
+Pages are viewed as [ps * Hkv, D] rows (slot-major, head-minor) and head h is taken out of
+a page by a strided sublane load (rows h, h + Hkv, ...). Mosaic's strided loads want 32-bit
+rows and a tile-friendly Hkv (1, 2, 4 or a multiple of 8; see `supports`). Only chunks a sequence's rows can
+see are visited (its window start to its last position in the block), and only pages
+inside the block table are fetched (indices are clamped), so nothing is read out of bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MASKED = -1e30
+
+
+def supports(num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel's VMEM reshape/strided head loads tile on a real TPU."""
+    return (num_kv_heads in (1, 2, 4) or num_kv_heads % 8 == 0) and head_dim % 64 == 0
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref,  # [R] int32
+    tables_ref,  # [R * M] int32, flattened block tables
+    cu_q_lens_ref,  # [R+1] int32
+    num_seqs_ref,  # [1] int32
+    # inputs
+    q_ref,  # [Bq, Hq, D] VMEM block of the token axis
+    k_hbm,  # [P, ps * Hkv, D] HBM, row = offset * Hkv + head
+    v_hbm,  # [P, ps * Hkv, D] HBM
+    # output
+    o_ref,  # [Bq, Hq, D]
+    # scratch
+    k_buf,  # [2, Cp, ps * Hkv, D] VMEM
+    v_buf,  # [2, Cp, ps * Hkv, D] VMEM
+    sems,  # DMA semaphores [2, 2] (buffer slot, k/v)
+    m_ref,  # [Hkv, Bq * G, 1] f32
+    l_ref,  # [Hkv, Bq * G, 1] f32
+    acc_ref,  # [Hkv, Bq * G, D] f32
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_pages: int,
+    num_kv_heads: int,
+):
+    block_q, num_q_heads, head_dim = q_ref.shape
+    _, chunk_pages, page_rows, _ = k_buf.shape
+    page_size = page_rows // num_kv_heads
+    group = num_q_heads // num_kv_heads
+    rows = block_q * group
+    chunk = chunk_pages * page_size
+    blk_start = pl.program_id(0) * block_q
+    blk_end = blk_start + block_q
+    num_seqs = num_seqs_ref[0]
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    # First sequence that ends after the block start (scalar loop over <= R entries).
+    first_seq = jax.lax.while_loop(
+        lambda s: (s < num_seqs) & (cu_q_lens_ref[s + 1] <= blk_start), lambda s: s + 1, 0
+    )
+    row_tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [BM, 1]
+
+    def chunk_copies(seq, c, slot):
+        copies = []
+        for p in range(chunk_pages):
+            page = tables_ref[seq * max_pages + jnp.minimum(c * chunk_pages + p, max_pages - 1)]
+            for kv, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                copies.append(
+                    pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[slot, kv])
+                )
+        return copies
+
+    def seq_body(seq):
+        q_start = cu_q_lens_ref[seq]
+        q_end = cu_q_lens_ref[seq + 1]
+        q_len = q_end - q_start
+        kv_len = kv_lens_ref[seq]
+        ctx = kv_len - q_len  # position of the sequence's first query
+        in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [BM, 1]
+        row_pos = ctx + row_tok - q_start  # [BM, 1]
+        hi = ctx + jnp.minimum(q_end, blk_end) - q_start  # last visible key + 1
+        lo_chunk = jnp.int32(0)
+        if sliding_window is not None:
+            first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
+            lo_chunk = jnp.maximum(first_pos - sliding_window + 1, 0) // chunk
+        hi_chunk = (hi + chunk - 1) // chunk
+
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for cp in chunk_copies(seq, lo_chunk, 0):
+            cp.start()
+
+        def chunk_body(c, slot):
+            @pl.when(c + 1 < hi_chunk)
+            def _():
+                for cp in chunk_copies(seq, c + 1, 1 - slot):
+                    cp.start()
+
+            for cp in chunk_copies(seq, c, slot):
+                cp.wait()
+            k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
+            mask = in_seq & (k_pos <= row_pos)  # [BM, S]
+            if sliding_window is not None:
+                mask &= row_pos - k_pos < sliding_window
+            for h in range(num_kv_heads):
+                q = q_ref[:, h * group : (h + 1) * group, :].reshape(rows, head_dim)
+                # Strided (sublane) loads pick head h out of every slot: [Cp, ps, D].
+                heads = pl.ds(h, page_size, stride=num_kv_heads)
+                k = k_buf[slot, :, heads, :].reshape(chunk, head_dim)  # [S, D]
+                v = v_buf[slot, :, heads, :].reshape(chunk, head_dim)  # [S, D]
+                if q.dtype != k.dtype:
+                    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+                s = jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )  # [BM, S]
+                s = s * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
+                s = jnp.where(mask, s, _MASKED)
+                m_prev = m_ref[h]  # [BM, 1]
+                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [BM, S]
+                alpha = jnp.exp(m_prev - m_new)
+                m_ref[h] = m_new
+                l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+                pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                acc_ref[h] = alpha * acc_ref[h] + pv
+            return 1 - slot
+
+        jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, jnp.int32(0))
+        for h in range(num_kv_heads):
+            denom = l_ref[h]
+            out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # [BM, D]
+            out = jnp.where(in_seq, out, 0.0).reshape(block_q, group, head_dim)
+            keep = in_seq.reshape(block_q, group, 1)
+            cur = o_ref[:, h * group : (h + 1) * group, :]
+            o_ref[:, h * group : (h + 1) * group, :] = jnp.where(keep, out.astype(cur.dtype), cur)
+        return seq + 1
+
+    jax.lax.while_loop(
+        lambda s: (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs)] < blk_end),
+        seq_body,
+        first_seq,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_q",
+        "chunk_pages",
+        "interpret",
+    ),
+)
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    kv_lens: jax.Array,  # [R] int32
+    block_tables: jax.Array,  # [R, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [R+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 32,
+    chunk_pages: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:  # [T, Hq, D]
+    """Mosaic (Pallas TPU) ragged paged attention; same contract as the reference.
+
+    `interpret` may be True (generic interpreter) or a `pltpu.InterpretParams()` (TPU
+    interpreter that simulates DMAs/semaphores and checks out-of-bounds accesses).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, max_pages = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    if chunk_pages is None:
+        chunk_pages = max(1, 128 // page_size)
+    chunk_pages = min(chunk_pages, max_pages)
+    block_q = min(block_q, max(8, 1 << (num_tokens - 1).bit_length()))
+    padded_tokens = math.ceil(num_tokens / block_q) * block_q
+    q_p = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    rows = block_q * group
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        max_pages=max_pages,
+        num_kv_heads=num_kv_heads,
+    )
+    q_spec = pl.BlockSpec((block_q, num_q_heads, head_dim), lambda j, *_: (j, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
+    buf_shape = (2, chunk_pages, page_size * num_kv_heads, head_dim)
+    num_pages = k_pages.shape[0]
+    # [P, ps, Hkv, D] -> [P, ps * Hkv, D]: a bitcast when XLA tiles the cache by rows.
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(padded_tokens // block_q,),
+            in_specs=[q_spec, hbm, hbm],
+            out_specs=q_spec,
+            scratch_shapes=[
+                pltpu.VMEM(buf_shape, k_pages.dtype),
+                pltpu.VMEM(buf_shape, v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        cu_q_lens.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        q_p,
+        k_pages.reshape(num_pages, page_size * num_kv_heads, head_dim),
+        v_pages.reshape(num_pages, page_size * num_kv_heads, head_dim),
+    )
+    return out[:num_tokens]

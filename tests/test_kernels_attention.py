@@ -1,0 +1,108 @@
+"""Ragged paged attention kernels (Triton GPU, Mosaic TPU) in interpret mode vs the reference.
+
+Small shapes only (interpret mode is slow): a few sequences, contexts <= ~200, page 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_kernels as pk
+from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.testing import make_case
+from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+
+KERNELS = {
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+    # The TPU interpreter simulates DMAs/semaphores and flags out-of-bounds accesses.
+    "tpu": functools.partial(
+        ragged_paged_attention_tpu, interpret=pltpu.InterpretParams(), block_q=16, chunk_pages=2
+    ),
+}
+
+CASES = {
+    "all_decode": dict(seqs=[(1, 17), (1, 1), (1, 64), (1, 190)], num_tokens=8, num_rows=6),
+    "all_prefill": dict(seqs=[(40, 40), (7, 7), (23, 23)], num_tokens=72, num_rows=4),
+    "mixed": dict(seqs=[(1, 50), (30, 30), (1, 9), (12, 60)], num_tokens=48, num_rows=6),
+    "unaligned_chunks": dict(seqs=[(13, 29), (19, 51), (5, 16)], num_tokens=40),
+    "one_token_seq": dict(seqs=[(1, 1)], num_tokens=8, num_rows=3),
+    "long_continuation": dict(seqs=[(3, 200), (20, 180)], num_tokens=24, num_rows=4),
+}
+
+
+def _args(case, dtype=jnp.float32):
+    return [jnp.asarray(a, dtype) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args()]
+
+
+def _check(kernel, case, *, dtype=jnp.float32, atol=1e-5, **kw):
+    args = _args(case, dtype)
+    sm_scale = case.q.shape[-1] ** -0.5
+    got = KERNELS[kernel](*args, sm_scale=sm_scale, **kw)
+    assert got.shape == case.q.shape and got.dtype == dtype
+    f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+    want = ragged_paged_attention_reference(*f32, sm_scale=sm_scale, **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol, rtol=atol)
+    total = int(case.cu_q_lens[int(case.num_seqs[0])])
+    assert np.all(np.asarray(got[total:], np.float32) == 0.0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cases_f32(kernel, name):
+    case = make_case(**CASES[name], num_q_heads=4, num_kv_heads=2, head_dim=64, seed=len(name))
+    _check(kernel, case)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2), (8, 2)], ids=["gqa1", "gqa3", "gqa4"])
+def test_gqa_ratios(kernel, heads):
+    hq, hkv = heads
+    case = make_case(**CASES["mixed"], num_q_heads=hq, num_kv_heads=hkv, head_dim=64, seed=3)
+    _check(kernel, case)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("window", [1, 24])
+def test_sliding_window(kernel, window):
+    case = make_case(**CASES["long_continuation"], head_dim=64, seed=5)
+    _check(kernel, case, sliding_window=window)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_soft_cap(kernel):
+    case = make_case(**CASES["mixed"], head_dim=64, seed=7)
+    case.q[:] *= 20.0
+    _check(kernel, case, soft_cap=5.0)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_bf16_head_dim_128(kernel):
+    case = make_case(**CASES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=128, seed=9)
+    _check(kernel, case, dtype=jnp.bfloat16, atol=2e-2)
+
+
+def test_gpu_kernel_odd_group_smollm_heads():
+    """SmolLM2-135M heads (Hq=9, Hkv=3): G=3 is padded to 4 rows per token inside."""
+    case = make_case(**CASES["mixed"], num_q_heads=9, num_kv_heads=3, head_dim=64, seed=11)
+    _check("gpu", case)
+
+
+def test_public_op_pallas_interpret_matches_reference():
+    case = make_case(**CASES["mixed"], head_dim=64, seed=13)
+    args = _args(case)
+    fn = jax.jit(
+        functools.partial(
+            pk.ragged_paged_attention, sm_scale=0.125, backend="pallas", interpret=True
+        )
+    )
+    want = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=1e-5, rtol=1e-5)
+    got = pk.ragged_paged_attention(*args, sm_scale=0.125, backend="pallas_tpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
