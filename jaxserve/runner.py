@@ -47,11 +47,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["embed"].dtype
         self.kv_cache = init_kv_cache(loaded.config, num_pages, page_size, self.dtype)
-        self.attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
-        self.kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
-        self._backbone = jax.jit(self._backbone_impl, donate_argnums=(1,))
-        self._head = jax.jit(self._head_impl, static_argnames=("num_rows", "flags"))
-        self._logits = jax.jit(self._logits_impl, static_argnames=("num_rows",))
+        self.attention_backend = attention_backend
         # Host-side swap pool, same layout as the device cache: [L, H, S, Hkv, D] each.
         shape = (self.config.num_layers, max(num_host_pages, 0), page_size, self.config.num_kv_heads,
                  self.config.head_dim)
@@ -61,22 +57,6 @@ class ModelRunner:
         self._scatter_pages = jax.jit(
             lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,)
         )
-
-    # ------------------------------------------------------------------ pure step functions
-    def _backbone_impl(self, state, kv_cache, token_ids, positions, md, logits_indices):
-        model = nnx.merge(self.graphdef, state)
-        return model(
-            token_ids, positions, kv_cache, md, logits_indices,
-            attention_fn=self.attention_fn, kv_update_fn=self.kv_update_fn,
-        )
-
-    def _logits_impl(self, state, h_last, *, num_rows):
-        model = nnx.merge(self.graphdef, state)
-        return model.compute_logits(h_last[:num_rows])  # [R, V]
-
-    def _head_impl(self, state, h_last, tensors, *, num_rows, flags):
-        logits = self._logits_impl(state, h_last, num_rows=num_rows)
-        return sample(logits, tensors, **flags._asdict())
 
     # ------------------------------------------------------------------ host API
     @staticmethod
@@ -91,17 +71,18 @@ class ModelRunner:
     def run_backbone(self, arrays: StepArrays) -> jax.Array:
         """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]."""
         tok, pos, md, lidx = self.device_inputs(arrays)
-        h_last, self.kv_cache = self._backbone(self.state, self.kv_cache, tok, pos, md, lidx)
+        h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.state,
+                                              self.kv_cache, tok, pos, md, lidx)
         return h_last
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags) -> SamplerOutput:
-        return self._head(self.state, h_last, tensors, num_rows=num_rows, flags=flags)
+        return _head_jit(self.graphdef, self.state, h_last, tensors, num_rows=num_rows, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
         h_last = self.run_backbone(arrays)
-        return self._logits(self.state, h_last, num_rows=h_last.shape[0])
+        return _logits_jit(self.graphdef, self.state, h_last, num_rows=h_last.shape[0])
 
     def forward_numpy(self, arrays: StepArrays) -> np.ndarray:
         return np.asarray(self.forward(arrays))[: arrays.num_reqs]
@@ -134,6 +115,34 @@ class ModelRunner:
             ids = jnp.zeros(size, jnp.int32)
             k, v = self._gather_pages(self.kv_cache, ids)
             self.kv_cache = self._scatter_pages(self.kv_cache, ids, k, v)
+
+
+# ---------------------------------------------------------------------- pure step functions
+# Module-level jits with the graph definition as a static argument: runners of the same model
+# and shapes share compiled executables (and the persistent compilation cache keys).
+
+
+def _backbone(graphdef, attention_backend, state, kv_cache, token_ids, positions, md, logits_indices):
+    model = nnx.merge(graphdef, state)
+    return model(
+        token_ids, positions, kv_cache, md, logits_indices,
+        attention_fn=functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend),
+        kv_update_fn=functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend),
+    )
+
+
+def _logits(graphdef, state, h_last, *, num_rows):
+    model = nnx.merge(graphdef, state)
+    return model.compute_logits(h_last[:num_rows])  # [R, V]
+
+
+def _head(graphdef, state, h_last, tensors, *, num_rows, flags):
+    return sample(_logits(graphdef, state, h_last, num_rows=num_rows), tensors, **flags._asdict())
+
+
+_backbone_jit = jax.jit(_backbone, static_argnums=(0, 1), donate_argnums=(3,))
+_logits_jit = jax.jit(_logits, static_argnums=(0,), static_argnames=("num_rows",))
+_head_jit = jax.jit(_head, static_argnums=(0,), static_argnames=("num_rows", "flags"))
 
 
 def _chunks(pairs: list[tuple[int, int]]):

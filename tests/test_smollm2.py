@@ -7,19 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hf_reference import PROMPTS, assert_greedy_match, hf_greedy  # noqa: E402
+
 from jaxserve.batch import BatchBuilder, SequenceSpan  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "List three colors:",
-    "Q: What is 12 times 7?\nA:",
-    "The most important thing about machine learning is",
-    "Translate to French: Good morning, how are you today? I hope the weather is nice where you live.",
-    "Hi",
-]
 
 
 def test_gguf_tensors_equal_transformers_dequantized(smollm, hf_smollm):
@@ -61,26 +52,6 @@ def greedy_generate_paged(loaded, prompts_ids: list[list[int]], max_new: int) ->
             seqs[i].append(tok)
             outs[i].append(tok)
     return outs, [np.stack(lp) for lp in logps]
-
-
-def assert_greedy_match(ours: list[int], ours_logp: np.ndarray, theirs: list[int], theirs_logp: np.ndarray):
-    """Equal tokens, or at the first difference each side's token is in the other's top-5."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            assert a in np.argsort(-theirs_logp[j])[:5] and b in np.argsort(-ours_logp[j])[:5], (
-                f"token {j}: ours {a} vs transformers {b} is not a near-tie")
-            return
-    assert len(ours) == len(theirs)
-
-
-def hf_greedy(hf_model, ids: list[int], max_new: int) -> tuple[list[int], np.ndarray]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                output_scores=True, return_dict_in_generate=True,
-                                eos_token_id=None, pad_token_id=0, min_new_tokens=max_new)
-    toks = out.sequences[0, len(ids):].tolist()
-    logp = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), -1).numpy()
-    return toks, logp
 
 
 def test_greedy_continuations_match_transformers(smollm, hf_smollm):
