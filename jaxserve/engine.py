@@ -163,15 +163,15 @@ class Engine:
             isinstance(t, int | np.integer) for t in prompt_token_ids) else list(prompt_token_ids)
         self.validate(ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self._parents:
-            raise ValueError(f"duplicate request_id {rid!r}")
+        child_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        if rid in self._parents or any(self.scheduler.get_request(c) is not None for c in child_ids):
+            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(rid, prompt, ids, params, RequestMetrics(now),
                          [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
                           for i in range(params.n)], params.n)
         children = []
-        for i in range(params.n):
-            cid = rid if params.n == 1 else f"{rid}#{i}"
+        for i, cid in enumerate(child_ids):
             seed = (params.seed + i) if params.seed is not None else int(self._rng.integers(0, 2**32))
             req = Request(cid, ids, params, eos_token_id=self.eos_token_id, arrival_time=now)
             detok = IncrementalDetokenizer(
