@@ -19,8 +19,10 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 from pallas_kernels.ragged_paged_attention.testing import make_case
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
+# On an NVIDIA GPU the Triton kernel runs natively (scripts/check_kernels_gpu.py), else interpreted.
+ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {
-    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=not ON_GPU),
     # The TPU interpreter simulates DMAs/semaphores and flags out-of-bounds accesses.
     "tpu": functools.partial(
         ragged_paged_attention_tpu, interpret=pltpu.InterpretParams(), block_q=16, chunk_pages=2

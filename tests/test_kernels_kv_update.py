@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
 from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
 
+ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {
-    "gpu": functools.partial(update_kv_cache_gpu, interpret=True),
+    "gpu": functools.partial(update_kv_cache_gpu, interpret=not ON_GPU),
     "tpu": functools.partial(update_kv_cache_tpu, interpret=True),
     "tpu_interpret_params": functools.partial(
         update_kv_cache_tpu, interpret=pltpu.InterpretParams(), block_t=8
