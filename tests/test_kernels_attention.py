@@ -108,3 +108,19 @@ def test_public_op_pallas_interpret_matches_reference():
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=1e-5, rtol=1e-5)
     got = pk.ragged_paged_attention(*args, sm_scale=0.125, backend="pallas_tpu", interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_rules():
+    from pallas_kernels._dispatch import resolve_backend
+    from pallas_kernels.ragged_paged_attention.tpu import supports
+
+    assert resolve_backend("reference", False) == "reference"
+    assert resolve_backend("pallas_tpu", True) == "tpu"
+    assert resolve_backend("pallas_gpu", True) == "gpu"
+    if jax.default_backend() == "cpu":
+        assert resolve_backend("auto", False) == "reference"
+        assert resolve_backend("pallas", True) == "gpu"
+        for backend in ("pallas", "pallas_tpu", "pallas_gpu"):
+            with pytest.raises(ValueError, match="interpret=True"):
+                resolve_backend(backend, False)
+    assert supports(8, 128) and supports(2, 64) and not supports(3, 64)

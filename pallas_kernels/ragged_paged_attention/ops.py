@@ -73,7 +73,9 @@ def ragged_paged_attention(
     )
     impl = resolve_backend(backend, interpret)
     num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
-    if impl != "reference" and not _kernel_supports(impl, num_kv_heads, head_dim):
+    # Interpret mode has no tiling limits; the check guards the compiled kernels only.
+    compiled = not interpret
+    if impl != "reference" and compiled and not _kernel_supports(impl, num_kv_heads, head_dim):
         msg = f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim}"
         if backend == "auto":
             warnings.warn(f"{msg}; using the reference attention", stacklevel=2)
