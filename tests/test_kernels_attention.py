@@ -85,8 +85,10 @@ def test_soft_cap(kernel):
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-def test_bf16_head_dim_128(kernel):
-    case = make_case(**CASES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=128, seed=9)
+@pytest.mark.parametrize("heads", [(8, 2), (6, 2)], ids=["gqa4", "gqa3_odd_group"])
+def test_bf16_head_dim_128(kernel, heads):
+    hq, hkv = heads
+    case = make_case(**CASES["mixed"], num_q_heads=hq, num_kv_heads=hkv, head_dim=128, seed=9)
     _check(kernel, case, dtype=jnp.bfloat16, atol=2e-2)
 
 

@@ -121,7 +121,11 @@ def _kernel(
             if sliding_window is not None:
                 mask &= row_pos - k_pos < sliding_window
             for h in range(num_kv_heads):
-                q = q_ref[:, h * group : (h + 1) * group, :].reshape(rows, head_dim)
+                q = q_ref[:, h * group : (h + 1) * group, :]  # [Bq, G, D]
+                if q.dtype.itemsize < 4 and group % (4 // q.dtype.itemsize):
+                    # Packed rows cannot fold an odd head group into sublanes: go via f32.
+                    q = q.astype(jnp.float32)
+                q = q.reshape(rows, head_dim)  # [BM, D], row = token * G + head
                 # Strided (sublane) loads pick head h out of every slot: [Cp, ps, D].
                 heads = pl.ds(h, page_size, stride=num_kv_heads)
                 k = k_buf[slot, :, heads, :].reshape(chunk, head_dim)  # [S, D]
