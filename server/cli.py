@@ -1,0 +1,131 @@
+"""`jaxserve serve` and `jaxserve client`, added to the main CLI by `add_commands`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    from jaxserve.cli import add_engine_args
+    from server.app import ServerOptions
+
+    d = ServerOptions()
+    s = sub.add_parser("serve", help="run the gRPC server (SIGTERM drains and exits 0)")
+    s.add_argument("--host", default=d.host, help="address to bind (0.0.0.0 for all interfaces)")
+    s.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
+    s.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
+    s.add_argument("--api-key", default=d.api_key,
+                   help="require 'authorization: Bearer KEY' metadata (health and reflection stay open)")
+    s.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS")
+    s.add_argument("--tls-key-file", default=None, help="PEM private key for --tls-cert-file")
+    s.add_argument("--tls-client-ca-file", default=None, help="PEM CA: require client certificates (mTLS)")
+    s.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests that may wait beyond --max-num-seqs; more get RESOURCE_EXHAUSTED")
+    s.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest text / chat prompt in characters (default 32 x max_model_len)")
+    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest gRPC message accepted")
+    s.add_argument("--log-interval", type=float, default=d.log_interval,
+                   help="seconds between status log lines (0: off)")
+    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every shape before serving")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("client", help="stream a completion from a running server")
+    c.add_argument("prompt")
+    c.add_argument("--address", default=f"127.0.0.1:{d.port}")
+    c.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("--top-p", type=float, default=None)
+    c.add_argument("--top-k", type=int, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--tls-ca-file", default=None, help="PEM CA: connect with TLS")
+    c.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    c.set_defaults(func=cmd_client)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from jaxserve.cli import engine_config_from_args
+    from server.app import ServerOptions, serve
+
+    _setup_logging()
+    cfg = engine_config_from_args(ns)
+    if bool(ns.tls_cert_file) != bool(ns.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if ns.max_queued_requests < 0:
+        raise ValueError("--max-queued-requests must be >= 0")
+    opts = ServerOptions(
+        host=ns.host, port=ns.port, metrics_port=ns.metrics_port, api_key=ns.api_key,
+        tls_cert_file=ns.tls_cert_file, tls_key_file=ns.tls_key_file,
+        tls_client_ca_file=ns.tls_client_ca_file, max_queued_requests=ns.max_queued_requests,
+        shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
+        max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
+    )
+    return asyncio.run(serve(cfg, opts))
+
+
+def make_channel(address: str, tls_ca_file: str | None = None):
+    import grpc
+
+    if tls_ca_file:
+        with open(tls_ca_file, "rb") as f:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    return grpc.insecure_channel(address)
+
+
+def cmd_client(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from server.convert import sampling_params_to_proto
+    from server.proto import jaxserve_pb2 as pb
+    from server.proto import jaxserve_pb2_grpc as pb_grpc
+
+    sp = sampling_params_to_proto(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                                  top_k=ns.top_k, seed=ns.seed)
+    if ns.chat:
+        req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=ns.prompt)]),
+                                 sampling_params=sp)
+    else:
+        req = pb.GenerateRequest(text=ns.prompt, sampling_params=sp)
+    md = [("authorization", f"Bearer {ns.api_key}")] if ns.api_key else None
+    t0 = time.perf_counter()
+    ttft = None
+    last = None
+    with make_channel(ns.address, ns.tls_ca_file) as ch:
+        stub = pb_grpc.JaxServeStub(ch)
+        try:
+            for resp in stub.Generate(req, metadata=md, timeout=ns.timeout):
+                for d in resp.outputs:
+                    if d.text:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        sys.stdout.write(d.text)
+                        sys.stdout.flush()
+                last = resp
+        except grpc.RpcError as e:
+            print(f"\njaxserve client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    dt = time.perf_counter() - t0
+    print()
+    if last is not None:
+        u = last.usage
+        reason = last.outputs[0].finish_reason if last.outputs else ""
+        print(f"[finish: {reason}, prompt {u.prompt_tokens}, completion {u.completion_tokens}, "
+              f"cached {u.cached_tokens} tokens; TTFT {1000 * (ttft or dt):.0f} ms, total {dt:.2f} s]",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,274 @@
+"""The bridge between the asyncio gRPC front and the single-threaded engine.
+
+One dedicated thread owns the `Engine`: it is the only caller of `add_request`, `abort`,
+`step` and the tokenizer. The asyncio side hands it commands through a thread-safe queue and
+gets results back through futures (for one-shot calls such as `add_request`) and per-request
+`asyncio.Queue`s (for streamed outputs), always via `loop.call_soon_threadsafe`. When no
+request is unfinished the thread blocks on the command queue; it never spins.
+
+Commands are drained before every step, so an abort (client cancel, disconnect, deadline)
+takes effect before the next step is scheduled: its KV blocks are free within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxserve.outputs import RequestOutput
+from scheduler import SamplingParams
+from scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Aborted:
+    """Stream item: the request was aborted by the server (Abort RPC, drain timeout)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class EngineFailed(Exception):
+    """Stream item: the engine step raised; the request cannot continue."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine looked like after its latest step; published atomically for readers
+    on other threads (metrics scrape, GetServerInfo, the once-a-second log)."""
+
+    time: float
+    stats: SchedulerStats
+    num_streams: int
+    num_steps: int
+    batched_tokens: int  # cumulative tokens computed (prompt + decode)
+    generation_tokens: int  # cumulative output tokens
+    prompt_tokens: int  # cumulative prompt tokens of finished requests
+    num_finished: int
+    step_host_s: float
+    step_device_s: float
+
+
+@dataclasses.dataclass
+class _Stream:
+    queue: asyncio.Queue
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    """Runs `engine` on its own thread; every public method is safe to call from any thread."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, metrics: Any | None = None):
+        self.engine = engine
+        self.loop = loop
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._num_steps = 0
+        self._batched_tokens = 0
+        self._generation_tokens = 0
+        self._prompt_tokens = 0
+        self._num_finished = 0
+        self.snapshot = self._make_snapshot()
+        self.failed: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread after the commands already queued; unfinished requests stay put."""
+        if self._thread.is_alive():
+            self._cmds.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Runs `fn(engine)` on the engine thread; the future holds its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    async def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        chat: tuple[list[dict[str, str]], bool] | None = None,
+        arrival_time: float | None = None,
+    ) -> asyncio.Queue:
+        """Admits a request; returns the queue its `RequestOutput`s arrive on.
+
+        Raises ValueError (naming the field) when the engine rejects the request.
+        """
+        q: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: Any) -> None:
+            ids = prompt_token_ids
+            if chat is not None:
+                ids = apply_chat_template(engine.tokenizer, chat[0], chat[1])
+            engine.add_request(prompt, params, prompt_token_ids=ids, request_id=request_id,
+                               arrival_time=arrival_time)
+            self._streams[request_id] = _Stream(q)
+
+        await self.call(add)
+        return q
+
+    def abort(self, request_id: str, notify: str | None = None) -> concurrent.futures.Future:
+        """Aborts a request; with `notify`, its stream gets an `Aborted(notify)` item.
+        The future holds True when the request was still in the engine."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("abort", request_id, notify, fut))
+        return fut
+
+    def abort_all(self, reason: str) -> concurrent.futures.Future:
+        return self.submit(lambda engine: self._abort_all(reason))
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                cmd = self._cmds.get()  # idle: block until there is something to do
+                if cmd is _STOP or not self._do(cmd):
+                    return
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd is _STOP or not self._do(cmd):
+                    return
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - keep serving whoever comes next
+                    logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                    self.failed = e
+                    self._fail_all(e)
+                    continue
+                self._num_steps += 1
+                self._batched_tokens += engine.last_step.num_tokens
+                self._dispatch(outputs)
+            self.snapshot = self._make_snapshot()
+
+    def _do(self, cmd: Any) -> bool:
+        if cmd is _STOP:
+            return False
+        kind = cmd[0]
+        if kind == "call":
+            _, fn, fut = cmd
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                    fut.set_exception(e)
+        elif kind == "abort":
+            _, rid, notify, fut = cmd
+            found = self._abort_one(rid, notify)
+            if not fut.done():
+                fut.set_result(found)
+        return True
+
+    def _abort_one(self, rid: str, notify: str | None) -> bool:
+        found = self.engine.abort(rid)
+        stream = self._streams.pop(rid, None)
+        if found:
+            self._num_finished += 1
+            if self.metrics is not None:
+                self.metrics.request_success.labels(finished_reason="abort").inc()
+        if stream is not None and notify is not None:
+            self.loop.call_soon_threadsafe(stream.queue.put_nowait, Aborted(notify))
+        return found
+
+    def _abort_all(self, reason: str) -> int:
+        rids = list(self._streams)
+        for rid in rids:
+            self._abort_one(rid, reason)
+        return len(rids)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", rid)
+            self.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineFailed(str(exc)))
+        self._streams.clear()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        items = []
+        m = self.metrics
+        step_tokens = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            new = sum(len(c.delta_token_ids) for c in out.outputs)
+            step_tokens += new
+            if stream is not None and new:
+                if m is not None and stream.last_token_time is not None:
+                    m.inter_token_latency.observe(now - stream.last_token_time)
+                stream.last_token_time = now
+            if out.finished:
+                self._num_finished += 1
+                self._prompt_tokens += out.usage.prompt_tokens
+                if m is not None:
+                    m.observe_finished(out)
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                items.append((stream.queue, out))
+        self._generation_tokens += step_tokens
+        if m is not None and step_tokens:
+            m.generation_tokens.inc(step_tokens)
+        if items:
+            self.loop.call_soon_threadsafe(_deliver, items)
+
+    def _make_snapshot(self) -> EngineSnapshot:
+        ls = self.engine.last_step
+        return EngineSnapshot(
+            time=time.monotonic(), stats=self.engine.scheduler.stats(),
+            num_streams=len(self._streams), num_steps=self._num_steps,
+            batched_tokens=self._batched_tokens, generation_tokens=self._generation_tokens,
+            prompt_tokens=self._prompt_tokens, num_finished=self._num_finished,
+            step_host_s=ls.host_s, step_device_s=ls.device_s,
+        )
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat: this model has no chat template; send text or token_ids")
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True,
+                                            add_generation_prompt=add_generation_prompt, return_dict=False)
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+        raise ValueError(f"chat: the chat template failed: {e}") from e
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]

@@ -1,0 +1,153 @@
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix.
+
+Latency histograms and token / request counters are updated by the engine thread as outputs
+come out of `Engine.step()`. Scheduler gauges and the scheduler's own cumulative counters
+(preemptions, prefix-cache queries and hits) are read at scrape time from the latest
+`EngineSnapshot`, so a scrape never touches the engine from another thread.
+
+Each server has its own `CollectorRegistry`, so several servers (or tests) in one process
+never clash.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+P = "jaxserve:"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], Any] | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token (arrival to first output token).",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            P + "inter_token_latency_seconds", "Time between successive outputs of a request.",
+            buckets=ITL_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            P + "request_time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            P + "e2e_request_latency_seconds", "Arrival to finish, per request.",
+            buckets=REQUEST_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            P + "request_queue_time_seconds", "Arrival to first scheduling, per request.",
+            buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(
+            P + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
+        self.compilations_after_warmup = Counter(
+            P + "compilations_after_warmup", "XLA compilations after warmup finished (should stay 0).",
+            registry=r)
+        self._warm = False
+        self._compile_lock = threading.Lock()
+        if snapshot is not None:
+            r.register(_SnapshotCollector(snapshot))
+        _install_compile_listener(self)
+
+    def set_warm(self) -> None:
+        """From now on every XLA compilation is counted (and logged) as a recompilation."""
+        self._warm = True
+
+    def on_compile(self, duration_s: float) -> None:
+        if self._warm:
+            self.compilations_after_warmup.inc()
+            logger.warning("XLA compilation after warmup (%.2f s): a shape was not warmed up", duration_s)
+
+    @property
+    def num_compilations_after_warmup(self) -> int:
+        return int(self.compilations_after_warmup._value.get())
+
+    def observe_finished(self, out: Any) -> None:
+        """Called by the engine thread for each finished `RequestOutput`."""
+        m = out.metrics
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
+            n = out.usage.completion_tokens
+            if m.first_token_time is not None and n > 1:
+                self.time_per_output_token.observe((m.finished_time - m.first_token_time) / (n - 1))
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        self.prompt_tokens.inc(out.usage.prompt_tokens)
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(finished_reason=reason or "unknown").inc()
+
+
+class _SnapshotCollector:
+    """Scheduler gauges and counters, read from the engine's latest snapshot at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Any]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        snap = self._snapshot()
+        if snap is None:
+            return
+        st = snap.stats
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", st.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to host memory.", st.num_swapped),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).", st.kv_usage),
+            ("kv_cache_used_blocks", "KV-cache blocks held by requests.", st.num_used_blocks),
+            ("kv_cache_cached_free_blocks",
+             "Free KV-cache blocks that still hold reusable prefix K/V (not leaked).", st.num_cached_free_blocks),
+            ("kv_cache_free_blocks", "Free KV-cache blocks (cached ones included).", st.num_free_blocks),
+            ("kv_cache_total_blocks", "Usable KV-cache blocks.", st.num_total_blocks),
+            ("num_requests_in_flight", "Requests streaming to clients.", snap.num_streams),
+        ):
+            yield GaugeMetricFamily(P + name, doc, value=value)
+        pre = CounterMetricFamily(P + "num_preemptions", "Preemptions by mode.", labels=["mode"])
+        for mode in ("recompute", "swap"):
+            pre.add_metric([mode], st.preemptions.get(mode, 0))
+        yield pre
+        yield CounterMetricFamily(P + "prefix_cache_queries", "Prefix-cache queries (tokens).",
+                                  value=st.prefix_cache_queries)
+        yield CounterMetricFamily(P + "prefix_cache_hits", "Prefix-cache hits (tokens).",
+                                  value=st.prefix_cache_hits)
+        yield CounterMetricFamily(P + "engine_steps", "Engine steps run.", value=snap.num_steps)
+
+
+# jax.monitoring listeners are process-wide: install one and fan out to live servers.
+_sinks: weakref.WeakSet[ServerMetrics] = weakref.WeakSet()
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _on_event_duration(event: str, duration_s: float, **_: Any) -> None:
+    if event == COMPILE_EVENT:
+        for sink in list(_sinks):
+            sink.on_compile(duration_s)
+
+
+def _install_compile_listener(sink: ServerMetrics) -> None:
+    global _installed
+    with _install_lock:
+        _sinks.add(sink)
+        if not _installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+            _installed = True
