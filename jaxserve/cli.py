@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(func=cmd_convert)
+
+    from server.cli import add_commands  # gRPC `serve` and `client` (lazy: keeps grpc off other commands)
+
+    add_commands(sub)
     return parser
 
 
