@@ -34,8 +34,11 @@ install: $(RUN_STAMP)
 
 install-test: $(TEST_STAMP)
 
+# The gRPC server on the embedded model, in the foreground (Ctrl-C / SIGTERM drains and exits).
+# Extra flags: make serve SERVE_ARGS="--host 0.0.0.0 --port 50051 --max-num-seqs 32"
+SERVE_ARGS ?=
 serve: $(RUN_STAMP)
-	$(VENV)/bin/jaxserve generate "Write a haiku about the sea." --chat --max-tokens 64
+	$(VENV)/bin/jaxserve serve $(SERVE_ARGS)
 
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check jaxserve scheduler pallas_kernels server tests scripts
