@@ -111,6 +111,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
         self.num_in_flight = 0
+        self.max_queued_requests = self.options.max_queued_requests
         self._started = time.monotonic()
         self._log_task: asyncio.Task | None = None
         self._idle = asyncio.Event()
@@ -166,9 +167,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             report = await asyncio.to_thread(self.engine.warmup)
             summary = report.summary() if hasattr(report, "summary") else f"{report} shapes"
             logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, summary)
-        self.metrics.set_warm()
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
         self.loop_runner.start()
+        self.metrics.set_engine_thread(self.loop_runner.thread)
         self.state = ServerState.SERVING
         for svc in ("", SERVICE_NAME):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -221,7 +222,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
 
     @property
     def max_in_flight(self) -> int:
-        return self.engine_config.max_num_seqs + self.options.max_queued_requests
+        return self.engine_config.max_num_seqs + self.max_queued_requests
 
     @property
     def max_prompt_chars(self) -> int:
@@ -353,7 +354,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
             engine_config={f.name: str(getattr(self.engine_config, f.name))
                            for f in dataclasses.fields(self.engine_config)},
-            num_in_flight=self.num_in_flight, max_queued_requests=self.options.max_queued_requests,
+            num_in_flight=self.num_in_flight, max_queued_requests=self.max_queued_requests,
             compilations_after_warmup=self.metrics.num_compilations_after_warmup,
         )
         snap = self._snapshot()

@@ -76,7 +76,7 @@ class EngineLoop:
         self.metrics = metrics
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._num_steps = 0
         self._batched_tokens = 0
         self._generation_tokens = 0
@@ -87,17 +87,17 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._thread.start()
+        self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the thread after the commands already queued; unfinished requests stay put."""
-        if self._thread.is_alive():
+        if self.thread.is_alive():
             self._cmds.put(_STOP)
-            self._thread.join(timeout)
+            self.thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.thread.is_alive()
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:

@@ -61,18 +61,18 @@ class ServerMetrics:
         self.compilations_after_warmup = Counter(
             P + "compilations_after_warmup", "XLA compilations after warmup finished (should stay 0).",
             registry=r)
-        self._warm = False
-        self._compile_lock = threading.Lock()
+        self._engine_thread: threading.Thread | None = None
         if snapshot is not None:
             r.register(_SnapshotCollector(snapshot))
         _install_compile_listener(self)
 
-    def set_warm(self) -> None:
-        """From now on every XLA compilation is counted (and logged) as a recompilation."""
-        self._warm = True
+    def set_engine_thread(self, thread: threading.Thread) -> None:
+        """Called once warmup is done: from now on every XLA compilation on the engine thread
+        (the only thread that runs the engine) is a recompilation, counted and logged."""
+        self._engine_thread = thread
 
     def on_compile(self, duration_s: float) -> None:
-        if self._warm:
+        if self._engine_thread is not None and threading.current_thread() is self._engine_thread:
             self.compilations_after_warmup.inc()
             logger.warning("XLA compilation after warmup (%.2f s): a shape was not warmed up", duration_s)
 

@@ -1,0 +1,441 @@
+"""The gRPC server end to end: a real server on 127.0.0.1 (one per module, in this process, on
+its own event-loop thread) and a real grpcio client. The SIGTERM drain test runs its own
+server in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from jaxserve.config import EngineConfig
+from scheduler import SamplingParams
+from server.app import JaxServeServer, ServerOptions
+from server.convert import sampling_params_to_proto as sp
+from server.proto import jaxserve_pb2 as pb
+from server.proto import jaxserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-123"
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+CFG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512)
+CFG_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--num-pages", "128",
+            "--max-model-len", "512"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The three primary colors are"]
+
+
+class ServerThread:
+    """A JaxServeServer running on an event loop in a background thread."""
+
+    def __init__(self, cfg: EngineConfig, opts: ServerOptions):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = JaxServeServer(cfg, opts)
+        self.run(self.server.start(), 30)
+        self.run(self.server.load(), 600)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.run(self.server.stop(grace=0.5), 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=0, api_key=API_KEY,
+                                        max_queued_requests=24, log_interval=0))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def channel(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=10)
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.JaxServeStub(channel)
+
+
+def generate(stub, req: pb.GenerateRequest, timeout: float = 60.0):
+    """Runs one stream to the end; returns (responses, text, token_ids, last response)."""
+    resps = list(stub.Generate(req, metadata=AUTH, timeout=timeout))
+    text = "".join(d.text for r in resps for d in r.outputs if d.index == 0)
+    ids = [t for r in resps for d in r.outputs if d.index == 0 for t in d.token_ids]
+    return resps, text, ids, resps[-1]
+
+
+def text_req(prompt: str, **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=prompt, sampling_params=sp(**params))
+
+
+def server_info(stub) -> pb.ServerInfo:
+    return stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=AUTH, timeout=10)
+
+
+def wait_until(cond, timeout: float = 20.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
+    """The batch API (`LLM.generate`) on the server's own engine, run on the engine thread so
+    nothing steps the engine concurrently (and no new shape is compiled)."""
+    from jaxserve.llm import LLM
+
+    def run(engine):
+        llm = LLM.__new__(LLM)
+        llm.engine, llm._counter = engine, 0
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    return asyncio.run_coroutine_threadsafe(srv.server.loop_runner.call(run), srv.loop).result(120)
+
+
+# ---------------------------------------------------------------------------- basics
+def test_health_reflection_and_info(srv, channel, stub):
+    health = health_pb2_grpc.HealthStub(channel)
+    for svc in ("", "jaxserve.v1.JaxServe"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)  # no API key needed
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    names = [s.name for r in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]), timeout=5) for s in r.list_services_response.service]
+    assert "jaxserve.v1.JaxServe" in names and "grpc.health.v1.Health" in names
+    mi = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH, timeout=5)
+    assert mi.vocab_size == srv.server.engine.model_config.vocab_size and mi.max_model_len == 512
+    assert mi.has_chat_template and mi.max_logprobs == CFG.max_logprobs
+    si = server_info(stub)
+    assert si.state == "serving" and si.engine_config["max_num_seqs"] == "8"
+    assert si.num_total_blocks == 127 and si.compilations_after_warmup == 0
+
+
+def test_api_key_required(srv, channel, stub):
+    for md in (None, (("authorization", "Bearer wrong"),), (("x-api-key", "nope"),)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(text_req("hi", max_tokens=2), metadata=md, timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ok = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("x-api-key", API_KEY),), timeout=10)
+    assert ok.vocab_size > 0
+
+
+def test_tokenize(srv, stub):
+    tok = srv.server.engine.tokenizer
+    r = stub.Tokenize(pb.TokenizeRequest(text="Hello world"), metadata=AUTH, timeout=10)
+    assert list(r.token_ids) == list(tok("Hello world", add_special_tokens=True)["input_ids"])
+    assert r.count == len(r.token_ids)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    r = stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(**msgs[0])])),
+                      metadata=AUTH, timeout=10)
+    want = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert list(r.token_ids) == list(want)
+
+
+# ---------------------------------------------------------------------------- generation
+def test_streaming_equals_batch_api_greedy(srv, stub):
+    params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        streamed = list(ex.map(lambda p: generate(stub, text_req(p, **params)), PROMPTS))
+    ref = batch_generate(srv, PROMPTS, SamplingParams(**params))
+    for (resps, text, ids, last), want in zip(streamed, ref):
+        assert ids == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert last.finished and last.outputs[-1].finish_reason == "length"
+        assert last.usage.completion_tokens == 16
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert len(resps) >= 2  # streamed, not one blob
+    # token-id and chat inputs take the same path
+    tok = srv.server.engine.tokenizer
+    ids0 = list(tok(PROMPTS[0], add_special_tokens=True)["input_ids"])
+    _, _, ids, _ = generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids0), sampling_params=sp(**params)))
+    assert ids == ref[0].outputs[0].token_ids
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Say hi")])
+    _, text, ids, last = generate(stub, pb.GenerateRequest(chat=chat, sampling_params=sp(max_tokens=8, temperature=0.0)))
+    msgs = [{"role": "user", "content": "Say hi"}]
+    want = batch_generate(srv, [{"prompt_token_ids": tok.apply_chat_template(
+        msgs, tokenize=True, add_generation_prompt=True, return_dict=False)}],
+        SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert ids == want.outputs[0].token_ids and text == want.outputs[0].text
+
+
+def test_explicit_zero_is_not_unset(srv, stub):
+    # temperature 0 must be greedy (proto3 optional): two runs agree; n=2 gives twin sequences.
+    req = text_req("Once upon a time", max_tokens=8, temperature=0.0, n=2)
+    resps, _, _, last = generate(stub, req)
+    seqs = {0: [], 1: []}
+    for r in resps:
+        for d in r.outputs:
+            seqs[d.index].extend(d.token_ids)
+    assert seqs[0] == seqs[1] and len(seqs[0]) > 0
+    assert sum(1 for r in resps for d in r.outputs if d.finish_reason) == 2  # each finish sent once
+    # seed 0 is a seed: sampling twice with seed=0 gives the same tokens
+    a = generate(stub, text_req("Hello", max_tokens=8, temperature=1.0, seed=0))[2]
+    b = generate(stub, text_req("Hello", max_tokens=8, temperature=1.0, seed=0))[2]
+    assert a == b
+
+
+def test_logprobs_usage_and_stop(srv, stub):
+    resps, _, ids, last = generate(stub, text_req("The capital of France is", max_tokens=6, temperature=0.0,
+                                                  logprobs=3, ignore_eos=True))
+    lps = [lp for r in resps for d in r.outputs for lp in d.logprobs]
+    assert [lp.token_id for lp in lps] == ids and len(ids) == 6
+    for lp in lps:
+        assert lp.rank == 1 and len(lp.top) == 3 and lp.top[0].token_id == lp.token_id
+        assert lp.logprob <= 0 and math.isclose(lp.logprob, lp.top[0].logprob, abs_tol=1e-4)
+    # a stop token id ends the stream with finish_reason stop and the id as stop_reason
+    _, _, ids, last = generate(stub, text_req("The capital of France is", max_tokens=6, temperature=0.0,
+                                              stop_token_ids=[ids[2]]))
+    assert last.outputs[-1].finish_reason == "stop" and last.outputs[-1].stop_token_id == ids[-1]
+    # the same prompt again hits the prefix cache
+    _, _, _, last = generate(stub, text_req("The capital of France is " * 4, max_tokens=2))
+    _, _, _, last = generate(stub, text_req("The capital of France is " * 4, max_tokens=2))
+    assert last.usage.cached_tokens >= 16
+
+
+# ---------------------------------------------------------------------------- cancellation
+def test_concurrent_streams_with_cancellations(srv, stub):
+    info0 = server_info(stub)
+    used0 = info0.num_used_blocks
+    max_tokens = 12
+    results: dict[int, object] = {}
+
+    def run(i: int):
+        call = stub.Generate(text_req(f"Story number {i}: once upon a time", max_tokens=max_tokens,
+                                      temperature=0.8, seed=i, ignore_eos=True), metadata=AUTH, timeout=120)
+        n = 0
+        try:
+            for resp in call:
+                n += sum(len(d.token_ids) for d in resp.outputs)
+                if i % 4 == 0 and n >= 2:  # 8 of the 32 streams cancel midway
+                    call.cancel()
+                last = resp
+        except grpc.RpcError as e:
+            results[i] = ("error", e.code(), n)
+            return
+        results[i] = ("done", last, n)
+
+    with ThreadPoolExecutor(32) as ex:
+        list(ex.map(run, range(32)))
+    for i in range(32):
+        kind, x, n = results[i]
+        if i % 4 == 0:
+            assert kind == "error" and x == grpc.StatusCode.CANCELLED, results[i]
+        else:
+            assert kind == "done" and x.finished and n == max_tokens, results[i]
+            assert x.usage.completion_tokens == max_tokens
+    info = wait_until(lambda: (lambda s: s if s.num_in_flight == 0 and s.num_running == 0
+                               and s.num_waiting == 0 and s.num_used_blocks == used0 else None)(server_info(stub)))
+    assert info.num_free_blocks == info0.num_free_blocks
+
+
+def test_deadline_and_abort_free_blocks(srv, stub):
+    used0 = server_info(stub).num_used_blocks
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(text_req("Count to a thousand:", max_tokens=400, ignore_eos=True),
+                           metadata=AUTH, timeout=1.0))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: server_info(stub).num_used_blocks == used0, timeout=5)
+    # the Abort RPC ends the stream with finish_reason "abort"
+    call = stub.Generate(pb.GenerateRequest(request_id="abort-me", text="Count to a thousand:",
+                                            sampling_params=sp(max_tokens=400, ignore_eos=True)),
+                         metadata=AUTH, timeout=60)
+    first = next(call)
+    assert first.request_id == "abort-me"
+    assert stub.Abort(pb.AbortRequest(request_id="abort-me"), metadata=AUTH, timeout=10).found
+    rest = list(call)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert not stub.Abort(pb.AbortRequest(request_id="abort-me"), metadata=AUTH, timeout=10).found
+    wait_until(lambda: server_info(stub).num_used_blocks == used0, timeout=5)
+
+
+# ---------------------------------------------------------------------------- validation
+BAD = [
+    (pb.GenerateRequest(), "input"),
+    (pb.GenerateRequest(text=""), "text"),  # an explicitly empty text is set in the oneof
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "token_ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "prompt_token_ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "prompt_token_ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 600)), "token_ids"),
+    (text_req("hello " * 600), "max_model_len"),
+    (text_req("a" * (32 * 512 + 1)), "text"),
+    (pb.GenerateRequest(chat=pb.Chat()), "chat.messages"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(content="x")])), "role"),
+    (pb.GenerateRequest(request_id="x" * 300, text="hi"), "request_id"),
+    (text_req("hi", temperature=-1.0), "temperature"),
+    (text_req("hi", temperature=float("nan")), "temperature"),
+    (text_req("hi", top_p=0.0), "top_p"),
+    (text_req("hi", top_p=1.5), "top_p"),
+    (text_req("hi", top_k=-2), "top_k"),
+    (text_req("hi", min_p=2.0), "min_p"),
+    (text_req("hi", repetition_penalty=0.0), "repetition_penalty"),
+    (text_req("hi", presence_penalty=3.0), "presence_penalty"),
+    (text_req("hi", frequency_penalty=-2.5), "frequency_penalty"),
+    (text_req("hi", max_tokens=0), "max_tokens"),
+    (text_req("hi", max_tokens=4, min_tokens=5), "min_tokens"),
+    (text_req("hi", n=0), "n"),
+    (text_req("hi", n=CFG.max_n + 1), "n"),
+    (text_req("hi", logprobs=CFG.max_logprobs + 1), "logprobs"),
+    (text_req("hi", logprobs=-1), "logprobs"),
+    (text_req("hi", stop_token_ids=[-1]), "stop_token_ids"),
+    (text_req("hi", stop_token_ids=[10**6]), "stop_token_ids"),
+    (text_req("hi", stop_token_ids=list(range(16))), "stop_token_ids"),
+    (text_req("hi", stop=[""]), "stop"),
+    (text_req("hi", stop=["x"] * 17), "stop"),
+    (text_req("hi", stop=["x" * 300]), "stop"),
+    (text_req("hi", cache_salt=""), "cache_salt"),
+]
+
+
+@pytest.mark.parametrize("req,field", BAD, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument(srv, stub, req, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert field in e.value.details()
+
+
+def test_good_request_after_bad_ones_and_duplicate_id(srv, stub):
+    call = stub.Generate(pb.GenerateRequest(request_id="dup", text="Count to a thousand:",
+                                            sampling_params=sp(max_tokens=200, ignore_eos=True)),
+                         metadata=AUTH, timeout=60)
+    next(call)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(request_id="dup", text="hi"), metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    call.cancel()
+    _, _, ids, last = generate(stub, text_req("hi", max_tokens=3, ignore_eos=True))
+    assert len(ids) == 3 and last.finished
+
+
+def test_oversized_message(srv, stub):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(text_req("a" * (5 * 2**20)), metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_queue_full_is_resource_exhausted(srv, stub):
+    srv.server.max_queued_requests = 0  # at most max_num_seqs (8) requests in flight
+    calls = []
+    try:
+        for i in range(8):
+            calls.append(stub.Generate(text_req(f"Count to a thousand {i}:", max_tokens=400, ignore_eos=True),
+                                       metadata=AUTH, timeout=60))
+        for c in calls:  # each is admitted once it streams
+            next(c)
+        assert server_info(stub).num_in_flight == 8
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(text_req("one too many", max_tokens=2), metadata=AUTH, timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_requests" in e.value.details()
+    finally:
+        for c in calls:
+            c.cancel()
+        srv.server.max_queued_requests = 24
+    wait_until(lambda: server_info(stub).num_in_flight == 0, timeout=10)
+    _, _, ids, _ = generate(stub, text_req("hi", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2
+
+
+# ---------------------------------------------------------------------------- metrics
+def _scrape(srv) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_move(srv, stub):
+    before = _scrape(srv)
+    for _ in range(2):
+        generate(stub, text_req("The capital of France is", max_tokens=5, ignore_eos=True))
+    after = _scrape(srv)
+    for name in ("jaxserve:generation_tokens_total", "jaxserve:prompt_tokens_total",
+                 "jaxserve:time_to_first_token_seconds_count", "jaxserve:e2e_request_latency_seconds_count",
+                 "jaxserve:request_queue_time_seconds_count", "jaxserve:inter_token_latency_seconds_count",
+                 'jaxserve:request_success_total{finished_reason="length"}', "jaxserve:prefix_cache_queries_total"):
+        assert after[name] > before.get(name, 0.0), name
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] == 10
+    for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:num_requests_swapped",
+                 "jaxserve:kv_cache_usage_perc", "jaxserve:kv_cache_cached_free_blocks",
+                 'jaxserve:num_preemptions_total{mode="recompute"}', "jaxserve:prefix_cache_hits_total"):
+        assert name in after, name
+    assert after["jaxserve:compilations_after_warmup_total"] == 0
+
+
+# ---------------------------------------------------------------------------- drain (subprocess)
+def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "-1", "--shutdown-timeout", "8", "--log-interval", "0", *CFG_ARGS],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = wait_until(lambda: (m := re.search(r"listening on 127\.0\.0\.1:(\d+)",
+                                                  (tmp_path / "server.log").read_text())) and int(m.group(1)),
+                          timeout=120, interval=0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            stub = pb_grpc.JaxServeStub(ch)
+
+            def status():
+                try:
+                    return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                except grpc.RpcError:
+                    return None
+
+            assert status() == health_pb2.HealthCheckResponse.NOT_SERVING  # still loading
+            wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=300, interval=0.5)
+            short = stub.Generate(text_req("Once upon a time", max_tokens=20, ignore_eos=True), timeout=60)
+            long = stub.Generate(text_req("Count to a thousand:", max_tokens=480, ignore_eos=True), timeout=60)
+            first_short = next(short)
+            next(long)
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(text_req("late", max_tokens=2), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(short)
+            n = sum(len(d.token_ids) for r in [first_short, *rest] for d in r.outputs)
+            assert n == 20 and rest[-1].finished and rest[-1].outputs[-1].finish_reason == "length"
+            rest = list(long)  # cannot finish within the shutdown timeout: aborted
+            assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
