@@ -19,7 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         if hint is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name == "extra_token_buckets":
+        elif typing.get_origin(hint) is tuple:
             p.add_argument(flag, type=int, nargs="*", default=())
         else:
             args = typing.get_args(hint)
@@ -33,7 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
-    kwargs["extra_token_buckets"] = tuple(kwargs["extra_token_buckets"] or ())
+    for f in dataclasses.fields(EngineConfig):
+        if isinstance(f.default, tuple):
+            kwargs[f.name] = tuple(kwargs[f.name] or ())
     return EngineConfig(**kwargs)
 
 
@@ -78,6 +80,28 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warmup(ns: argparse.Namespace) -> int:
+    import dataclasses as dc
+
+    from jaxserve.engine import Engine
+
+    cfg = engine_config_from_args(ns)
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    t_load = time.perf_counter() - t0
+    report = engine.warmup(progress=not ns.quiet)
+    print(f"model load {t_load:.1f} s; warmup: {report.summary()}")
+    print(f"compilation cache: {engine.cache_dir or 'disabled'}")
+    if ns.manifest:
+        report.write(ns.manifest, {"engine_config": dc.asdict(cfg), "plan": {
+            "token_buckets": engine.plan.token_buckets, "request_buckets": engine.plan.request_buckets}})
+        print(f"manifest: {ns.manifest}")
+    if ns.require_warm_cache and report.num_misses:
+        print(f"jaxserve: error: {report.num_misses} shapes missed the compilation cache", file=sys.stderr)
+        return 3
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="JAX LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,13 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
+    w = sub.add_parser("warmup", help="compile every planned shape into the persistent compilation cache")
+    w.add_argument("--manifest", default=None, help="write a JSON manifest of every shape here")
+    w.add_argument("--require-warm-cache", action="store_true",
+                   help="exit with status 3 when any shape missed the cache")
+    w.add_argument("--quiet", action="store_true")
+    add_engine_args(w)
+    w.set_defaults(func=cmd_warmup)
+
     c = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxserve (orbax) checkpoint")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(func=cmd_convert)
 
-    from server.cli import add_commands  # gRPC `serve` and `client` (lazy: keeps grpc off other commands)
+    from server.cli import (
+        add_commands,  # gRPC `serve` and `client` (lazy: keeps grpc off other commands)
+    )
 
     add_commands(sub)
     return parser

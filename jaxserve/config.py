@@ -42,6 +42,13 @@ class EngineConfig:
     min_token_bucket: int = 16
     token_bucket_gap: int = 256
     extra_token_buckets: tuple[int, ...] = ()
+    token_buckets: tuple[int, ...] = ()  # explicit token buckets (replace the derived ones)
+    traffic_log: str | None = None  # derive token buckets from observed step token counts
+    max_token_buckets: int = 8  # shape budget for traffic-derived buckets
+    record_traffic_log: str | None = None  # append each step's token count to this file
+    compilation_cache_dir: str | None = "default"  # None: no persistent cache
+    strict_compile_guard: bool = False  # raise on any compilation after warmup
+    warmup_threads: int = 0  # 0: one per CPU core
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -69,8 +76,21 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_token_buckets < 1:
+            raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
+        if self.warmup_threads < 0:
+            raise ValueError(f"warmup_threads must be >= 0, got {self.warmup_threads!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def resolved_cache_dir(self) -> str | None:
+        if self.compilation_cache_dir in (None, "", "none"):
+            return None
+        if self.compilation_cache_dir == "default":
+            from jaxserve.compile_cache import default_cache_dir
+
+            return default_cache_dir()
+        return self.compilation_cache_dir
 
     def resolved_dtype(self) -> str:
         return default_dtype_for_platform() if self.dtype == "auto" else self.dtype

@@ -18,7 +18,9 @@ import jax
 import numpy as np
 
 from jaxserve.batch import BatchBuilder, SequenceSpan
-from jaxserve.buckets import pick, request_buckets, token_buckets
+from jaxserve.buckets import pick
+from jaxserve.compile_cache import CompileGuard, enable_persistent_cache
+from jaxserve.compile_plan import CompilePlan, ShapeKey, sampler_variant
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.loading import LoadedModel, load_model
@@ -26,6 +28,7 @@ from jaxserve.models.llama import kv_cache_bytes_per_page
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, Usage
 from jaxserve.runner import ModelRunner
 from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
+from jaxserve.warmup import WarmupReport, compile_ahead
 from scheduler import FinishReason, Request, SamplingParams, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.dtype = config.resolved_dtype()
+        self.cache_dir = config.resolved_cache_dir()
+        if self.cache_dir is not None:  # before anything compiles
+            self.cache_dir = enable_persistent_cache(self.cache_dir)
         self.model = loaded if loaded is not None else load_model(config.model, self.dtype)
         self.model_config = mc = self.model.config
         if self.model.tokenizer is None:
@@ -92,12 +98,14 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_pages=self.num_pages, page_size=config.page_size,
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
+            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq,
         )
-        self.token_buckets = token_buckets(
-            config.max_num_batched_tokens, config.min_token_bucket, config.token_bucket_gap,
-            config.extra_token_buckets,
-        )
-        self.request_buckets = request_buckets(config.max_num_seqs)
+        self.plan = CompilePlan.from_config(config, swap_enabled=self.num_host_pages > 0)
+        self.token_buckets = list(self.plan.token_buckets)
+        self.request_buckets = list(self.plan.request_buckets)
+        self.guard = CompileGuard(strict=config.strict_compile_guard)
+        self.warmup_report: WarmupReport | None = None
+        self._traffic_log = open(config.record_traffic_log, "a") if config.record_traffic_log else None
         self.builder = BatchBuilder(
             config.max_num_batched_tokens, config.max_num_seqs,
             self.scheduler_config.max_blocks_per_seq, config.page_size,
@@ -251,6 +259,9 @@ class Engine:
                     top = tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(k))
                     logprob_rows[sr.request_id] = TokenLogprob(int(token_ids[i]), float(lp[0][i]), int(lp[1][i]), top)
             self.last_step = StepTiming(0.0, device_s, so.num_scheduled_tokens, T)
+            self.guard.check([ShapeKey("backbone", T).name, ShapeKey("head", R, flags).name])
+            if self._traffic_log is not None:
+                self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
         else:
             self.last_step = StepTiming(0.0, device_s, 0, 0)
         updates = self.scheduler.update_from_output(so, sampled)
@@ -300,22 +311,7 @@ class Engine:
         return t, flags
 
     def sampler_variant(self, sampling: bool, top: bool, penalties: bool, logprobs: bool) -> SamplerFlags:
-        """Collapses a batch's needs onto a few compiled sampler variants.
-
-        Three modes (greedy, sample, full) times logprobs on/off: rows whose feature is off get
-        neutral values, so running a richer variant never changes a row's result.
-        """
-        num_lp = self.config.max_logprobs if logprobs else 0
-        if not sampling and not penalties and not top:
-            return SamplerFlags(True, False, False, num_lp)
-        if penalties or top:
-            return SamplerFlags(False, True, True, num_lp)
-        return SamplerFlags(False, False, False, num_lp)
-
-    def sampler_variants(self) -> list[SamplerFlags]:
-        return [self.sampler_variant(s, tp, pn, lp) for (s, tp, pn) in
-                ((False, False, False), (True, False, False), (True, True, True))
-                for lp in ((False, True) if self.config.max_logprobs else (False,))]
+        return sampler_variant(sampling, top, penalties, logprobs, self.config.max_logprobs)
 
     def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
         for f in dataclasses.fields(SamplingTensors):
@@ -380,21 +376,21 @@ class Engine:
         return outs
 
     # ------------------------------------------------------------------ warmup
-    def warmup(self) -> int:
-        """Compiles every planned shape: the backbone per token bucket, the head per request
-        bucket and sampler variant, the swap copies. Returns the number of shapes."""
-        n = 0
-        for T in self.token_buckets:
-            arrays = self.builder.build([], T, self.config.max_num_seqs)
-            h_last = self.runner.run_backbone(arrays)
-            n += 1
-        h_last.block_until_ready()
-        for R in self.request_buckets:
-            for flags in self.sampler_variants():
-                self.runner.sample(h_last, self._tensors[R], R, flags).token_ids.block_until_ready()
-                n += 1
-        self.runner.warmup_swap()
-        return n
+    def warmup(self, *, progress: bool = False) -> WarmupReport:
+        """Compiles every shape of the compile plan ahead of time (from the persistent cache
+        when it is warm), installs the executables and arms the compile guard."""
+        report = compile_ahead(
+            self.runner, self.plan, max_reqs=self.config.max_num_seqs, tensors_by_rows=self._tensors,
+            workers=self.config.warmup_threads, progress=progress, cache_enabled=self.cache_dir is not None,
+        )
+        self.warmup_report = report
+        self.guard.arm()
+        logger.info("warmup: %s", report.summary())
+        return report
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.guard.compiles_after_warmup
 
     def kv_usage_summary(self) -> dict[str, Any]:
         st = self.scheduler.stats()

@@ -27,9 +27,10 @@ class LLM:
         if warmup:
             self.warmup()
 
-    def warmup(self) -> int:
-        """Compiles every planned step shape now, so generation never waits on the compiler."""
-        return self.engine.warmup()
+    def warmup(self, progress: bool = True):
+        """Compiles every planned step shape now (a cache load when the persistent compilation
+        cache is warm), so generation never waits on the compiler. Returns a WarmupReport."""
+        return self.engine.warmup(progress=progress)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -21,12 +21,12 @@ from flax import nnx
 
 import pallas_kernels
 from jaxserve.batch import StepArrays
+from jaxserve.compile_plan import SWAP_SIZES as SWAP_BUCKETS
+from jaxserve.compile_plan import ShapeKey
 from jaxserve.loading import LoadedModel
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors, sample
-
-SWAP_BUCKETS = (8, 64, 512)  # blocks per swap copy call (lists are padded up or split)
 
 
 class ModelRunner:
@@ -38,10 +38,12 @@ class ModelRunner:
         page_size: int,
         num_host_pages: int = 0,
         attention_backend: str = "auto",
+        max_pages_per_seq: int = 0,
     ):
         self.config = loaded.config
         self.page_size = page_size
         self.num_pages = num_pages
+        self.max_pages_per_seq = max_pages_per_seq
         params = jax.tree.map(jnp.asarray, loaded.params)
         model = LlamaForCausalLM(loaded.config, params)
         self.graphdef, self.state = nnx.split(model)
@@ -53,10 +55,9 @@ class ModelRunner:
                  self.config.head_dim)
         self.host_k = np.zeros(shape, self.dtype) if num_host_pages else None
         self.host_v = np.zeros(shape, self.dtype) if num_host_pages else None
-        self._gather_pages = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
-        self._scatter_pages = jax.jit(
-            lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,)
-        )
+        # Ahead-of-time compiled executables by shape (filled by `compile_plan`); a shape
+        # missing here falls back to the jit, which the engine's guard reports.
+        self.executables: dict[ShapeKey, Any] = {}
 
     # ------------------------------------------------------------------ host API
     @staticmethod
@@ -71,12 +72,19 @@ class ModelRunner:
     def run_backbone(self, arrays: StepArrays) -> jax.Array:
         """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]."""
         tok, pos, md, lidx = self.device_inputs(arrays)
-        h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.state,
-                                              self.kv_cache, tok, pos, md, lidx)
+        exe = self.executables.get(ShapeKey("backbone", tok.shape[0]))
+        if exe is not None:
+            h_last, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
+        else:
+            h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.state,
+                                                  self.kv_cache, tok, pos, md, lidx)
         return h_last
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags) -> SamplerOutput:
+        exe = self.executables.get(ShapeKey("head", num_rows, flags))
+        if exe is not None:
+            return exe(self.state, h_last, tensors)
         return _head_jit(self.graphdef, self.state, h_last, tensors, num_rows=num_rows, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
@@ -91,7 +99,7 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device pages to host pages: [(device_page, host_page), ...]."""
         for dev, host in _chunks([(d, h) for d, h in pairs]):
-            k, v = self._gather_pages(self.kv_cache, jnp.asarray(dev))
+            k, v = self._swap_exe(len(dev), 0, _gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
             n = len(host)
             self.host_k[:, host] = np.asarray(k)[:, :n]
             self.host_v[:, host] = np.asarray(v)[:, :n]
@@ -105,16 +113,54 @@ class ModelRunner:
             v = np.zeros_like(k)
             k[:, :n] = self.host_k[:, host]
             v[:, :n] = self.host_v[:, host]
-            self.kv_cache = self._scatter_pages(self.kv_cache, jnp.asarray(dev), k, v)
+            self.kv_cache = self._swap_exe(len(dev), 1, _scatter_pages_jit)(self.kv_cache, jnp.asarray(dev), k, v)
 
-    def warmup_swap(self) -> None:
-        """Compiles the swap copies for every chunk size (padding targets the null page)."""
-        if self.host_k is None:
-            return
-        for size in SWAP_BUCKETS:
-            ids = jnp.zeros(size, jnp.int32)
-            k, v = self._gather_pages(self.kv_cache, ids)
-            self.kv_cache = self._scatter_pages(self.kv_cache, ids, k, v)
+    def _swap_exe(self, size: int, which: int, fallback):
+        pair = self.executables.get(ShapeKey("swap", size))
+        return pair[which] if pair is not None else fallback
+
+    # ------------------------------------------------------------------ ahead-of-time compilation
+    def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
+        """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
+        sds = _abstract
+        if key.kind == "backbone":
+            T = key.size
+            md = AttentionMetadata(
+                slot_mapping=_sds((T,), jnp.int32), cu_q_lens=_sds((max_reqs + 1,), jnp.int32),
+                kv_lens=_sds((max_reqs,), jnp.int32),
+                block_tables=_sds((max_reqs, self.max_pages_per_seq), jnp.int32),
+                num_seqs=_sds((1,), jnp.int32),
+            )
+            return _backbone_jit.lower(
+                self.graphdef, self.attention_backend, sds(self.state), sds(self.kv_cache),
+                _sds((T,), jnp.int32), _sds((T,), jnp.int32), md, _sds((max_reqs,), jnp.int32),
+            ).compile()
+        if key.kind == "head":
+            h = _sds((max_reqs, self.config.hidden_size), self.dtype)
+            return _head_jit.lower(self.graphdef, sds(self.state), h, sds(tensors),
+                                   num_rows=key.size, flags=key.flags).compile()
+        if key.kind == "swap":
+            L, _, S, Hkv, D = self.kv_cache[0].shape
+            ids = _sds((key.size,), jnp.int32)
+            page = _sds((L, key.size, S, Hkv, D), self.dtype)
+            gather = _gather_pages_jit.lower(sds(self.kv_cache), ids).compile()
+            scatter = _scatter_pages_jit.lower(sds(self.kv_cache), ids, page, page).compile()
+            return gather, scatter
+        raise ValueError(f"unknown shape kind {key.kind!r}")
+
+    def install(self, key: ShapeKey, executable: Any) -> None:
+        self.executables[key] = executable
+
+
+def _sds(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs with each leaf's own sharding: warmup shardings equal serving ones."""
+    def one(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(one, tree)
 
 
 # ---------------------------------------------------------------------- pure step functions
@@ -143,6 +189,9 @@ def _head(graphdef, state, h_last, tensors, *, num_rows, flags):
 _backbone_jit = jax.jit(_backbone, static_argnums=(0, 1), donate_argnums=(3,))
 _logits_jit = jax.jit(_logits, static_argnums=(0,), static_argnames=("num_rows",))
 _head_jit = jax.jit(_head, static_argnums=(0,), static_argnames=("num_rows", "flags"))
+_gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
+_scatter_pages_jit = jax.jit(
+    lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,))
 
 
 def _chunks(pairs: list[tuple[int, int]]):

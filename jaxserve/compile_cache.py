@@ -1,0 +1,120 @@
+"""JAX's persistent compilation cache, compile-event counting and the post-warmup guard.
+
+`/jax/core/compile/backend_compile_duration` fires once per XLA compile, and also when an
+executable is loaded from the persistent cache; `/jax/compilation_cache/cache_hits` and
+`cache_misses` tell the two apart. Events fire on the compiling thread, so per-shape hit/miss
+attribution during a threaded warmup uses thread-local counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+MISS_EVENT = "/jax/compilation_cache/cache_misses"
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxserve", "xla")
+
+
+class CompileEvents:
+    """Process-wide counters of compile events (registered once: JAX listeners cannot be removed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.hits = 0
+        self.misses = 0
+        self._tls = threading.local()
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            with self._lock:
+                self.compiles += 1
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event not in (HIT_EVENT, MISS_EVENT):
+            return
+        with self._lock:
+            if event == HIT_EVENT:
+                self.hits += 1
+            else:
+                self.misses += 1
+        tally = getattr(self._tls, "tally", None)
+        if tally is not None:
+            tally[event == HIT_EVENT] += 1
+
+    def start_thread_tally(self) -> None:
+        self._tls.tally = [0, 0]  # [misses, hits] on this thread
+
+    def stop_thread_tally(self) -> tuple[int, int]:
+        """(hits, misses) on this thread since `start_thread_tally`."""
+        misses, hits = self._tls.tally
+        self._tls.tally = None
+        return hits, misses
+
+
+EVENTS = CompileEvents()
+_cache_dir: str | None = None
+
+
+def enable_persistent_cache(cache_dir: str) -> str:
+    """Points JAX's persistent cache at `cache_dir` and makes it cache every executable (no
+    minimum compile time or size). The directory is process-wide: the first engine sets it."""
+    global _cache_dir
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    if _cache_dir is not None:
+        if _cache_dir != cache_dir:
+            logger.warning("compilation cache already at %s; ignoring %s", _cache_dir, cache_dir)
+        return _cache_dir
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _cache_dir = cache_dir
+    return cache_dir
+
+
+class UnplannedCompilationError(RuntimeError):
+    """A shape outside the compile plan was compiled while serving (strict guard)."""
+
+
+class CompileGuard:
+    """Counts compilations after warmup; names the step shapes that caused them."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self.armed = False
+        self._base = 0
+        self._seen = 0
+
+    def arm(self) -> None:
+        self.armed = True
+        self._base = self._seen = EVENTS.compiles
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return EVENTS.compiles - self._base if self.armed else 0
+
+    def check(self, shape_names: list[str]) -> None:
+        """Called after each step with the shapes the step used."""
+        if not self.armed or EVENTS.compiles == self._seen:
+            return
+        new = EVENTS.compiles - self._seen
+        self._seen = EVENTS.compiles
+        msg = f"{new} XLA compilation(s) after warmup while running {', '.join(shape_names) or 'no step'}"
+        if self.strict:
+            raise UnplannedCompilationError(msg)
+        logger.warning(msg)

@@ -1,0 +1,168 @@
+"""The compile plan: the single source of truth for which step shapes exist.
+
+The engine, the warmup script and the tests all read it. Shapes are O(m + n), not O(m * n):
+the backbone is keyed on the token bucket T only; the head (logits + sampler) on the request
+bucket R and one of a few static sampler variants; the swap copies on a few chunk sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from jaxserve.buckets import request_buckets, token_buckets
+from jaxserve.sampler import SamplerFlags
+
+SWAP_SIZES = (8, 64, 512)  # pages per swap copy call (lists are padded up or split)
+
+
+def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, max_logprobs: int) -> SamplerFlags:
+    """Collapses a batch's needs onto a few compiled sampler variants.
+
+    Three modes (greedy, sample, full) times logprobs off/on. Rows whose feature is off get
+    neutral values, so a richer variant never changes a row's result, only its cost.
+    """
+    num_lp = max_logprobs if logprobs else 0
+    if not sampling and not penalties and not top:
+        return SamplerFlags(True, False, False, num_lp)
+    if penalties or top:
+        return SamplerFlags(False, True, True, num_lp)
+    return SamplerFlags(False, False, False, num_lp)
+
+
+def sampler_variants(max_logprobs: int) -> tuple[SamplerFlags, ...]:
+    modes = ((False, False, False), (True, False, False), (True, True, True))
+    lps = (False, True) if max_logprobs else (False,)
+    return tuple(sampler_variant(s, t, p, lp, max_logprobs) for (s, t, p) in modes for lp in lps)
+
+
+def variant_name(flags: SamplerFlags) -> str:
+    mode = "greedy" if flags.all_greedy else ("full" if flags.use_penalties else "sample")
+    return f"{mode}+lp{flags.num_logprobs}" if flags.num_logprobs else mode
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeKey:
+    kind: str  # "backbone" | "head" | "swap"
+    size: int  # T for the backbone, R for the head, pages for swap copies
+    flags: SamplerFlags | None = None  # head only
+
+    @property
+    def name(self) -> str:
+        if self.kind == "backbone":
+            return f"backbone[T={self.size}]"
+        if self.kind == "head":
+            return f"head[R={self.size},{variant_name(self.flags)}]"
+        return f"swap[{self.size}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    token_buckets: tuple[int, ...]
+    request_buckets: tuple[int, ...]
+    sampler_variants: tuple[SamplerFlags, ...]
+    swap_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config, *, swap_enabled: bool) -> CompilePlan:
+        """`config` is an EngineConfig."""
+        if config.token_buckets:
+            tokens = sorted({*config.token_buckets, config.max_num_batched_tokens})
+            if tokens[-1] > config.max_num_batched_tokens or tokens[0] < 1:
+                raise ValueError(
+                    f"token_buckets must lie in [1, max_num_batched_tokens={config.max_num_batched_tokens}]"
+                )
+        elif config.traffic_log:
+            tokens = derive_token_buckets(
+                read_traffic_log(config.traffic_log), config.max_num_batched_tokens, config.max_token_buckets
+            )
+        else:
+            tokens = token_buckets(config.max_num_batched_tokens, config.min_token_bucket,
+                                   config.token_bucket_gap, config.extra_token_buckets)
+        return cls(
+            token_buckets=tuple(tokens),
+            request_buckets=tuple(request_buckets(config.max_num_seqs)),
+            sampler_variants=sampler_variants(config.max_logprobs),
+            swap_sizes=SWAP_SIZES if swap_enabled else (),
+        )
+
+    def shapes(self) -> list[ShapeKey]:
+        out = [ShapeKey("backbone", t) for t in self.token_buckets]
+        out += [ShapeKey("head", r, f) for r in self.request_buckets for f in self.sampler_variants]
+        out += [ShapeKey("swap", s) for s in self.swap_sizes]
+        return out
+
+    def __len__(self) -> int:
+        return len(self.token_buckets) + len(self.request_buckets) * len(self.sampler_variants) + len(
+            self.swap_sizes)
+
+
+# ---------------------------------------------------------------------- traffic-derived buckets
+def read_traffic_log(path: str) -> list[int]:
+    """A traffic log is a text file of observed step token counts, one integer per line
+    (`#` comments allowed); the engine writes one with `EngineConfig.record_traffic_log`."""
+    counts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                counts.append(int(line))
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: not an integer token count: {line!r}") from None
+    if not counts:
+        raise ValueError(f"traffic log {path} holds no token counts")
+    return counts
+
+
+def padding_fraction(counts: Iterable[int], buckets: Sequence[int]) -> float:
+    """Share of computed tokens that are padding when each count runs in its smallest bucket."""
+    b = np.asarray(sorted(buckets))
+    c = np.asarray(list(counts))
+    if c.max() > b[-1]:
+        raise ValueError(f"a step of {c.max()} tokens exceeds the largest bucket {b[-1]}")
+    padded = b[np.searchsorted(b, c)]
+    return float((padded - c).sum() / padded.sum())
+
+
+def derive_token_buckets(counts: Sequence[int], max_tokens: int, max_buckets: int) -> list[int]:
+    """The at most `max_buckets` token buckets (always including `max_tokens`) that minimise
+    the padded tokens of the observed steps: an exact dynamic programme over the distinct
+    counts (a bucket is best placed exactly at an observed count)."""
+    if max_buckets < 1:
+        raise ValueError(f"max_token_buckets must be >= 1, got {max_buckets}")
+    c = np.clip(np.asarray(counts, np.int64), 1, max_tokens)
+    values, freq = np.unique(c, return_counts=True)
+    if values[-1] != max_tokens:  # the exact budget is always a bucket
+        values = np.append(values, max_tokens)
+        freq = np.append(freq, 0)
+    n = len(values)
+    k_max = min(max_buckets, n)
+    # cost(i, j): padding when counts values[i..j] all run in bucket values[j]
+    cum_f = np.concatenate([[0], np.cumsum(freq)])
+    cum_fv = np.concatenate([[0], np.cumsum(freq * values)])
+
+    def cost_from(starts: np.ndarray, j: int) -> np.ndarray:
+        """Padding when values[start..j] all run in bucket values[j], for each start."""
+        return values[j] * (cum_f[j + 1] - cum_f[starts]) - (cum_fv[j + 1] - cum_fv[starts])
+
+    inf = np.iinfo(np.int64).max // 4
+    best = np.full((k_max + 1, n), inf, np.int64)  # best[k, j]: values[..j] in k buckets, last at j
+    prev = np.full((k_max + 1, n), -1, np.int64)
+    best[1] = [cost_from(np.array([0]), j)[0] for j in range(n)]
+    for k in range(2, k_max + 1):
+        for j in range(k - 1, n):
+            i = np.arange(k - 2, j)
+            v = best[k - 1, i] + cost_from(i + 1, j)
+            a = int(np.argmin(v))
+            best[k, j], prev[k, j] = v[a], i[a]
+    k = min(range(1, k_max + 1), key=lambda kk: best[kk, n - 1])
+    out, j = [], n - 1
+    while k >= 1 and j >= 0:
+        out.append(int(values[j]))
+        j = int(prev[k, j])
+        k -= 1
+    return sorted(out)

@@ -1,0 +1,103 @@
+"""Ahead-of-time compilation of every planned shape, in a thread pool, with a manifest.
+
+Each shape is lowered on `jax.ShapeDtypeStruct`s carrying the serving arrays' shardings and
+compiled; the executables are installed in the runner, which then calls them directly. With
+the persistent cache warm, "compiling" a shape is a cache load.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.compile_cache import EVENTS
+from jaxserve.compile_plan import CompilePlan, ShapeKey, variant_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeRecord:
+    name: str
+    kind: str
+    size: int
+    variant: str | None
+    seconds: float
+    # "hit": loaded from the persistent cache; "miss": compiled (and written to it); "memory":
+    # reused from this process's in-memory jit cache; "off": persistent cache disabled
+    cache: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    records: tuple[ShapeRecord, ...]
+    wall_seconds: float
+
+    @property
+    def num_shapes(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_hits(self) -> int:
+        return sum(r.cache == "hit" for r in self.records)
+
+    @property
+    def num_misses(self) -> int:
+        return sum(r.cache == "miss" for r in self.records)
+
+    def summary(self) -> str:
+        return (f"{self.num_shapes} shapes in {self.wall_seconds:.1f} s: {self.num_hits} loaded from the "
+                f"compilation cache, {self.num_misses} compiled"
+                + "".join(f", {n} {what}" for what, n in (
+                    ("reused in memory", sum(r.cache == "memory" for r in self.records)),
+                    ("compiled without a persistent cache", sum(r.cache == "off" for r in self.records)),
+                ) if n))
+
+    def to_json(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            **(extra or {}),
+            "num_shapes": self.num_shapes,
+            "cache_hits": self.num_hits,
+            "cache_misses": self.num_misses,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "shapes": [dataclasses.asdict(r) for r in self.records],
+        }
+
+    def write(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_json(extra), f, indent=1)
+
+
+def compile_ahead(runner, plan: CompilePlan, *, max_reqs: int, tensors_by_rows: dict[int, Any],
+                  workers: int = 0, progress: bool = True, cache_enabled: bool = True) -> WarmupReport:
+    """Compiles every shape of `plan` and installs the executables in `runner`."""
+    keys = plan.shapes()
+    workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
+
+    def one(key: ShapeKey) -> ShapeRecord:
+        EVENTS.start_thread_tally()
+        t0 = time.perf_counter()
+        try:
+            exe = runner.lower_shape(key, max_reqs, tensors_by_rows.get(key.size))
+        finally:
+            hits, misses = EVENTS.stop_thread_tally()
+        seconds = time.perf_counter() - t0
+        runner.install(key, exe)
+        cache = "off" if not cache_enabled else ("miss" if misses else ("hit" if hits else "memory"))
+        return ShapeRecord(key.name, key.kind, key.size,
+                           variant_name(key.flags) if key.flags is not None else None, round(seconds, 3), cache)
+
+    t0 = time.perf_counter()
+    records = []
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
+        total=len(keys), desc="Compiling", unit="shape", disable=not progress
+    ) as bar:
+        for rec in pool.map(one, keys):
+            records.append(rec)
+            bar.update(1)
+    return WarmupReport(tuple(records), time.perf_counter() - t0)

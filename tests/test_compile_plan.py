@@ -1,0 +1,143 @@
+"""The compile plan, ahead-of-time warmup, the persistent cache across processes and the guard."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxserve.buckets import token_buckets
+from jaxserve.compile_plan import (
+    CompilePlan,
+    derive_token_buckets,
+    padding_fraction,
+    read_traffic_log,
+)
+from jaxserve.config import EngineConfig
+
+
+def test_plan_is_m_plus_n_shapes():
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_logprobs=20)
+    plan = CompilePlan.from_config(cfg, swap_enabled=True)
+    assert plan.token_buckets == (16, 32, 64, 128, 256, 512)
+    assert plan.request_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert len(plan.sampler_variants) == 6
+    assert len(plan.shapes()) == len(plan) == 6 + 7 * 6 + 3
+    assert len({s.name for s in plan.shapes()}) == len(plan)
+
+
+def test_token_buckets_powers_then_linear_and_exact_budget():
+    assert token_buckets(1000, 16, 256) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(48, 16, 256) == [16, 32, 48]
+    assert token_buckets(100, 16, 256, extra=[24, 5000]) == [16, 24, 32, 64, 100]
+
+
+def test_explicit_and_invalid_buckets(tmp_path):
+    cfg = EngineConfig(max_num_batched_tokens=256, token_buckets=(8, 100))
+    assert CompilePlan.from_config(cfg, swap_enabled=False).token_buckets == (8, 100, 256)
+    with pytest.raises(ValueError, match="token_buckets"):
+        CompilePlan.from_config(EngineConfig(max_num_batched_tokens=64, token_buckets=(128,)), swap_enabled=False)
+    log = tmp_path / "bad.log"
+    log.write_text("12\nthirteen\n")
+    with pytest.raises(ValueError, match="bad.log:2"):
+        read_traffic_log(str(log))
+
+
+def _synthetic_traffic(seed=0):
+    rng = np.random.default_rng(seed)
+    decodes = rng.integers(1, 40, 4000)  # decode-heavy steps
+    mixed = rng.integers(280, 512, 600)  # steps with a prefill chunk
+    return np.concatenate([decodes, mixed, np.full(300, 512)])
+
+
+def test_traffic_derived_buckets_pad_less_than_default(tmp_path):
+    counts = _synthetic_traffic()
+    log = tmp_path / "traffic.log"
+    log.write_text("# step token counts\n" + "\n".join(map(str, counts)) + "\n")
+    default = token_buckets(512)
+    cfg = EngineConfig(max_num_batched_tokens=512, traffic_log=str(log), max_token_buckets=len(default))
+    derived = CompilePlan.from_config(cfg, swap_enabled=False).token_buckets
+    assert len(derived) <= len(default) and derived[-1] == 512
+    pad_default, pad_derived = padding_fraction(counts, default), padding_fraction(counts, derived)
+    print(f"padding: default buckets {pad_default:.1%}, traffic-derived {pad_derived:.1%}")
+    assert pad_derived < pad_default
+
+
+def test_derived_buckets_are_optimal_on_small_case():
+    counts = [3, 3, 5, 9, 9, 9, 14, 20, 20, 31, 32]
+    best = derive_token_buckets(counts, 32, 3)
+    values = sorted(set(counts) - {32})
+    brute = min(padding_fraction(counts, [*c, 32]) for c in itertools.combinations(values, 2))
+    assert padding_fraction(counts, best) == pytest.approx(brute)
+
+
+_CHILD = textwrap.dedent("""
+    import json, random, sys, time
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    from scheduler import SamplingParams
+    cache, page, budget, workload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, num_pages=64, page_size=page,
+                                 max_model_len=256, compilation_cache_dir=cache, strict_compile_guard=True))
+    rep = engine.warmup()
+    done = aborted = 0
+    if workload:
+        rng = random.Random(3)
+        for i in range(50):
+            ids = [rng.randrange(49152) for _ in range(rng.choice([1, 5, 30, 70, 120]))]
+            p = SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.8]),
+                               top_p=rng.choice([1.0, 0.9]), logprobs=rng.choice([None, 2]), seed=i)
+            engine.add_request(None, p, prompt_token_ids=ids, request_id=str(i))
+            if i % 5 == 4:
+                done += sum(o.finished for o in engine.step())
+            if i % 13 == 12:
+                aborted += engine.abort(str(i - 1))
+        while engine.has_unfinished_requests():
+            done += sum(o.finished for o in engine.step())
+    print(json.dumps({"shapes": rep.num_shapes, "hits": rep.num_hits, "misses": rep.num_misses,
+                      "seconds": rep.wall_seconds, "compiles_after_warmup": engine.compiles_after_warmup,
+                      "finished": done, "aborted": aborted}))
+""")
+
+
+def _run_child(cache, page=16, budget=32, workload=False):
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(cache), str(page), str(budget), "1" if workload else "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_persistent_cache_across_processes(tmp_path):
+    cache = tmp_path / "xla"
+    cold = _run_child(cache)
+    assert cold["misses"] == cold["shapes"] and cold["hits"] == 0
+    warm = _run_child(cache, workload=True)
+    print(f"startup compile: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s "
+          f"({warm['seconds'] / cold['seconds']:.0%}) for {cold['shapes']} shapes")
+    assert warm["hits"] == warm["shapes"] and warm["misses"] == 0
+    assert warm["seconds"] < cold["seconds"]
+    assert warm["compiles_after_warmup"] == 0 and warm["finished"] + warm["aborted"] == 50
+    page = _run_child(cache, page=32)  # page size changes the backbone's shapes
+    assert page["misses"] > 0
+    budget = _run_child(cache, budget=48)  # a new token bucket appears
+    assert budget["misses"] > 0
+
+
+def test_strict_guard_names_an_unplanned_shape(smollm):
+    from jaxserve.compile_cache import UnplannedCompilationError
+    from jaxserve.compile_plan import ShapeKey
+    from jaxserve.engine import Engine
+    from scheduler import SamplingParams
+
+    engine = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=24, num_pages=32, max_model_len=128,
+                                 strict_compile_guard=True, compilation_cache_dir=None), loaded=smollm)
+    engine.warmup()
+    del engine.runner.executables[ShapeKey("backbone", 24)]  # pretend the plan missed it
+    engine.add_request(None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 21)))
+    with pytest.raises(UnplannedCompilationError, match=r"backbone\[T=24\]"):
+        engine.step()
