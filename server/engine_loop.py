@@ -171,8 +171,14 @@ class EngineLoop:
                     continue
                 self._num_steps += 1
                 self._batched_tokens += engine.last_step.num_tokens
-                self._dispatch(outputs)
-            self.snapshot = self._make_snapshot()
+                items = self._process(outputs)
+                # Publish the snapshot before the outputs go out: a client that sees its request
+                # finish and then asks for stats sees that request's blocks freed.
+                self.snapshot = self._make_snapshot()
+                if items:
+                    self.loop.call_soon_threadsafe(_deliver, items)
+            else:
+                self.snapshot = self._make_snapshot()
 
     def _do(self, cmd: Any) -> bool:
         if cmd is _STOP:
@@ -218,7 +224,8 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineFailed(str(exc)))
         self._streams.clear()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _process(self, outputs: list[RequestOutput]) -> list[tuple[asyncio.Queue, RequestOutput]]:
+        """Metrics and bookkeeping for one step's outputs; returns what to deliver where."""
         now = time.monotonic()
         items = []
         m = self.metrics
@@ -242,8 +249,7 @@ class EngineLoop:
         self._generation_tokens += step_tokens
         if m is not None and step_tokens:
             m.generation_tokens.inc(step_tokens)
-        if items:
-            self.loop.call_soon_threadsafe(_deliver, items)
+        return items
 
     def _make_snapshot(self) -> EngineSnapshot:
         ls = self.engine.last_step

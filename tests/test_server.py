@@ -98,14 +98,14 @@ def server_info(stub) -> pb.ServerInfo:
     return stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=AUTH, timeout=10)
 
 
-def wait_until(cond, timeout: float = 20.0, interval: float = 0.05):
+def wait_until(cond, timeout: float = 20.0, interval: float = 0.05, show=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = cond()
         if v:
             return v
         time.sleep(interval)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"condition not met in {timeout} s" + (f": {show()}" if show else ""))
 
 
 def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
@@ -256,7 +256,9 @@ def test_concurrent_streams_with_cancellations(srv, stub):
             assert kind == "done" and x.finished and n == max_tokens, results[i]
             assert x.usage.completion_tokens == max_tokens
     info = wait_until(lambda: (lambda s: s if s.num_in_flight == 0 and s.num_running == 0
-                               and s.num_waiting == 0 and s.num_used_blocks == used0 else None)(server_info(stub)))
+                               and s.num_waiting == 0 and s.num_used_blocks == used0 else None)(server_info(stub)),
+                      show=lambda: (server_info(stub), srv.server.engine.scheduler.running,
+                                    srv.server.engine.scheduler.waiting))
     assert info.num_free_blocks == info0.num_free_blocks
 
 
