@@ -36,6 +36,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: AttentionBackend = "auto"
+    tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)
+    data_parallel_size: int = 1  # in-engine DP is not supported: run replicas (docs/distributed.md)
     max_logprobs: int = 20
     max_n: int = 16
     seed: int = 0
@@ -76,6 +78,13 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                "data_parallel_size must be 1: for data parallelism run independent replicas behind a "
+                "gRPC load balancer (see docs/distributed.md)"
+            )
         if self.max_token_buckets < 1:
             raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
         if self.warmup_threads < 0:

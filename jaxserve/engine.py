@@ -26,6 +26,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.models.llama import kv_cache_bytes_per_page
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, Usage
+from jaxserve.parallel import build_mesh, tp_model_config
 from jaxserve.runner import ModelRunner
 from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
 from jaxserve.warmup import WarmupReport, compile_ahead
@@ -84,10 +85,11 @@ class Engine:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
         self.tokenizer = self.model.tokenizer
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
+        tp_config = tp_model_config(mc, config.tensor_parallel_size)  # validates the split early
         if config.num_pages is not None:
             self.num_pages = config.num_pages
         else:
-            per_page = kv_cache_bytes_per_page(mc, config.page_size, np.float32 if self.dtype == "float32" else np.float16)
+            per_page = kv_cache_bytes_per_page(tp_config, config.page_size, np.float32 if self.dtype == "float32" else np.float16)
             self.num_pages = max(2, int(config.kv_cache_memory_gb * 2**30) // per_page)
         if config.num_host_pages is not None:
             self.num_host_pages = config.num_host_pages
@@ -95,10 +97,11 @@ class Engine:
             self.num_host_pages = self.num_pages if config.preemption_mode == "swap" else 0
         self.scheduler_config = config.scheduler_config(self.num_pages, self.max_model_len, self.num_host_pages)
         self.scheduler = Scheduler(self.scheduler_config)
+        self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         self.runner = ModelRunner(
             self.model, num_pages=self.num_pages, page_size=config.page_size,
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
-            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq,
+            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh,
         )
         self.plan = CompilePlan.from_config(config, swap_enabled=self.num_host_pages > 0)
         self.token_buckets = list(self.plan.token_buckets)

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import pallas_kernels
+from jaxserve import parallel
 from jaxserve.batch import StepArrays
 from jaxserve.compile_plan import SWAP_SIZES as SWAP_BUCKETS
 from jaxserve.compile_plan import ShapeKey
@@ -39,16 +41,30 @@ class ModelRunner:
         num_host_pages: int = 0,
         attention_backend: str = "auto",
         max_pages_per_seq: int = 0,
+        mesh: Mesh | None = None,
     ):
-        self.config = loaded.config
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq
-        params = jax.tree.map(jnp.asarray, loaded.params)
-        model = LlamaForCausalLM(loaded.config, params)
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        if self.mesh is None:
+            self.config = loaded.config
+            params = jax.tree.map(jnp.asarray, loaded.params)
+            self.input_sharding = None
+        else:  # tensor parallel: KV heads replicated up to tp when fewer, params sharded
+            tp = self.mesh.shape[parallel.MODEL_AXIS]
+            self.config = parallel.tp_model_config(loaded.config, tp)
+            params = parallel.expand_kv_heads(loaded.params, loaded.config, self.config.num_kv_heads)
+            params = parallel.shard_params(params, self.config, self.mesh)
+            self.input_sharding = parallel.replicated(self.mesh)
+        model = LlamaForCausalLM(self.config, params)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["embed"].dtype
-        self.kv_cache = init_kv_cache(loaded.config, num_pages, page_size, self.dtype)
+        kv_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh is not None else None
+        self.kv_cache = jax.jit(
+            functools.partial(init_kv_cache, self.config, num_pages, page_size, self.dtype),
+            out_shardings=(kv_sharding, kv_sharding) if kv_sharding is not None else None,
+        )()
         self.attention_backend = attention_backend
         # Host-side swap pool, same layout as the device cache: [L, H, S, Hkv, D] each.
         shape = (self.config.num_layers, max(num_host_pages, 0), page_size, self.config.num_kv_heads,
@@ -60,12 +76,11 @@ class ModelRunner:
         self.executables: dict[ShapeKey, Any] = {}
 
     # ------------------------------------------------------------------ host API
-    @staticmethod
-    def device_inputs(arrays: StepArrays) -> tuple[Any, ...]:
-        """One host-to-device transfer of the step's arrays."""
+    def device_inputs(self, arrays: StepArrays) -> tuple[Any, ...]:
+        """One host-to-device transfer of the step's arrays (replicated over the mesh)."""
         host = (arrays.token_ids, arrays.positions, arrays.slot_mapping, arrays.cu_q_lens,
                 arrays.kv_lens, arrays.block_tables, arrays.num_seqs, arrays.logits_indices)
-        tok, pos, slots, cu, kv, tables, nseq, lidx = jax.device_put(host)
+        tok, pos, slots, cu, kv, tables, nseq, lidx = jax.device_put(host, self.input_sharding)
         md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq)
         return tok, pos, md, lidx
 
@@ -76,15 +91,19 @@ class ModelRunner:
         if exe is not None:
             h_last, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
         else:
-            h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.state,
-                                                  self.kv_cache, tok, pos, md, lidx)
+            h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.mesh,
+                                                  self.state, self.kv_cache, tok, pos, md, lidx)
         return h_last
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags) -> SamplerOutput:
         exe = self.executables.get(ShapeKey("head", num_rows, flags))
         if exe is not None:
+            if self.input_sharding is not None:
+                tensors = jax.device_put(tensors, self.input_sharding)
             return exe(self.state, h_last, tensors)
+        if self.input_sharding is not None:
+            tensors = jax.device_put(tensors, self.input_sharding)
         return _head_jit(self.graphdef, self.state, h_last, tensors, num_rows=num_rows, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
@@ -123,21 +142,25 @@ class ModelRunner:
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
         sds = _abstract
+        rep = self.input_sharding
+
+        def i32(*shape):
+            return _sds(shape, jnp.int32, rep)
+
         if key.kind == "backbone":
             T = key.size
             md = AttentionMetadata(
-                slot_mapping=_sds((T,), jnp.int32), cu_q_lens=_sds((max_reqs + 1,), jnp.int32),
-                kv_lens=_sds((max_reqs,), jnp.int32),
-                block_tables=_sds((max_reqs, self.max_pages_per_seq), jnp.int32),
-                num_seqs=_sds((1,), jnp.int32),
+                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
+                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
             )
             return _backbone_jit.lower(
-                self.graphdef, self.attention_backend, sds(self.state), sds(self.kv_cache),
-                _sds((T,), jnp.int32), _sds((T,), jnp.int32), md, _sds((max_reqs,), jnp.int32),
+                self.graphdef, self.attention_backend, self.mesh, sds(self.state), sds(self.kv_cache),
+                i32(T), i32(T), md, i32(max_reqs),
             ).compile()
         if key.kind == "head":
-            h = _sds((max_reqs, self.config.hidden_size), self.dtype)
-            return _head_jit.lower(self.graphdef, sds(self.state), h, sds(tensors),
+            h = self._h_last_abstract(max_reqs)
+            t = jax.tree.map(lambda x: _sds(x.shape, x.dtype, rep), tensors)
+            return _head_jit.lower(self.graphdef, sds(self.state), h, t,
                                    num_rows=key.size, flags=key.flags).compile()
         if key.kind == "swap":
             L, _, S, Hkv, D = self.kv_cache[0].shape
@@ -147,6 +170,10 @@ class ModelRunner:
             scatter = _scatter_pages_jit.lower(sds(self.kv_cache), ids, page, page).compile()
             return gather, scatter
         raise ValueError(f"unknown shape kind {key.kind!r}")
+
+    def _h_last_abstract(self, max_reqs: int) -> jax.ShapeDtypeStruct:
+        """The backbone's output as the head will receive it (shape, dtype and sharding)."""
+        return _sds((max_reqs, self.config.hidden_size), self.dtype, self.input_sharding)
 
     def install(self, key: ShapeKey, executable: Any) -> None:
         self.executables[key] = executable
@@ -168,13 +195,17 @@ def _abstract(tree):
 # and shapes share compiled executables (and the persistent compilation cache keys).
 
 
-def _backbone(graphdef, attention_backend, state, kv_cache, token_ids, positions, md, logits_indices):
+def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices):
     model = nnx.merge(graphdef, state)
-    return model(
-        token_ids, positions, kv_cache, md, logits_indices,
-        attention_fn=functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend),
-        kv_update_fn=functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend),
-    )
+    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
+    kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
+    if mesh is not None:
+        attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
+    h_last, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
+                             attention_fn=attention_fn, kv_update_fn=kv_update_fn)
+    if mesh is not None:  # the head receives replicated hidden states, as its warmup assumed
+        h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
+    return h_last, kv_cache
 
 
 def _logits(graphdef, state, h_last, *, num_rows):
@@ -186,7 +217,7 @@ def _head(graphdef, state, h_last, tensors, *, num_rows, flags):
     return sample(_logits(graphdef, state, h_last, num_rows=num_rows), tensors, **flags._asdict())
 
 
-_backbone_jit = jax.jit(_backbone, static_argnums=(0, 1), donate_argnums=(3,))
+_backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _logits_jit = jax.jit(_logits, static_argnums=(0,), static_argnames=("num_rows",))
 _head_jit = jax.jit(_head, static_argnums=(0,), static_argnames=("num_rows", "flags"))
 _gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))

@@ -1,0 +1,147 @@
+"""Tensor parallelism over a device mesh (Megatron-style, expressed as GSPMD shardings).
+
+Attention heads and the MLP hidden dimension are split over the mesh's "model" axis; the
+row-parallel projections (o_proj, down_proj) get their all-reduce from GSPMD. The KV cache is
+sharded by KV head. When there are fewer KV heads than ranks, each KV head is replicated
+(`tp / Hkv` copies) so that every rank holds exactly the KV heads its query heads read; the
+result is mathematically the same model. Embeddings and logits are sharded over the
+vocabulary. Attention and the KV-cache update run per shard under `shard_map`, so the
+kernels see ordinary single-device arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL_AXIS = "model"
+
+
+def build_mesh(tensor_parallel_size: int, devices: list[Any] | None = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} exceeds the {len(devices)} available devices"
+        )
+    return jax.make_mesh((tensor_parallel_size,), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:tensor_parallel_size])
+
+
+def tp_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config each rank computes with: KV heads replicated up to `tp` when fewer.
+
+    Raises ValueError when `tp` cannot split the model's heads or MLP evenly.
+    """
+    if tp == 1:
+        return cfg
+    if cfg.num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's {cfg.num_heads} attention heads"
+        )
+    if cfg.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the MLP size {cfg.intermediate_size}"
+        )
+    hkv = cfg.num_kv_heads
+    if hkv >= tp:
+        if hkv % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {hkv} KV heads")
+        return cfg
+    if tp % hkv:
+        raise ValueError(
+            f"tensor_parallel_size {tp} is not a multiple of the model's {hkv} KV heads, so KV heads "
+            "cannot be replicated evenly"
+        )
+    return dataclasses.replace(cfg, num_kv_heads=tp)
+
+
+def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: int) -> dict[str, Any]:
+    """Repeats each KV head's columns in k/v projections (and biases) `new / old` times, in
+    order, so expanded head j serves the query heads the original head j // rep served."""
+    rep = new_num_kv_heads // cfg.num_kv_heads
+    if rep == 1:
+        return params
+    D = cfg.head_dim
+    layers = dict(params["layers"])
+    for name in ("k_proj", "v_proj"):
+        w = np.asarray(layers[name])  # [L, E, Hkv*D]
+        L, E, _ = w.shape
+        layers[name] = np.repeat(w.reshape(L, E, cfg.num_kv_heads, 1, D), rep, axis=3).reshape(L, E, -1)
+    for name in ("k_bias", "v_bias"):
+        if name in layers:
+            b = np.asarray(layers[name])  # [L, Hkv*D]
+            layers[name] = np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, 1, D), rep, axis=2).reshape(
+                b.shape[0], -1)
+    return {**params, "layers": layers}
+
+
+_LAYER_SPECS = {
+    "q_proj": P(None, None, MODEL_AXIS),
+    "k_proj": P(None, None, MODEL_AXIS),
+    "v_proj": P(None, None, MODEL_AXIS),
+    "q_bias": P(None, MODEL_AXIS),
+    "k_bias": P(None, MODEL_AXIS),
+    "v_bias": P(None, MODEL_AXIS),
+    "o_proj": P(None, MODEL_AXIS, None),
+    "gate_proj": P(None, None, MODEL_AXIS),
+    "up_proj": P(None, None, MODEL_AXIS),
+    "down_proj": P(None, MODEL_AXIS, None),
+}
+
+
+def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, Any]:
+    vocab_split = cfg.vocab_size % tp == 0
+    if not vocab_split:
+        logger.warning("vocabulary %d not divisible by tp=%d: embeddings replicated", cfg.vocab_size, tp)
+    specs: dict[str, Any] = {
+        "embed": P(MODEL_AXIS, None) if vocab_split else P(),
+        "final_norm": P(),
+        "layers": {k: _LAYER_SPECS.get(k, P()) for k in params["layers"]},
+    }
+    if "lm_head" in params:
+        specs["lm_head"] = P(None, MODEL_AXIS) if vocab_split else P()
+    return specs
+
+
+def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    specs = param_specs(params, cfg, mesh.shape[MODEL_AXIS])
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))  # [L, P, S, Hkv, D]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
+    """Wraps the attention and KV-update ops so each rank runs them on its own heads."""
+    heads = P(None, MODEL_AXIS, None)  # [T, H, D]
+    pages = P(None, None, MODEL_AXIS, None)  # [pages, S, Hkv, D]
+
+    def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kwargs):
+        fn = jax.shard_map(functools.partial(attention_fn, **kwargs), mesh=mesh,
+                           in_specs=(heads, pages, pages, P(), P(), P(), P()), out_specs=heads,
+                           check_vma=False)
+        return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+
+    def kv_update(k_new, v_new, k_pages, v_pages, slot_mapping):
+        fn = jax.shard_map(kv_update_fn, mesh=mesh, in_specs=(heads, heads, pages, pages, P()),
+                           out_specs=(pages, pages), check_vma=False)
+        return fn(k_new, v_new, k_pages, v_pages, slot_mapping)
+
+    return attention, kv_update

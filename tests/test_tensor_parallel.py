@@ -1,0 +1,98 @@
+"""Tensor parallelism on 8 virtual CPU devices: same greedy tokens as TP=1, nothing compiled
+after warmup, clear errors for head counts TP does not divide.
+
+`jax_num_cpu_devices` must be set before JAX starts, so the checks run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    from jaxserve.loading import load_model
+    from scheduler import SamplingParams
+
+    def greedy(loaded, tp, prompts):
+        e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
+                                tensor_parallel_size=tp, max_logprobs=0, compilation_cache_dir=None),
+                   loaded=loaded)
+        e.warmup()
+        for i, ids in enumerate(prompts):
+            e.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          prompt_token_ids=ids, request_id=str(i))
+        outs = {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+        return [outs[str(i)] for i in range(len(prompts))], e.compiles_after_warmup
+
+    result = {}
+    smol = load_model(None, "float32")
+    prompts = [smol.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def add(a, b):", "Hi")]
+    for tp in (1, 3):
+        result[f"smollm-tp{tp}"] = greedy(smol, tp, prompts)
+    for path in sys.argv[1:]:
+        tiny = load_model(path, "float32")
+        prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
+        for tp in (1, 2, 4, 8):
+            result[f"{path}-tp{tp}"] = greedy(tiny, tp, prompts)
+    print(json.dumps(result))
+""")
+
+
+def _tiny_model(path, num_kv_heads):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=num_kv_heads)
+    torch.manual_seed(num_kv_heads)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so greedy picks are not near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_tensor_parallel_matches_single_device(tmp_path):
+    paths = [_tiny_model(tmp_path / f"kv{h}", h) for h in (8, 4, 2)]
+    res = subprocess.run([sys.executable, "-c", _CHILD, *paths], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["smollm-tp3"][0] == result["smollm-tp1"][0]
+    for path in paths:
+        base = result[f"{path}-tp1"][0]
+        for tp in (2, 4, 8):
+            tokens, compiles = result[f"{path}-tp{tp}"]
+            assert tokens == base, f"{path} tp={tp}: {tokens} != {base}"
+            assert compiles == 0
+    assert all(compiles == 0 for _, compiles in result.values())
+
+
+def test_tp_that_does_not_divide_heads_is_a_clear_error(smollm):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.parallel import tp_model_config
+
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        Engine(EngineConfig(tensor_parallel_size=2, num_pages=16), loaded=smollm)
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=96, num_layers=1,
+                      num_heads=12, num_kv_heads=3, head_dim=8)
+    with pytest.raises(ValueError, match="not a multiple of the model's 3 KV heads"):
+        tp_model_config(cfg, 4)
+    assert tp_model_config(cfg, 6).num_kv_heads == 6  # each KV head replicated twice
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineConfig(data_parallel_size=2)
