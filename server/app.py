@@ -288,14 +288,19 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
         self._enter()
-        q = None
+        ticket = object()
         done = False
         try:
             try:
                 q = await self.loop_runner.add_request(rid, params, prompt=text, prompt_token_ids=ids,
-                                                       chat=chat, arrival_time=arrival)
+                                                       chat=chat, arrival_time=arrival, ticket=ticket)
             except ValueError as e:
+                done = True
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:
+                done = True
+                logger.exception("add_request failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"could not admit the request: {e}")
             reported: set[int] = set()
             while True:
                 item = await q.get()
@@ -319,9 +324,10 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {item}")
         finally:
             self._leave()
-            if q is not None and not done:
-                # Cancelled, disconnected or past its deadline: free its KV blocks now.
-                self.loop_runner.abort(rid)
+            if not done:
+                # Cancelled, disconnected or past its deadline (maybe while being admitted):
+                # abort this RPC's request so its KV blocks are free by the next step.
+                self.loop_runner.abort(rid, ticket=ticket)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         await self._require_serving(context)

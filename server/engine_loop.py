@@ -64,6 +64,7 @@ class EngineSnapshot:
 @dataclasses.dataclass
 class _Stream:
     queue: asyncio.Queue
+    ticket: object = None  # identifies the RPC that owns the request id
     last_token_time: float | None = None
 
 
@@ -118,10 +119,13 @@ class EngineLoop:
         prompt_token_ids: list[int] | None = None,
         chat: tuple[list[dict[str, str]], bool] | None = None,
         arrival_time: float | None = None,
+        ticket: object = None,
     ) -> asyncio.Queue:
         """Admits a request; returns the queue its `RequestOutput`s arrive on.
 
-        Raises ValueError (naming the field) when the engine rejects the request.
+        Raises ValueError (naming the field) when the engine rejects the request. `ticket`
+        (any object) lets the caller abort exactly this request later, even if it gives up
+        before the admission completes: see `abort`.
         """
         q: asyncio.Queue = asyncio.Queue()
 
@@ -131,16 +135,19 @@ class EngineLoop:
                 ids = apply_chat_template(engine.tokenizer, chat[0], chat[1])
             engine.add_request(prompt, params, prompt_token_ids=ids, request_id=request_id,
                                arrival_time=arrival_time)
-            self._streams[request_id] = _Stream(q)
+            self._streams[request_id] = _Stream(q, ticket)
 
         await self.call(add)
         return q
 
-    def abort(self, request_id: str, notify: str | None = None) -> concurrent.futures.Future:
-        """Aborts a request; with `notify`, its stream gets an `Aborted(notify)` item.
-        The future holds True when the request was still in the engine."""
+    def abort(self, request_id: str, notify: str | None = None, ticket: object = None) -> concurrent.futures.Future:
+        """Aborts a request; with `notify`, its stream gets an `Aborted(notify)` item. With a
+        `ticket`, only the request admitted with that ticket is aborted (never another request
+        that happens to use the same id). Commands run in order, so an abort sent while the
+        admission is still queued takes effect right after it. The future holds True when the
+        request was still in the engine."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("abort", request_id, notify, fut))
+        self._cmds.put(("abort", request_id, notify, ticket, fut))
         return fut
 
     def abort_all(self, reason: str) -> concurrent.futures.Future:
@@ -192,8 +199,12 @@ class EngineLoop:
                 except BaseException as e:  # noqa: BLE001 - delivered to the caller
                     fut.set_exception(e)
         elif kind == "abort":
-            _, rid, notify, fut = cmd
-            found = self._abort_one(rid, notify)
+            _, rid, notify, ticket, fut = cmd
+            stream = self._streams.get(rid)
+            if ticket is not None and (stream is None or stream.ticket is not ticket):
+                found = False  # not admitted, already finished, or someone else's request
+            else:
+                found = self._abort_one(rid, notify)
             if not fut.done():
                 fut.set_result(found)
         return True

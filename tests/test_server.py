@@ -8,6 +8,7 @@ import asyncio
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,11 +45,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 class ServerThread:
     """A JaxServeServer running on an event loop in a background thread."""
 
-    def __init__(self, cfg: EngineConfig, opts: ServerOptions):
+    def __init__(self, cfg: EngineConfig, opts: ServerOptions, engine=None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = JaxServeServer(cfg, opts)
+        self.server = JaxServeServer(cfg, opts, engine=engine)
         self.run(self.server.start(), 30)
         self.run(self.server.load(), 600)
         self.address = f"127.0.0.1:{self.server.port}"
@@ -396,6 +397,34 @@ def test_metrics_move(srv, stub):
                  'jaxserve:num_preemptions_total{mode="recompute"}', "jaxserve:prefix_cache_hits_total"):
         assert name in after, name
     assert after["jaxserve:compilations_after_warmup_total"] == 0
+
+
+# ---------------------------------------------------------------------------- TLS
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
+def test_tls(srv, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    from jaxserve.engine import Engine
+
+    engine = Engine(CFG, loaded=srv.server.engine.model)  # shares the weights; no generation here
+    tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, log_interval=0,
+                                          tls_cert_file=str(cert), tls_key_file=str(key), warmup=False),
+                       engine=engine)
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(tls.address, creds) as ch:
+            stub = pb_grpc.JaxServeStub(ch)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).vocab_size > 0
+            assert stub.Tokenize(pb.TokenizeRequest(text="Hello"), timeout=10).count > 0
+        with grpc.insecure_channel(tls.address) as ch:  # plaintext to a TLS port fails
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.JaxServeStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        tls.close()
 
 
 # ---------------------------------------------------------------------------- drain (subprocess)
