@@ -283,6 +283,25 @@ def test_deadline_and_abort_free_blocks(srv, stub):
     wait_until(lambda: server_info(stub).num_used_blocks == used0, timeout=5)
 
 
+def test_cancel_aborts_within_a_step(srv, stub):
+    """While another request keeps the engine stepping, a cancelled stream leaves the running
+    batch within a step or two of the cancel (the abort is handled before the next step)."""
+    bg = stub.Generate(text_req("Count to a thousand:", max_tokens=300, ignore_eos=True), metadata=AUTH, timeout=60)
+    fg = stub.Generate(text_req("Once upon a time", max_tokens=300, ignore_eos=True), metadata=AUTH, timeout=60)
+    try:
+        next(bg)
+        for _ in range(3):
+            next(fg)
+        assert server_info(stub).num_running == 2
+        steps0 = srv.server.loop_runner.snapshot.num_steps
+        fg.cancel()
+        wait_until(lambda: server_info(stub).num_running == 1, timeout=10, interval=0.005)
+        assert srv.server.loop_runner.snapshot.num_steps - steps0 <= 3
+    finally:
+        bg.cancel()
+    wait_until(lambda: server_info(stub).num_in_flight == 0, timeout=10)
+
+
 # ---------------------------------------------------------------------------- validation
 BAD = [
     (pb.GenerateRequest(), "input"),
