@@ -45,7 +45,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     cfg = engine_config_from_args(ns)
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
-    llm = LLM(cfg.model, warmup=ns.warmup, **kwargs)
+    if cfg.num_processes > 1 and cfg.process_id != 0:  # a follower runs the leader's steps
+        from jaxserve.engine import Engine
+
+        engine = Engine(cfg)
+        engine.warmup()
+        engine.run_follower()
+        engine.close()
+        return 0
+    llm = LLM(cfg.model, warmup=ns.warmup or cfg.num_processes > 1, **kwargs)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed_sampling)
     t0 = time.perf_counter()
@@ -60,6 +68,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         ntok += len(comp.token_ids)
         print(f"### {prompt}\n{comp.text}\n[finish: {comp.finish_reason}, {len(comp.token_ids)} tokens]")
     print(f"# {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s)", file=sys.stderr)
+    llm.engine.close()
     return 0
 
 

@@ -38,6 +38,10 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)
     data_parallel_size: int = 1  # in-engine DP is not supported: run replicas (docs/distributed.md)
+    coordinator: str | None = None  # multi-host: HOST:PORT of process 0's jax.distributed service
+    num_processes: int = 1
+    process_id: int = 0
+    heartbeat_timeout_s: float = 5.0
     max_logprobs: int = 20
     max_n: int = 16
     seed: int = 0
@@ -85,6 +89,11 @@ class EngineConfig:
                 "data_parallel_size must be 1: for data parallelism run independent replicas behind a "
                 "gRPC load balancer (see docs/distributed.md)"
             )
+        if self.num_processes > 1:
+            if not self.coordinator:
+                raise ValueError("coordinator (HOST:PORT) is required when num_processes > 1")
+            if self.preemption_mode == "swap":
+                raise ValueError("preemption_mode 'swap' is not supported across hosts; use 'recompute'")
         if self.max_token_buckets < 1:
             raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
         if self.warmup_threads < 0:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve import distributed
 from jaxserve.batch import BatchBuilder, SequenceSpan
 from jaxserve.buckets import pick
 from jaxserve.compile_cache import CompileGuard, enable_persistent_cache
@@ -75,6 +76,17 @@ class _Parent:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
+        self.distributed = None
+        if config.num_processes > 1:  # before anything touches a JAX backend
+            self.distributed = distributed.DistributedConfig(
+                config.coordinator, config.num_processes, config.process_id, config.heartbeat_timeout_s)
+            distributed.initialize(self.distributed)
+            if config.tensor_parallel_size != jax.device_count():
+                raise ValueError(
+                    f"multi-host serving shards the model over all {jax.device_count()} devices: set "
+                    f"tensor_parallel_size={jax.device_count()} (got {config.tensor_parallel_size})")
+        self.healthy = True
+        self.unhealthy_reason: str | None = None
         self.dtype = config.resolved_dtype()
         self.cache_dir = config.resolved_cache_dir()
         if self.cache_dir is not None:  # before anything compiles
@@ -122,6 +134,15 @@ class Engine:
         self._seqs: dict[str, _Sequence] = {}
         self._parents: dict[str, _Parent] = {}
         self.last_step = StepTiming()
+        self.channel = None
+        self._monitor = None
+        if self.distributed is not None:
+            self.channel = distributed.StepChannel(
+                config.max_num_batched_tokens, config.max_num_seqs, self.scheduler_config.max_blocks_per_seq,
+                MAX_STOP_TOKEN_IDS + 1, self.max_model_len, self.plan.sampler_variants)
+            if self.is_leader:
+                self.runner = distributed.LeaderRunner(self.runner, self.channel)
+            self._monitor = distributed.PeerMonitor(self.distributed, self._mark_unhealthy).start()
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else getattr(
             self.tokenizer, "eos_token_id", None)
 
@@ -246,9 +267,14 @@ class Engine:
             R = pick(self.request_buckets, len(spans))
             tensors, flags = self._fill_sampling(so.scheduled, R)
             td = time.perf_counter()
-            h_last = self.runner.run_backbone(arrays)
-            out = self.runner.sample(h_last, tensors, R, flags)
-            token_ids = np.asarray(out.token_ids)
+            try:
+                h_last = self.runner.run_backbone(arrays)
+                out = self.runner.sample(h_last, tensors, R, flags)
+                token_ids = np.asarray(out.token_ids)
+            except Exception as e:
+                if self.distributed is not None:  # a collective failed: a peer is gone
+                    self._mark_unhealthy(f"multi-host step failed: {e}")
+                raise
             if flags.num_logprobs:
                 lp = jax.device_get((out.chosen_logprob, out.chosen_rank, out.top_logprobs, out.top_token_ids))
             device_s += time.perf_counter() - td
@@ -387,9 +413,36 @@ class Engine:
             workers=self.config.warmup_threads, progress=progress, cache_enabled=self.cache_dir is not None,
         )
         self.warmup_report = report
+        if self.channel is not None:  # every process compiles the broadcasts in the same order
+            self.channel.prime()
         self.guard.arm()
         logger.info("warmup: %s", report.summary())
         return report
+
+    # ------------------------------------------------------------------ multi-host
+    @property
+    def is_leader(self) -> bool:
+        return self.distributed is None or self.distributed.process_id == 0
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        self.healthy = False
+        self.unhealthy_reason = reason
+
+    def run_follower(self) -> None:
+        """A follower process's whole life after warmup: run the leader's steps until STOP."""
+        if self.is_leader:
+            raise RuntimeError("run_follower is for processes other than process 0")
+        distributed.run_follower(self.runner, self.channel, self._tensors)
+
+    def close(self) -> None:
+        """Ends the followers' loops (leader) and stops heartbeats."""
+        if self.channel is not None and self.is_leader and self.healthy:
+            try:
+                self.channel.send_stop()
+            except Exception as e:  # a dead follower: nothing to stop
+                logger.warning("could not stop followers: %s", e)
+        if self._monitor is not None:
+            self._monitor.stop()
 
     @property
     def compiles_after_warmup(self) -> int:

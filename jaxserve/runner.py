@@ -80,9 +80,24 @@ class ModelRunner:
         """One host-to-device transfer of the step's arrays (replicated over the mesh)."""
         host = (arrays.token_ids, arrays.positions, arrays.slot_mapping, arrays.cu_q_lens,
                 arrays.kv_lens, arrays.block_tables, arrays.num_seqs, arrays.logits_indices)
-        tok, pos, slots, cu, kv, tables, nseq, lidx = jax.device_put(host, self.input_sharding)
+        tok, pos, slots, cu, kv, tables, nseq, lidx = self._put(host)
         md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq)
         return tok, pos, md, lidx
+
+    def _put(self, tree):
+        """Host data to (replicated) device arrays. Across processes each one places its own
+        copy on its local devices and the global array is assembled without a jit, so a step
+        never compiles a transfer."""
+        sharding = self.input_sharding
+        if sharding is None or sharding.is_fully_addressable:
+            return jax.device_put(tree, sharding)
+
+        def one(x):
+            x = np.asarray(x)
+            local = [jax.device_put(x, d) for d in sharding.addressable_devices]
+            return jax.make_array_from_single_device_arrays(x.shape, sharding, local)
+
+        return jax.tree.map(one, tree)
 
     def run_backbone(self, arrays: StepArrays) -> jax.Array:
         """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]."""
@@ -100,10 +115,10 @@ class ModelRunner:
         exe = self.executables.get(ShapeKey("head", num_rows, flags))
         if exe is not None:
             if self.input_sharding is not None:
-                tensors = jax.device_put(tensors, self.input_sharding)
+                tensors = self._put(tensors)
             return exe(self.state, h_last, tensors)
         if self.input_sharding is not None:
-            tensors = jax.device_put(tensors, self.input_sharding)
+            tensors = self._put(tensors)
         return _head_jit(self.graphdef, self.state, h_last, tensors, num_rows=num_rows, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:

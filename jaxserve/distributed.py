@@ -1,0 +1,262 @@
+"""Multi-host serving: `jax.distributed`, a leader that broadcasts each step, followers that
+run the same jitted step, and heartbeats so a dead peer makes the leader unhealthy.
+
+Process 0 (the leader) runs the scheduler and the front end. Every runner call it makes is
+first broadcast to all processes as a fixed-size header plus a fixed-size int32 payload (one
+compiled broadcast per size class, primed at warmup, so serving compiles nothing); every
+process then runs the same SPMD executable over the global mesh. Followers loop on
+`run_follower` until the leader sends STOP.
+
+A dead follower surfaces two ways, both without a hang: the leader's next collective fails
+at once (gloo reports the reset connection), and an idle leader's heartbeat monitor sees the
+follower's heartbeat go stale within `heartbeat_timeout_s`. Either marks the engine
+unhealthy. JAX's coordination service then ends the remaining processes, so an orchestrator
+restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.batch import StepArrays
+from jaxserve.sampler import SamplerFlags, SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+OP_NOOP, OP_BACKBONE, OP_SAMPLE, OP_STOP = 0, 1, 2, 3
+HEADER_SIZE = 8  # [op, T, R, variant index, has penalties, num_reqs, num_tokens, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    heartbeat_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.num_processes < 2:
+            raise ValueError(f"num_processes must be >= 2 for multi-host serving, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+        if not self.coordinator_address or ":" not in self.coordinator_address:
+            raise ValueError(f"coordinator must be HOST:PORT, got {self.coordinator_address!r}")
+
+
+_initialized = False
+
+
+def initialize(dc: DistributedConfig) -> None:
+    """`jax.distributed.initialize`, with gloo collectives when the processes run on CPUs."""
+    global _initialized
+    if _initialized:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        dc.coordinator_address, dc.num_processes, dc.process_id,
+        heartbeat_timeout_seconds=max(2, int(dc.heartbeat_timeout_s)),
+    )
+    _initialized = True
+
+
+def _broadcast(x: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(x))
+
+
+class StepChannel:
+    """Packs runner calls into fixed-size int32 buffers and broadcasts them from the leader."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, num_stop_ids: int,
+                 penalty_width: int, variants: tuple[SamplerFlags, ...]):
+        self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, max_pages_per_seq
+        self.variants = variants
+        self.backbone_size = 3 * max_tokens + (max_reqs + 1) + max_reqs * (2 + max_pages_per_seq) + 1
+        self._scalar_fields = [f.name for f in dataclasses.fields(SamplingTensors)
+                               if f.name not in ("stop_token_ids", "penalty_token_ids")]
+        self.sample_size = max_reqs * (len(self._scalar_fields) + num_stop_ids)
+        self.penalty_size = max_reqs * penalty_width
+
+    # -------------------------------------------------------------- broadcast primitives
+    def _send(self, header: list[int], payloads: list[np.ndarray]) -> None:
+        h = np.zeros(HEADER_SIZE, np.int32)
+        h[: len(header)] = header
+        _broadcast(h)
+        for p in payloads:
+            _broadcast(p)
+
+    def prime(self) -> None:
+        """Compiles each broadcast size class (both sides run this at warmup)."""
+        for size in (HEADER_SIZE, self.backbone_size, self.sample_size, self.penalty_size):
+            _broadcast(np.zeros(size, np.int32))
+
+    # -------------------------------------------------------------- backbone
+    def send_backbone(self, a: StepArrays) -> None:
+        T = len(a.token_ids)
+        buf = np.zeros(self.backbone_size, np.int32)
+        parts = [a.token_ids, a.positions, a.slot_mapping]
+        for i, p in enumerate(parts):
+            buf[i * self.max_tokens : i * self.max_tokens + T] = p
+        o = 3 * self.max_tokens
+        for p in (a.cu_q_lens, a.kv_lens, a.logits_indices, a.block_tables.ravel(), a.num_seqs):
+            buf[o : o + p.size] = p.ravel()
+            o += p.size
+        self._send([OP_BACKBONE, T, 0, 0, 0, a.num_reqs, a.num_tokens], [buf])
+
+    def recv_backbone(self, header: np.ndarray) -> StepArrays:
+        T, n_reqs, n_tok = int(header[1]), int(header[5]), int(header[6])
+        buf = _broadcast(np.zeros(self.backbone_size, np.int32))
+        tok, pos, slots = (buf[i * self.max_tokens : i * self.max_tokens + T].copy() for i in range(3))
+        o = 3 * self.max_tokens
+        R = self.max_reqs
+        out = []
+        for n in (R + 1, R, R, R * self.width, 1):
+            out.append(buf[o : o + n].copy())
+            o += n
+        cu, kv, lidx, tables, nseq = out
+        return StepArrays(tok, pos, slots, cu, kv, tables.reshape(R, self.width), nseq, lidx, n_tok, n_reqs)
+
+    # -------------------------------------------------------------- sampler
+    def send_sample(self, t: SamplingTensors, rows: int, flags: SamplerFlags) -> None:
+        buf = np.zeros(self.sample_size, np.int32)
+        o = 0
+        for name in self._scalar_fields:
+            a = np.asarray(getattr(t, name))[:rows]
+            buf[o : o + rows] = a.view(np.int32) if a.dtype.itemsize == 4 else a.astype(np.int32)
+            o += self.max_reqs
+        stops = np.asarray(t.stop_token_ids)[:rows]
+        buf[o : o + stops.size] = stops.ravel()
+        payloads = [buf]
+        if flags.use_penalties:
+            pen = np.zeros(self.penalty_size, np.int32)
+            ids = np.asarray(t.penalty_token_ids)[:rows]
+            pen[: ids.size] = ids.ravel()
+            payloads.append(pen)
+        self._send([OP_SAMPLE, 0, rows, self.variants.index(flags), int(flags.use_penalties)], payloads)
+
+    def recv_sample(self, header: np.ndarray, into: SamplingTensors) -> tuple[SamplingTensors, int, SamplerFlags]:
+        rows, flags = int(header[2]), self.variants[int(header[3])]
+        buf = _broadcast(np.zeros(self.sample_size, np.int32))
+        o = 0
+        for name in self._scalar_fields:
+            dst = getattr(into, name)
+            src = buf[o : o + rows]
+            dst[:rows] = src.view(dst.dtype) if dst.dtype.itemsize == 4 else src.astype(dst.dtype)
+            o += self.max_reqs
+        S = into.stop_token_ids.shape[1]
+        into.stop_token_ids[:rows] = buf[o : o + rows * S].reshape(rows, S)
+        if header[4]:
+            P = into.penalty_token_ids.shape[1]
+            pen = _broadcast(np.zeros(self.penalty_size, np.int32))
+            into.penalty_token_ids[:rows] = pen[: rows * P].reshape(rows, P)
+        return into, rows, flags
+
+    def send_stop(self) -> None:
+        self._send([OP_STOP], [])
+
+    def recv_header(self) -> np.ndarray:
+        return _broadcast(np.zeros(HEADER_SIZE, np.int32))
+
+
+class LeaderRunner:
+    """The leader's runner: broadcasts each call, then runs it like every follower does."""
+
+    def __init__(self, runner, channel: StepChannel):
+        self._runner = runner
+        self._channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def run_backbone(self, arrays: StepArrays):
+        self._channel.send_backbone(arrays)
+        return self._runner.run_backbone(arrays)
+
+    def sample(self, h_last, tensors: SamplingTensors, num_rows: int, flags: SamplerFlags):
+        self._channel.send_sample(tensors, num_rows, flags)
+        return self._runner.sample(h_last, tensors, num_rows, flags)
+
+    def swap_out(self, pairs) -> None:
+        raise RuntimeError("swap preemption is not supported across hosts")
+
+    swap_in = swap_out
+
+
+def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, SamplingTensors]) -> None:
+    """A follower's loop: receive each runner call from the leader and run it, until STOP."""
+    h_last = None
+    while True:
+        header = channel.recv_header()
+        op = int(header[0])
+        if op == OP_STOP:
+            return
+        if op == OP_BACKBONE:
+            h_last = runner.run_backbone(channel.recv_backbone(header))
+        elif op == OP_SAMPLE:
+            rows = int(header[2])
+            tensors, rows, flags = channel.recv_sample(header, tensors_by_rows[rows])
+            runner.sample(h_last, tensors, rows, flags).token_ids.block_until_ready()
+
+
+class PeerMonitor:
+    """Heartbeats through the jax.distributed key-value store. Every process writes its own;
+    the leader watches the followers' and calls `on_dead(reason)` once when one goes stale."""
+
+    def __init__(self, dc: DistributedConfig, on_dead: Callable[[str], None], interval_s: float = 0.25):
+        from jax._src import distributed as jd
+
+        self._client = jd.global_state.client
+        self._dc = dc
+        self._on_dead = on_dead
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._fired = False
+        self._threads = [threading.Thread(target=self._beat, name="jaxserve-heartbeat", daemon=True)]
+        if dc.process_id == 0:
+            self._threads.append(threading.Thread(target=self._watch, name="jaxserve-peer-monitor", daemon=True))
+
+    def start(self) -> PeerMonitor:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        key = f"jaxserve/heartbeat/{self._dc.process_id}"
+        while not self._stop.is_set():
+            try:
+                self._client.key_value_set(key, repr(time.time()), allow_overwrite=True)
+            except Exception:  # the coordination service is gone: nothing left to tell
+                return
+            self._stop.wait(self._interval)
+
+    def _watch(self) -> None:
+        start = time.time()
+        while not self._stop.wait(self._interval):
+            now = time.time()
+            for pid in range(1, self._dc.num_processes):
+                try:
+                    value = self._client.key_value_try_get(f"jaxserve/heartbeat/{pid}")
+                    age = now - float(value)
+                except Exception:
+                    age = now - start  # not written yet
+                if age > self._dc.heartbeat_timeout_s:
+                    self._fire(f"process {pid} sent no heartbeat for {age:.1f} s")
+                    return
+
+    def _fire(self, reason: str) -> None:
+        if not self._fired:
+            self._fired = True
+            logger.error("multi-host peer lost: %s", reason)
+            self._on_dead(reason)

@@ -1,0 +1,58 @@
+"""A process of a multi-host test group (run by tests/test_multihost.py, not by pytest).
+
+    python multihost_child.py MODEL COORDINATOR NUM_PROCESSES PROCESS_ID MODE
+MODE "generate": the leader generates and prints JSON tokens; followers run the leader's steps.
+MODE "watch": everyone warms up and prints READY; the leader then polls its health and prints
+UNHEALTHY when a peer is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine
+from scheduler import SamplingParams
+
+PROMPTS = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
+
+
+def main() -> None:
+    model, coordinator, n, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    dist = dict(coordinator=coordinator, num_processes=n, process_id=pid, tensor_parallel_size=n,
+                heartbeat_timeout_s=2.0) if n > 1 else {}
+    engine = Engine(EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
+                                 max_model_len=128, compilation_cache_dir=None, strict_compile_guard=True,
+                                 max_logprobs=0, **dist))
+    engine.warmup()
+    if mode == "watch":
+        print("READY", flush=True)
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            if not engine.healthy:
+                print("UNHEALTHY", engine.unhealthy_reason, flush=True)
+                return
+            time.sleep(0.1)
+        return
+    if not engine.is_leader:
+        engine.run_follower()
+        engine.close()
+        print("FOLLOWER DONE", flush=True)
+        return
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                           prompt_token_ids=ids, request_id=str(i))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    engine.close()
+    print(json.dumps({"tokens": [outs[str(i)] for i in range(len(PROMPTS))],
+                      "compiles_after_warmup": engine.compiles_after_warmup}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

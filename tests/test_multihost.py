@@ -1,0 +1,108 @@
+"""Two processes on 127.0.0.1 with gloo collectives: the leader's generate matches a single
+process, and killing the follower makes the leader unhealthy within seconds, without a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+CHILD = os.path.join(os.path.dirname(__file__), "multihost_child.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny_mh")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2)
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _spawn(model, coordinator, n, pid, mode):
+    return subprocess.Popen([sys.executable, "-u", CHILD, model, coordinator, str(n), str(pid), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _last_json(text: str) -> dict:
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    assert lines, text[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_two_processes_match_single_process(tiny_model):
+    single = subprocess.run([sys.executable, CHILD, tiny_model, "-", "1", "0", "generate"],
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    follower = _spawn(tiny_model, coordinator, 2, 1, "generate")
+    leader = _spawn(tiny_model, coordinator, 2, 0, "generate")
+    try:
+        out_leader, _ = leader.communicate(timeout=300)
+        out_follower, _ = follower.communicate(timeout=60)
+    finally:
+        for p in (leader, follower):
+            p.kill()
+    result = _last_json(out_leader)
+    assert result["tokens"] == _last_json(single.stdout)["tokens"]
+    assert result["compiles_after_warmup"] == 0
+    assert "FOLLOWER DONE" in out_follower
+
+
+def _wait_for(proc, needle: str, timeout: float) -> tuple[bool, str, float]:
+    """Reads proc's output until a line holds `needle`; bounded in time."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    seen = ""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if not sel.select(timeout=0.5):
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if needle in line:
+            return True, seen, time.time() - t0
+    return False, seen, time.time() - t0
+
+
+def test_dead_follower_makes_leader_unhealthy(tiny_model):
+    coordinator = f"127.0.0.1:{_free_port()}"
+    follower = _spawn(tiny_model, coordinator, 2, 1, "watch")
+    leader = _spawn(tiny_model, coordinator, 2, 0, "watch")
+    try:
+        for p in (leader, follower):
+            ok, seen, _ = _wait_for(p, "READY", 240)
+            assert ok, seen[-3000:]
+        follower.send_signal(signal.SIGKILL)
+        ok, seen, waited = _wait_for(leader, "UNHEALTHY", 20)
+        print(f"leader unhealthy {waited:.1f} s after the follower was killed: {seen.strip()[-200:]}")
+        assert ok, seen[-3000:]
+        assert waited < 10
+    finally:
+        for p in (leader, follower):
+            p.kill()
+            p.wait(timeout=30)
