@@ -38,3 +38,12 @@ def hf_smollm_tokenizer(smollm_path):
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path)
     )
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_refs(smollm, hf_smollm):
+    """transformers' greedy 32-token continuations (tokens, logprobs) of hf_reference.PROMPTS,
+    computed once for every end-to-end test."""
+    from hf_reference import HF_MAX_NEW, PROMPTS, hf_greedy
+
+    return [hf_greedy(hf_smollm, smollm.tokenizer(p)["input_ids"], HF_MAX_NEW) for p in PROMPTS]

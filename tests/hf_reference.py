@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+HF_MAX_NEW = 32  # tokens of each transformers reference continuation
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

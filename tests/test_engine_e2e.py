@@ -63,8 +63,8 @@ def prompt_ids(smollm):
 
 
 @pytest.fixture(scope="module")
-def hf_refs(hf_smollm, prompt_ids):
-    return [hf_greedy(hf_smollm, ids, MAX_NEW) for ids in prompt_ids]
+def hf_refs(hf_greedy_refs):
+    return [(toks[:MAX_NEW], logp[:MAX_NEW]) for toks, logp in hf_greedy_refs]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_reference import PROMPTS, assert_greedy_match, hf_greedy  # noqa: E402
+from hf_reference import HF_MAX_NEW, PROMPTS, assert_greedy_match  # noqa: E402
 
 from jaxserve.batch import BatchBuilder, SequenceSpan  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
@@ -54,13 +54,12 @@ def greedy_generate_paged(loaded, prompts_ids: list[list[int]], max_new: int) ->
     return outs, [np.stack(lp) for lp in logps]
 
 
-def test_greedy_continuations_match_transformers(smollm, hf_smollm):
+def test_greedy_continuations_match_transformers(smollm, hf_greedy_refs):
     tok = smollm.tokenizer
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    ours, ours_logp = greedy_generate_paged(smollm, prompts, 32)
+    ours, ours_logp = greedy_generate_paged(smollm, prompts, HF_MAX_NEW)
     exact = 0
-    for i, ids in enumerate(prompts):
-        theirs, theirs_logp = hf_greedy(hf_smollm, ids, 32)
+    for i, (theirs, theirs_logp) in enumerate(hf_greedy_refs):
         assert_greedy_match(ours[i], ours_logp[i], theirs, theirs_logp)
         exact += ours[i] == theirs
     assert exact >= 6, f"only {exact}/8 continuations identical"

@@ -23,7 +23,7 @@ _CHILD = textwrap.dedent("""
     from scheduler import SamplingParams
 
     def greedy(loaded, tp, prompts):
-        e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, max_model_len=128,
+        e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
                                 tensor_parallel_size=tp, max_logprobs=0, compilation_cache_dir=None),
                    loaded=loaded)
         e.warmup()
@@ -42,10 +42,11 @@ _CHILD = textwrap.dedent("""
     prompts = [smol.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def add(a, b):", "Hi")]
     for tp in (1, 3):
         result[f"smollm-tp{tp}"] = greedy(smol, tp, prompts)
-    for path in sys.argv[1:]:
+    for arg in sys.argv[1:]:
+        path, tps = arg.split("=")
         tiny = load_model(path, "float32")
         prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
-        for tp in (1, 2, 4, 8):
+        for tp in (1, *map(int, tps.split(","))):
             result[f"{path}-tp{tp}"] = greedy(tiny, tp, prompts)
     print(json.dumps(result))
 """)
@@ -66,15 +67,21 @@ def _tiny_model(path, num_kv_heads):
     return str(path)
 
 
+# 8 query heads with (KV heads -> TP sizes): KV heads split (tp <= Hkv) and replicated
+# (tp > Hkv: 2x for 4 KV heads at TP=8 and 2 KV heads at TP=4, 4x for 2 KV heads at TP=8).
+TINY_CASES = {8: (2, 8), 4: (2, 8), 2: (4, 8)}
+
+
 def test_tensor_parallel_matches_single_device(tmp_path):
-    paths = [_tiny_model(tmp_path / f"kv{h}", h) for h in (8, 4, 2)]
-    res = subprocess.run([sys.executable, "-c", _CHILD, *paths], capture_output=True, text=True, timeout=900)
+    paths = {h: _tiny_model(tmp_path / f"kv{h}", h) for h in TINY_CASES}
+    args = [f"{paths[h]}={','.join(map(str, tps))}" for h, tps in TINY_CASES.items()]
+    res = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert result["smollm-tp3"][0] == result["smollm-tp1"][0]
-    for path in paths:
+    for h, path in paths.items():
         base = result[f"{path}-tp1"][0]
-        for tp in (2, 4, 8):
+        for tp in TINY_CASES[h]:
             tokens, compiles = result[f"{path}-tp{tp}"]
             assert tokens == base, f"{path} tp={tp}: {tokens} != {base}"
             assert compiles == 0
