@@ -1,8 +1,8 @@
 """The compile plan: the single source of truth for which step shapes exist.
 
 The engine, the warmup script and the tests all read it. Shapes are O(m + n), not O(m * n):
-the backbone is keyed on the token bucket T only; the head (logits + sampler) on the request
-bucket R and one of a few static sampler variants; the swap copies on a few chunk sizes.
+the backbone is keyed on the token bucket T only; the logits on the request bucket R; the
+sampler on R and one of a few static sampler variants; the swap copies on a few chunk sizes.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def variant_name(flags: SamplerFlags) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeKey:
-    kind: str  # "backbone" | "head" | "swap"
-    size: int  # T for the backbone, R for the head, pages for swap copies
+    kind: str  # "backbone" | "logits" | "head" (the sampler) | "swap"
+    size: int  # T for the backbone, R for logits and the sampler, pages for swap copies
     flags: SamplerFlags | None = None  # head only
 
     @property
@@ -55,6 +55,8 @@ class ShapeKey:
             return f"backbone[T={self.size}]"
         if self.kind == "head":
             return f"head[R={self.size},{variant_name(self.flags)}]"
+        if self.kind == "logits":
+            return f"logits[R={self.size}]"
         return f"swap[{self.size}]"
 
 
@@ -90,12 +92,13 @@ class CompilePlan:
 
     def shapes(self) -> list[ShapeKey]:
         out = [ShapeKey("backbone", t) for t in self.token_buckets]
+        out += [ShapeKey("logits", r) for r in self.request_buckets]
         out += [ShapeKey("head", r, f) for r in self.request_buckets for f in self.sampler_variants]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
         return out
 
     def __len__(self) -> int:
-        return len(self.token_buckets) + len(self.request_buckets) * len(self.sampler_variants) + len(
+        return len(self.token_buckets) + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(
             self.swap_sizes)
 
 

@@ -288,7 +288,8 @@ class Engine:
                     top = tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(k))
                     logprob_rows[sr.request_id] = TokenLogprob(int(token_ids[i]), float(lp[0][i]), int(lp[1][i]), top)
             self.last_step = StepTiming(0.0, device_s, so.num_scheduled_tokens, T)
-            self.guard.check([ShapeKey("backbone", T).name, ShapeKey("head", R, flags).name])
+            self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name,
+                              ShapeKey("head", R, flags).name])
             if self._traffic_log is not None:
                 self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
         else:

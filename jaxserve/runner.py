@@ -112,19 +112,25 @@ class ModelRunner:
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags) -> SamplerOutput:
-        exe = self.executables.get(ShapeKey("head", num_rows, flags))
-        if exe is not None:
-            if self.input_sharding is not None:
-                tensors = self._put(tensors)
-            return exe(self.state, h_last, tensors)
+        """Logits of the first `num_rows` rows, then the sampler: two executables, because
+        XLA:CPU fusing the sampler's reductions into the logits matmul makes the pair ~40%
+        slower than running them apart."""
         if self.input_sharding is not None:
             tensors = self._put(tensors)
-        return _head_jit(self.graphdef, self.state, h_last, tensors, num_rows=num_rows, flags=flags)
+        logits_exe = self.executables.get(ShapeKey("logits", num_rows))
+        if logits_exe is not None:
+            logits = logits_exe(self.state, h_last)
+        else:
+            logits = _logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=num_rows)
+        exe = self.executables.get(ShapeKey("head", num_rows, flags))
+        if exe is not None:
+            return exe(logits, tensors)
+        return _sample_jit(logits, tensors, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
         h_last = self.run_backbone(arrays)
-        return _logits_jit(self.graphdef, self.state, h_last, num_rows=h_last.shape[0])
+        return _logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=h_last.shape[0])
 
     def forward_numpy(self, arrays: StepArrays) -> np.ndarray:
         return np.asarray(self.forward(arrays))[: arrays.num_reqs]
@@ -172,11 +178,13 @@ class ModelRunner:
                 self.graphdef, self.attention_backend, self.mesh, sds(self.state), sds(self.kv_cache),
                 i32(T), i32(T), md, i32(max_reqs),
             ).compile()
-        if key.kind == "head":
+        if key.kind == "logits":
             h = self._h_last_abstract(max_reqs)
+            return _logits_jit.lower(self.graphdef, self.mesh, sds(self.state), h, num_rows=key.size).compile()
+        if key.kind == "head":
+            logits = _sds((key.size, self.config.vocab_size), jnp.float32, rep)
             t = jax.tree.map(lambda x: _sds(x.shape, x.dtype, rep), tensors)
-            return _head_jit.lower(self.graphdef, sds(self.state), h, t,
-                                   num_rows=key.size, flags=key.flags).compile()
+            return _sample_jit.lower(logits, t, flags=key.flags).compile()
         if key.kind == "swap":
             L, _, S, Hkv, D = self.kv_cache[0].shape
             ids = _sds((key.size,), jnp.int32)
@@ -223,18 +231,22 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
     return h_last, kv_cache
 
 
-def _logits(graphdef, state, h_last, *, num_rows):
+def _logits(graphdef, mesh, state, h_last, *, num_rows):
     model = nnx.merge(graphdef, state)
-    return model.compute_logits(h_last[:num_rows])  # [R, V]
+    logits = model.compute_logits(h_last[:num_rows])  # [R, V]
+    if mesh is not None:  # the sampler receives replicated logits, as its warmup assumed
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
+    return logits
 
 
-def _head(graphdef, state, h_last, tensors, *, num_rows, flags):
-    return sample(_logits(graphdef, state, h_last, num_rows=num_rows), tensors, **flags._asdict())
+def _sample(logits, tensors, *, flags):
+    # The logits are donated and the processed ones returned, so scatters run in place.
+    return sample(logits, tensors, **flags._asdict(), keep_processed=True)
 
 
 _backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_logits_jit = jax.jit(_logits, static_argnums=(0,), static_argnames=("num_rows",))
-_head_jit = jax.jit(_head, static_argnums=(0,), static_argnames=("num_rows", "flags"))
+_logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
+_sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
 _gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
 _scatter_pages_jit = jax.jit(
     lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,))

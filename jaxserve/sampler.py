@@ -127,6 +127,9 @@ class SamplerOutput:
     top_logprobs: jax.Array | None = None  # [R, K] f32, descending
     top_token_ids: jax.Array | None = None  # [R, K] int32
     chosen_rank: jax.Array | None = None  # [R] int32, 1-based (1 = most likely)
+    # The processed logits [R, V], only with keep_processed=True: returning them lets a caller
+    # that donates the logits buffer have the penalty / min_tokens scatters done in place.
+    processed_logits: jax.Array | None = None
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -303,6 +306,7 @@ def sample(
     use_penalties: bool = False,
     use_top_k_top_p: bool = False,
     num_logprobs: int = 0,
+    keep_processed: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (traceable; see :data:`sample_jit`).
 
@@ -319,9 +323,10 @@ def sample(
         sampled = _random_sample(x, tensors, use_top_k_top_p)
         is_greedy = jnp.asarray(tensors.temperature, jnp.float32) < SAMPLING_EPS
         token_ids = jnp.where(is_greedy, greedy, sampled)
+    kept = {"processed_logits": x} if keep_processed else {}
     if num_logprobs > 0:
-        return SamplerOutput(token_ids=token_ids, **_logprobs(raw, token_ids, num_logprobs))
-    return SamplerOutput(token_ids=token_ids)
+        return SamplerOutput(token_ids=token_ids, **_logprobs(raw, token_ids, num_logprobs), **kept)
+    return SamplerOutput(token_ids=token_ids, **kept)
 
 
 sample_jit = jax.jit(

@@ -27,7 +27,7 @@ def test_plan_is_m_plus_n_shapes():
     assert plan.token_buckets == (16, 32, 64, 128, 256, 512)
     assert plan.request_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert len(plan.sampler_variants) == 6
-    assert len(plan.shapes()) == len(plan) == 6 + 7 * 6 + 3
+    assert len(plan.shapes()) == len(plan) == 6 + 7 * (1 + 6) + 3
     assert len({s.name for s in plan.shapes()}) == len(plan)
 
 
