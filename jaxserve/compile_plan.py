@@ -81,7 +81,7 @@ class CompilePlan:
                 read_traffic_log(config.traffic_log), config.max_num_batched_tokens, config.max_token_buckets
             )
         else:
-            tokens = token_buckets(config.max_num_batched_tokens, config.min_token_bucket,
+            tokens = token_buckets(config.max_num_batched_tokens, config.resolved_min_token_bucket(),
                                    config.token_bucket_gap, config.extra_token_buckets)
         return cls(
             token_buckets=tuple(tokens),

@@ -22,13 +22,20 @@ from jaxserve.config import EngineConfig
 
 
 def test_plan_is_m_plus_n_shapes():
-    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_logprobs=20)
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_logprobs=20, min_token_bucket=16)
     plan = CompilePlan.from_config(cfg, swap_enabled=True)
     assert plan.token_buckets == (16, 32, 64, 128, 256, 512)
     assert plan.request_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert len(plan.sampler_variants) == 6
     assert len(plan.shapes()) == len(plan) == 6 + 7 * (1 + 6) + 3
     assert len({s.name for s in plan.shapes()}) == len(plan)
+
+
+def test_cpu_default_adds_small_decode_buckets():
+    plan = CompilePlan.from_config(EngineConfig(max_num_batched_tokens=64), swap_enabled=False)
+    assert plan.token_buckets == (4, 8, 16, 32, 64)  # this suite runs on CPU
+    with pytest.raises(ValueError, match="min_token_bucket"):
+        EngineConfig(min_token_bucket=1)
 
 
 def test_token_buckets_powers_then_linear_and_exact_budget():
