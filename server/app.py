@@ -124,7 +124,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         o = self.options
         interceptors = [_ApiKeyInterceptor(o.api_key)] if o.api_key else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", o.max_message_bytes),
+            # gRPC itself refuses (RESOURCE_EXHAUSTED) only far past the limit; up to there the
+            # handlers answer INVALID_ARGUMENT naming the oversized field (`_check_size`).
+            ("grpc.max_receive_message_length", 4 * o.max_message_bytes),
             ("grpc.max_send_message_length", o.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ])
@@ -141,9 +143,13 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                 [(_read(o.tls_key_file), _read(o.tls_cert_file))],
                 root_certificates=_read(o.tls_client_ca_file) if o.tls_client_ca_file else None,
                 require_client_auth=bool(o.tls_client_ca_file))
-            self.port = self.server.add_secure_port(addr, creds)
+            bind = lambda: self.server.add_secure_port(addr, creds)  # noqa: E731
         else:
-            self.port = self.server.add_insecure_port(addr)
+            bind = lambda: self.server.add_insecure_port(addr)  # noqa: E731
+        try:
+            self.port = bind()
+        except RuntimeError as e:
+            raise OSError(f"could not bind {addr}: {e}") from e
         if not self.port:
             raise OSError(f"could not bind {addr}")
         await self.server.start()
@@ -233,6 +239,15 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
     def _snapshot(self):
         return self.loop_runner.snapshot if self.loop_runner is not None else None
 
+    def _check_size(self, request) -> None:
+        size = request.ByteSize()
+        limit = self.options.max_message_bytes
+        if size > limit:
+            fields = [(f.name, v.ByteSize() if hasattr(v, "ByteSize") else len(v.encode()) if isinstance(v, str)
+                       else 0) for f, v in request.ListFields()]
+            name = max(fields, key=lambda fv: fv[1])[0] if fields else "request"
+            raise ValueError(f"{name}: the request is {size} bytes, over max_message_bytes {limit}")
+
     async def _require_serving(self, context) -> None:
         if self.state == ServerState.LOADING:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading the model")
@@ -279,6 +294,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                                 f"server queue is full ({self.num_in_flight} requests in flight, "
                                 f"max_num_seqs + max_queued_requests = {self.max_in_flight})")
         try:
+            self._check_size(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
             params = sampling_params_from_proto(request.sampling_params)
@@ -332,6 +348,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         await self._require_serving(context)
         try:
+            self._check_size(request)
             text, _, chat = check_input(request, self.max_prompt_chars, 1 << 62)
             if chat is not None:
                 ids = await self.loop_runner.call(lambda e: apply_chat_template(e.tokenizer, chat[0], chat[1]))

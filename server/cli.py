@@ -76,7 +76,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
     )
-    return asyncio.run(serve(cfg, opts))
+    try:
+        return asyncio.run(serve(cfg, opts))
+    except OSError as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def make_channel(address: str, tls_ca_file: str | None = None):

@@ -362,8 +362,17 @@ def test_good_request_after_bad_ones_and_duplicate_id(srv, stub):
 
 
 def test_oversized_message(srv, stub):
+    # over --max-message-bytes (4 MiB): INVALID_ARGUMENT naming the field
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(text_req("a" * (5 * 2**20)), metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in e.value.details()
+    big = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[40000] * 2**21))  # 6 MiB of 3-byte varints
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(big, metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in e.value.details()
+    # far past it gRPC refuses the message itself
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(text_req("a" * (17 * 2**20)), metadata=AUTH, timeout=30))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
