@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -423,8 +424,10 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
         await stop.wait()
     logger.info("signal received: shutting down")
     if not load.done():
-        load.cancel()
+        # Still loading / compiling on a worker thread that cannot be interrupted, and that
+        # asyncio.run would wait for: nothing is in flight, so exit the process right here.
         await srv.stop()
-        return 0
+        logging.shutdown()
+        os._exit(0)
     await srv.drain()
     return 0
