@@ -164,6 +164,17 @@ def test_tokenize(srv, stub):
     assert list(r.token_ids) == list(want)
 
 
+def test_client_command(srv, capsys):
+    from jaxserve.cli import main
+
+    rc = main(["client", "The capital of France is", "--address", srv.address, "--api-key", API_KEY,
+               "--max-tokens", "4", "--temperature", "0"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip() and "completion 4" in out.err
+    rc = main(["client", "hi", "--address", srv.address, "--max-tokens", "2"])  # no API key
+    assert rc == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- generation
 def test_streaming_equals_batch_api_greedy(srv, stub):
     params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -460,7 +471,7 @@ def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-port", "-1", "--shutdown-timeout", "8", "--log-interval", "0", *CFG_ARGS],
+         "--metrics-port", "-1", "--shutdown-timeout", "8", "--log-interval", "0.5", *CFG_ARGS],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         port = wait_until(lambda: (m := re.search(r"listening on 127\.0\.0\.1:(\d+)",
@@ -493,6 +504,9 @@ def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
             rest = list(long)  # cannot finish within the shutdown timeout: aborted
             assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
         assert proc.wait(timeout=60) == 0
+        text = (tmp_path / "server.log").read_text()
+        assert re.search(r"gen [\d.]+ tok/s, batched [\d.]+ tok/s, \d+ finished \| running \d+, waiting \d+", text)
+        assert "draining: 2 requests in flight" in text and "aborted 1 requests" in text
     finally:
         if proc.poll() is None:
             proc.kill()
