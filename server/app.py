@@ -115,6 +115,8 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.max_queued_requests = self.options.max_queued_requests
         self._started = time.monotonic()
         self._log_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self._healthy = True
         self._idle = asyncio.Event()
         self._idle.set()
         self.stopped = asyncio.Event()
@@ -182,6 +184,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if self.options.log_interval > 0:
             self._log_task = asyncio.create_task(self._log_loop())
+        self._health_task = asyncio.create_task(self._watch_engine_health())
         logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens)", self.model_name,
                     self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size)
 
@@ -210,12 +213,18 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if self.state == ServerState.STOPPED:
             return
         self.state = ServerState.STOPPED
-        if self._log_task is not None:
-            self._log_task.cancel()
+        for task in (self._log_task, self._health_task):
+            if task is not None:
+                task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
         if self.loop_runner is not None:
             await asyncio.to_thread(self.loop_runner.stop)
+        if self.engine is not None and hasattr(self.engine, "close"):
+            try:  # multi-host leader: stops the followers' loops and the heartbeats
+                await asyncio.to_thread(self.engine.close)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine.close failed")
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -254,6 +263,26 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading the model")
         if self.state != ServerState.SERVING:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not getattr(self.engine, "healthy", True):
+            reason = getattr(self.engine, "unhealthy_reason", None) or "unknown"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is unhealthy: {reason}")
+
+    async def _watch_engine_health(self, interval: float = 0.25) -> None:
+        """Mirrors `engine.healthy` (a multi-host peer died, ...) into the health service."""
+        while self.state == ServerState.SERVING:
+            healthy = bool(getattr(self.engine, "healthy", True))
+            if healthy != self._healthy:
+                self._healthy = healthy
+                status = (health_pb2.HealthCheckResponse.SERVING if healthy
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                for svc in ("", SERVICE_NAME):
+                    await self.health.set(svc, status)
+                if healthy:
+                    logger.info("engine healthy again: serving")
+                else:
+                    logger.error("engine unhealthy (%s): health NOT_SERVING, new requests refused",
+                                 getattr(self.engine, "unhealthy_reason", None))
+            await asyncio.sleep(interval)
 
     def _enter(self) -> None:
         self.num_in_flight += 1

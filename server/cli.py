@@ -76,6 +76,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
     )
+    if getattr(cfg, "num_processes", 1) > 1 and getattr(cfg, "process_id", 0) != 0:
+        # Multi-host follower: no gRPC port; run the leader's steps until it stops us.
+        from jaxserve.engine import Engine
+
+        logging.getLogger("jaxserve.server").info("multi-host follower %d: running the leader's steps",
+                                                  cfg.process_id)
+        engine = Engine(cfg)
+        engine.warmup()
+        engine.run_follower()
+        engine.close()
+        return 0
     try:
         return asyncio.run(serve(cfg, opts))
     except OSError as e:

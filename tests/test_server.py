@@ -409,6 +409,27 @@ def test_queue_full_is_resource_exhausted(srv, stub):
     assert len(ids) == 2
 
 
+def test_unhealthy_engine_turns_health_not_serving(srv, channel, stub):
+    """`engine.healthy` (set False by the multi-host heartbeat monitor) drives the health
+    service and refuses new requests with UNAVAILABLE."""
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status():
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    engine = srv.server.engine
+    engine.unhealthy_reason = "peer 1 stopped sending heartbeats"
+    engine.healthy = False
+    try:
+        wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(text_req("hi", max_tokens=2), metadata=AUTH, timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "heartbeats" in e.value.details()
+    finally:
+        engine.healthy, engine.unhealthy_reason = True, None
+    wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=5)
+
+
 # ---------------------------------------------------------------------------- metrics
 def _scrape(srv) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
