@@ -55,6 +55,7 @@ class ServerOptions:
     max_message_bytes: int = 4 * 2**20
     log_interval: float = 1.0  # seconds between status lines; 0: off
     warmup: bool = True
+    require_warm_cache: bool = False  # refuse to start when any planned shape missed the cache
 
 
 class ServerState:
@@ -174,8 +175,13 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         logger.info("model loaded in %.1f s", t1 - t0)
         if self.options.warmup:
             report = await asyncio.to_thread(self.engine.warmup)
-            summary = report.summary() if hasattr(report, "summary") else f"{report} shapes"
-            logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, summary)
+            logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, report.summary())
+            if self.options.require_warm_cache and report.num_misses:
+                missed = [r.name for r in report.records if r.cache == "miss"]
+                raise RuntimeError(
+                    f"--require-warm-cache: {len(missed)} of {report.num_shapes} shapes missed the "
+                    f"compilation cache ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}); "
+                    "fill it with `jaxserve warmup` using the same flags")
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
         self.loop_runner.start()
         self.metrics.set_engine_thread(self.loop_runner.thread)

@@ -36,6 +36,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="seconds between status log lines (0: off)")
     s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every shape before serving")
+    s.add_argument("--require-warm-cache", action="store_true",
+                   help="refuse to start when any planned shape is not in the persistent compilation cache")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -75,6 +77,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         tls_client_ca_file=ns.tls_client_ca_file, max_queued_requests=ns.max_queued_requests,
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
+        require_warm_cache=ns.require_warm_cache,
     )
     if getattr(cfg, "num_processes", 1) > 1 and getattr(cfg, "process_id", 0) != 0:
         # Multi-host follower: no gRPC port; run the leader's steps until it stops us.
@@ -92,6 +95,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except OSError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # e.g. --require-warm-cache with a cold cache
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 3
 
 
 def make_channel(address: str, tls_ca_file: str | None = None):
