@@ -10,8 +10,9 @@ process then runs the same SPMD executable over the global mesh. Followers loop 
 A dead follower surfaces two ways, both without a hang: the leader's next collective fails
 at once (gloo reports the reset connection), and an idle leader's heartbeat monitor sees the
 follower's heartbeat go stale within `heartbeat_timeout_s`. Either marks the engine
-unhealthy. JAX's coordination service then ends the remaining processes, so an orchestrator
-restarts the whole group.
+unhealthy (health NOT_SERVING, new requests refused) while the leader stays up, so an
+orchestrator can see it and restart the whole group. JAX runs with recoverability on, so the
+coordination service does not kill the survivors outright.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def initialize(dc: DistributedConfig) -> None:
     if _initialized:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without recoverability JAX's coordination service terminates every process as soon as
+    # one dies; with it the leader lives on, reports NOT_SERVING and lets the orchestrator
+    # decide (and a drain can still answer the clients it holds).
+    jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(
         dc.coordinator_address, dc.num_processes, dc.process_id,
         heartbeat_timeout_seconds=max(2, int(dc.heartbeat_timeout_s)),
