@@ -39,9 +39,10 @@ def tiny_model(tmp_path_factory):
     return str(path)
 
 
-def _spawn(model, coordinator, n, pid, mode):
+def _spawn(model, coordinator, n, pid, mode, log=None):
+    out = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen([sys.executable, "-u", CHILD, model, coordinator, str(n), str(pid), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def _last_json(text: str) -> dict:
@@ -69,39 +70,34 @@ def test_two_processes_match_single_process(tiny_model):
     assert "FOLLOWER DONE" in out_follower
 
 
-def _wait_for(proc, needle: str, timeout: float) -> tuple[bool, str, float]:
-    """Reads proc's output until a line holds `needle`; bounded in time."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    seen = ""
+def _wait_for(log, needle: str, timeout: float) -> tuple[bool, str, float]:
+    """Polls a child's log file until it holds `needle`; bounded in time."""
     t0 = time.time()
+    text = ""
     while time.time() - t0 < timeout:
-        if not sel.select(timeout=0.5):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen += line
-        if needle in line:
-            return True, seen, time.time() - t0
-    return False, seen, time.time() - t0
+        with open(log) as f:
+            text = f.read()
+        if needle in text:
+            return True, text, time.time() - t0
+        time.sleep(0.1)
+    return False, text, time.time() - t0
 
 
-def test_dead_follower_makes_leader_unhealthy(tiny_model):
+def test_dead_follower_makes_leader_unhealthy(tiny_model, tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
-    follower = _spawn(tiny_model, coordinator, 2, 1, "watch")
-    leader = _spawn(tiny_model, coordinator, 2, 0, "watch")
+    logs = {pid: str(tmp_path / f"p{pid}.log") for pid in (0, 1)}
+    follower = _spawn(tiny_model, coordinator, 2, 1, "watch", logs[1])
+    leader = _spawn(tiny_model, coordinator, 2, 0, "watch", logs[0])
     try:
-        for p in (leader, follower):
-            ok, seen, _ = _wait_for(p, "READY", 240)
+        for pid in (0, 1):
+            ok, seen, _ = _wait_for(logs[pid], "READY", 240)
             assert ok, seen[-3000:]
         follower.send_signal(signal.SIGKILL)
-        ok, seen, waited = _wait_for(leader, "UNHEALTHY", 20)
-        print(f"leader unhealthy {waited:.1f} s after the follower was killed: {seen.strip()[-200:]}")
+        ok, seen, waited = _wait_for(logs[0], "UNHEALTHY", 20)
+        print(f"leader unhealthy {waited:.1f} s after the follower was killed")
         assert ok, seen[-3000:]
         assert waited < 10
+        assert leader.poll() is None  # still up, reporting its state
     finally:
         for p in (leader, follower):
             p.kill()
