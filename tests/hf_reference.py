@@ -37,3 +37,20 @@ def hf_greedy(hf_model, ids: list[int], max_new: int) -> tuple[list[int], np.nda
     toks = out.sequences[0, len(ids):].tolist()
     logp = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), -1).numpy()
     return toks, logp
+
+
+def save_tiny_llama(path, num_kv_heads: int) -> str:
+    """A random 8-query-head Llama saved as an HF directory; weights scaled up so logits are
+    sharp and greedy picks are not near-ties (tensor-parallel and multi-host comparisons)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=num_kv_heads)
+    torch.manual_seed(num_kv_heads)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)

@@ -24,19 +24,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny_mh")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2)
-    torch.manual_seed(2)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    model.save_pretrained(path)
-    return str(path)
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_mh"), 2)
 
 
 def _spawn(model, coordinator, n, pid, mode, log=None):

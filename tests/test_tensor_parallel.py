@@ -53,18 +53,10 @@ _CHILD = textwrap.dedent("""
 
 
 def _tiny_model(path, num_kv_heads):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=num_kv_heads)
-    torch.manual_seed(num_kv_heads)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits than the default init, so greedy picks are not near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    model.save_pretrained(path)
-    return str(path)
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
+    return save_tiny_llama(path, num_kv_heads)
 
 
 # 8 query heads with (KV heads -> TP sizes): KV heads split (tp <= Hkv) and replicated

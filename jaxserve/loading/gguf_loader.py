@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
-from jaxserve.loading.params import assemble_params
+from jaxserve.loading.params import TRANSPOSED, assemble_params
 from jaxserve.models.config import ModelConfig
 
 # jaxserve param name -> GGUF tensor name (per layer names take the layer index).
@@ -29,7 +29,6 @@ _LAYER_NAMES = {
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
 }
-_TRANSPOSED = {"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 class GGUFFile:
@@ -97,6 +96,6 @@ def load_gguf_params(gf: GGUFFile, cfg: ModelConfig, dtype: Any) -> dict[str, An
             w = unpermute_qk(w, cfg.num_heads)
         elif permuted and name == "k_proj":
             w = unpermute_qk(w, cfg.num_kv_heads)
-        return w.T if name in _TRANSPOSED else w
+        return w.T if name in TRANSPOSED else w
 
     return assemble_params(cfg, get, dtype)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
-from jaxserve.loading.params import assemble_params
+from jaxserve.loading.params import TRANSPOSED, assemble_params
 from jaxserve.models.config import ModelConfig
 
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
@@ -31,7 +31,6 @@ _LAYER_NAMES = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
-_TRANSPOSED = {"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def is_hf_dir(path: str) -> bool:
@@ -84,6 +83,6 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
     def get(name: str, layer: int | None) -> np.ndarray:
         key = _GLOBAL_NAMES[name] if layer is None else f"model.layers.{layer}.{_LAYER_NAMES[name]}"
         w = index.get(key)
-        return w.T if name in _TRANSPOSED else w
+        return w.T if name in TRANSPOSED else w
 
     return assemble_params(cfg, get, dtype)
