@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -448,8 +447,3 @@ class Engine:
     @property
     def compiles_after_warmup(self) -> int:
         return self.guard.compiles_after_warmup
-
-    def kv_usage_summary(self) -> dict[str, Any]:
-        st = self.scheduler.stats()
-        return {"used_blocks": st.num_used_blocks, "cached_free_blocks": st.num_cached_free_blocks,
-                "total_blocks": st.num_total_blocks, "kv_usage": st.kv_usage}

@@ -23,8 +23,7 @@ from jax.sharding import Mesh
 import pallas_kernels
 from jaxserve import parallel
 from jaxserve.batch import StepArrays
-from jaxserve.compile_plan import SWAP_SIZES as SWAP_BUCKETS
-from jaxserve.compile_plan import ShapeKey
+from jaxserve.compile_plan import SWAP_SIZES, ShapeKey
 from jaxserve.loading import LoadedModel
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
@@ -254,11 +253,11 @@ _scatter_pages_jit = jax.jit(
 
 def _chunks(pairs: list[tuple[int, int]]):
     """Splits (device_page, host_page) pairs into chunks, the device ids padded to a swap
-    bucket with the null page 0, so only `len(SWAP_BUCKETS)` shapes are ever compiled."""
-    step = SWAP_BUCKETS[-1]
+    bucket with the null page 0, so only `len(SWAP_SIZES)` shapes are ever compiled."""
+    step = SWAP_SIZES[-1]
     for i in range(0, len(pairs), step):
         chunk = pairs[i : i + step]
-        size = next(b for b in SWAP_BUCKETS if b >= len(chunk))
+        size = next(b for b in SWAP_SIZES if b >= len(chunk))
         dev = np.zeros(size, np.int32)
         dev[: len(chunk)] = [d for d, _ in chunk]
         yield dev, [h for _, h in chunk]

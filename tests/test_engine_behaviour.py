@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-import jax
 import pytest
 
+from jaxserve.compile_cache import EVENTS
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from scheduler import SamplingParams
@@ -30,17 +30,6 @@ def drain(engine, wanted=None):
     return done
 
 
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
-_COUNTER = CompileCounter()
 
 
 def test_seeded_sampling_independent_of_batch(engine):
@@ -60,7 +49,7 @@ def test_seeded_sampling_independent_of_batch(engine):
 def test_no_compilation_after_warmup(engine):
     rng = random.Random(7)
     vocab = engine.model_config.vocab_size
-    before = _COUNTER.count
+    before = EVENTS.compiles
     ids = []
     for i in range(50):
         n = rng.choice([1, 3, 17, 40, 90, 150])
@@ -78,7 +67,7 @@ def test_no_compilation_after_warmup(engine):
             engine.abort(rng.choice(ids))
     done = drain(engine)
     assert len(done) >= 40
-    assert _COUNTER.count == before, f"{_COUNTER.count - before} compilations after warmup"
+    assert EVENTS.compiles == before, f"{EVENTS.compiles - before} compilations after warmup"
     st = engine.scheduler.stats()
     assert st.num_used_blocks == 0 and st.num_running == 0 and st.num_waiting == 0
 
