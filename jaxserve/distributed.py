@@ -65,6 +65,9 @@ def initialize(dc: DistributedConfig) -> None:
     # one dies; with it the leader lives on, reports NOT_SERVING and lets the orchestrator
     # decide (and a drain can still answer the clients it holds).
     jax.config.update("jax_enable_recoverability", True)
+    # JAX's preemption service installs its own SIGTERM handler, which would swallow the
+    # server's graceful drain.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         dc.coordinator_address, dc.num_processes, dc.process_id,
         heartbeat_timeout_seconds=max(2, int(dc.heartbeat_timeout_s)),

@@ -42,10 +42,15 @@ def _last_json(text: str) -> dict:
     return json.loads(lines[-1])
 
 
-def test_two_processes_match_single_process(tiny_model):
+@pytest.fixture(scope="module")
+def single_process_tokens(tiny_model):
     single = subprocess.run([sys.executable, CHILD, tiny_model, "-", "1", "0", "generate"],
                             capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
+    return _last_json(single.stdout)["tokens"]
+
+
+def test_two_processes_match_single_process(tiny_model, single_process_tokens):
     coordinator = f"127.0.0.1:{_free_port()}"
     follower = _spawn(tiny_model, coordinator, 2, 1, "generate")
     leader = _spawn(tiny_model, coordinator, 2, 0, "generate")
@@ -56,7 +61,7 @@ def test_two_processes_match_single_process(tiny_model):
         for p in (leader, follower):
             p.kill()
     result = _last_json(out_leader)
-    assert result["tokens"] == _last_json(single.stdout)["tokens"]
+    assert result["tokens"] == single_process_tokens
     assert result["compiles_after_warmup"] == 0
     assert "FOLLOWER DONE" in out_follower
 
@@ -91,5 +96,56 @@ def test_dead_follower_makes_leader_unhealthy(tiny_model, tmp_path):
         assert leader.poll() is None  # still up, reporting its state
     finally:
         for p in (leader, follower):
+            p.kill()
+            p.wait(timeout=30)
+
+
+def test_grpc_generate_served_by_two_processes(tiny_model, single_process_tokens, tmp_path):
+    """`jaxserve serve` as leader + follower: a gRPC Generate streams the single-process
+    tokens; SIGTERM drains the leader, which stops the follower; both exit 0."""
+    import re
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server.proto import jaxserve_pb2 as pb
+    from server.proto import jaxserve_pb2_grpc as pb_grpc
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    flags = ["--model", tiny_model, "--coordinator", coordinator, "--num-processes", "2", "--tensor-parallel-size",
+             "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
+             "--max-model-len", "128", "--max-logprobs", "0", "--compilation-cache-dir", "none",
+             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--log-interval", "0"]
+    logs = {pid: tmp_path / f"serve{pid}.log" for pid in (0, 1)}
+    procs = {pid: subprocess.Popen([sys.executable, "-u", "-m", "jaxserve.cli", "serve", *flags, "--process-id",
+                                    str(pid)], stdout=open(logs[pid], "w"), stderr=subprocess.STDOUT)
+             for pid in (1, 0)}
+    try:
+        ok, text, _ = _wait_for(str(logs[0]), "listening on", 120)
+        assert ok, text[-3000:]
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            t0 = time.time()
+            while time.time() - t0 < 240:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise AssertionError(logs[0].read_text()[-3000:])
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 9, 13, 2, 7]), sampling_params=pb.SamplingParams(
+                temperature=0.0, max_tokens=10, ignore_eos=True))
+            tokens = [t for r in pb_grpc.JaxServeStub(ch).Generate(req, timeout=120) for d in r.outputs
+                      for t in d.token_ids]
+        assert tokens == single_process_tokens[0]
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0, logs[0].read_text()[-3000:]
+        assert procs[1].wait(timeout=60) == 0, logs[1].read_text()[-3000:]
+    finally:
+        for p in procs.values():
             p.kill()
             p.wait(timeout=30)
