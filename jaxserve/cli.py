@@ -46,13 +46,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
     if cfg.num_processes > 1 and cfg.process_id != 0:  # a follower runs the leader's steps
+        from jaxserve.distributed import exit_follower
         from jaxserve.engine import Engine
 
         engine = Engine(cfg)
         engine.warmup()
         engine.run_follower()
         engine.close()
-        return 0
+        exit_follower(0)
     llm = LLM(cfg.model, warmup=ns.warmup or cfg.num_processes > 1, **kwargs)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed_sampling)

@@ -199,6 +199,19 @@ class LeaderRunner:
     swap_in = swap_out
 
 
+def exit_follower(code: int = 0) -> None:
+    """Ends a follower process once the leader has stopped it, skipping the atexit
+    `jax.distributed.shutdown()`: that RPC goes to the coordination service hosted by the
+    leader, which may already be gone, and a failed RPC aborts the process."""
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, SamplingTensors]) -> None:
     """A follower's loop: receive each runner call from the leader and run it, until STOP."""
     h_last = None
@@ -239,6 +252,24 @@ class PeerMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def say_goodbye(self) -> None:
+        """A follower that got STOP: tell the leader it is about to exit."""
+        self._client.key_value_set(f"jaxserve/goodbye/{self._dc.process_id}", "1", allow_overwrite=True)
+
+    def wait_for_goodbyes(self, timeout_s: float) -> None:
+        """The leader after STOP: wait (bounded) for every follower's goodbye, then a moment
+        for their processes to end before the coordination service goes down with us."""
+        deadline = time.time() + timeout_s
+        for pid in range(1, self._dc.num_processes):
+            while time.time() < deadline:
+                try:
+                    if self._client.key_value_try_get(f"jaxserve/goodbye/{pid}"):
+                        break
+                except Exception:  # not set yet
+                    pass
+                time.sleep(0.05)
+        time.sleep(0.5)
 
     def _beat(self) -> None:
         key = f"jaxserve/heartbeat/{self._dc.process_id}"

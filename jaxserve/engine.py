@@ -435,13 +435,17 @@ class Engine:
         distributed.run_follower(self.runner, self.channel, self._tensors)
 
     def close(self) -> None:
-        """Ends the followers' loops (leader) and stops heartbeats."""
-        if self.channel is not None and self.is_leader and self.healthy:
-            try:
-                self.channel.send_stop()
-            except Exception as e:  # a dead follower: nothing to stop
-                logger.warning("could not stop followers: %s", e)
+        """Leader: ends the followers' loops and waits until they have said goodbye, so the
+        coordination service it hosts outlives them. Everyone: stops heartbeats."""
         if self._monitor is not None:
+            if not self.is_leader:
+                self._monitor.say_goodbye()
+            elif self.healthy:
+                try:
+                    self.channel.send_stop()
+                    self._monitor.wait_for_goodbyes(timeout_s=10.0)
+                except Exception as e:  # a dead follower: nothing to stop
+                    logger.warning("could not stop followers: %s", e)
             self._monitor.stop()
 
     @property

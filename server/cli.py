@@ -85,11 +85,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         logging.getLogger("jaxserve.server").info("multi-host follower %d: running the leader's steps",
                                                   cfg.process_id)
+        from jaxserve.distributed import exit_follower
+
         engine = Engine(cfg)
         engine.warmup()
         engine.run_follower()
         engine.close()
-        return 0
+        exit_follower(0)
     try:
         return asyncio.run(serve(cfg, opts))
     except OSError as e:

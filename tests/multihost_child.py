@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import exit_follower
 from jaxserve.engine import Engine
 from scheduler import SamplingParams
 
@@ -40,7 +41,7 @@ def main() -> None:
         engine.run_follower()
         engine.close()
         print("FOLLOWER DONE", flush=True)
-        return
+        exit_follower(0)
     for i, ids in enumerate(PROMPTS):
         engine.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                            prompt_token_ids=ids, request_id=str(i))
