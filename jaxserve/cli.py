@@ -46,14 +46,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
     if cfg.num_processes > 1 and cfg.process_id != 0:  # a follower runs the leader's steps
-        from jaxserve.distributed import exit_follower
-        from jaxserve.engine import Engine
+        from jaxserve.engine import run_follower_process
 
-        engine = Engine(cfg)
-        engine.warmup()
-        engine.run_follower()
-        engine.close()
-        exit_follower(0)
+        run_follower_process(cfg)
     llm = LLM(cfg.model, warmup=ns.warmup or cfg.num_processes > 1, **kwargs)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed_sampling)
@@ -91,8 +86,6 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def cmd_warmup(ns: argparse.Namespace) -> int:
-    import dataclasses as dc
-
     from jaxserve.engine import Engine
 
     cfg = engine_config_from_args(ns)
@@ -103,7 +96,7 @@ def cmd_warmup(ns: argparse.Namespace) -> int:
     print(f"model load {t_load:.1f} s; warmup: {report.summary()}")
     print(f"compilation cache: {engine.cache_dir or 'disabled'}")
     if ns.manifest:
-        report.write(ns.manifest, {"engine_config": dc.asdict(cfg), "plan": {
+        report.write(ns.manifest, {"engine_config": dataclasses.asdict(cfg), "plan": {
             "token_buckets": engine.plan.token_buckets, "request_buckets": engine.plan.request_buckets}})
         print(f"manifest: {ns.manifest}")
     if ns.require_warm_cache and report.num_misses:

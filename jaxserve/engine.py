@@ -190,9 +190,8 @@ class Engine:
             if prompt is None or prompt == "":
                 raise ValueError("prompt must not be empty")
             prompt_token_ids = self.tokenize(prompt)
-        ids = [int(t) for t in prompt_token_ids] if all(
-            isinstance(t, int | np.integer) for t in prompt_token_ids) else list(prompt_token_ids)
-        self.validate(ids, params)
+        self.validate(prompt_token_ids, params)
+        ids = [int(t) for t in prompt_token_ids]
         rid = request_id if request_id is not None else uuid.uuid4().hex
         child_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         if rid in self._parents or any(self.scheduler.get_request(c) is not None for c in child_ids):
@@ -336,11 +335,8 @@ class Engine:
             any_logprobs |= p.logprobs is not None
         for i in range(n, R):
             self._set_neutral_row(t, i)
-        flags = self.sampler_variant(any_sampling, any_top, any_penalties, any_logprobs)
+        flags = sampler_variant(any_sampling, any_top, any_penalties, any_logprobs, self.config.max_logprobs)
         return t, flags
-
-    def sampler_variant(self, sampling: bool, top: bool, penalties: bool, logprobs: bool) -> SamplerFlags:
-        return sampler_variant(sampling, top, penalties, logprobs, self.config.max_logprobs)
 
     def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
         for f in dataclasses.fields(SamplingTensors):
@@ -451,3 +447,14 @@ class Engine:
     @property
     def compiles_after_warmup(self) -> int:
         return self.guard.compiles_after_warmup
+
+
+def run_follower_process(config: EngineConfig) -> None:
+    """The whole life of a multi-host follower process (`--process-id` > 0): build the engine,
+    warm up in step with the leader, run its steps until STOP, then exit the process."""
+    logger.info("multi-host follower %d: running the leader's steps", config.process_id)
+    engine = Engine(config)
+    engine.warmup()
+    engine.run_follower()
+    engine.close()
+    distributed.exit_follower(0)

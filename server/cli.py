@@ -79,19 +79,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
         require_warm_cache=ns.require_warm_cache,
     )
-    if getattr(cfg, "num_processes", 1) > 1 and getattr(cfg, "process_id", 0) != 0:
+    if cfg.num_processes > 1 and cfg.process_id != 0:
         # Multi-host follower: no gRPC port; run the leader's steps until it stops us.
-        from jaxserve.engine import Engine
+        from jaxserve.engine import run_follower_process
 
-        logging.getLogger("jaxserve.server").info("multi-host follower %d: running the leader's steps",
-                                                  cfg.process_id)
-        from jaxserve.distributed import exit_follower
-
-        engine = Engine(cfg)
-        engine.warmup()
-        engine.run_follower()
-        engine.close()
-        exit_follower(0)
+        run_follower_process(cfg)
     try:
         return asyncio.run(serve(cfg, opts))
     except OSError as e:
