@@ -4,15 +4,18 @@ Pure Python + numpy; it never imports jax (tests/test_no_jax_in_scheduler.py enf
 """
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager, KVUsage
+from scheduler.outputs import NewRequestData, RequestUpdate, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
 
 __all__ = [
+    "ComputedBlocks",
     "FinishReason",
     "KVCacheManager",
+    "KVUsage",
+    "NewRequestData",
     "Request",
     "RequestStatus",
     "RequestUpdate",

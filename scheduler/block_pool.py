@@ -183,12 +183,13 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request holds; returns how many were dropped."""
+        """Forget every cached block, free or held; returns how many were dropped. A held
+        block keeps its K/V for its owners but is never found by a lookup again, and goes to
+        the head of the free queue (as uncached) when its last owner frees it."""
         dropped = 0
         for block in list(self.cached.values()):
-            if block.ref_cnt == 0:
-                self._evict(block)
-                dropped += 1
+            self._evict(block)
+            dropped += 1
         return dropped
 
 

@@ -10,11 +10,15 @@ are one fancy-indexing copy (``gather_block_tables``), never rebuilt from lists.
 Prefix-cache registration happens *after* a block's K/V has been computed
 (``cache_computed_blocks``, called from ``update_from_output``), so a cached block always
 holds valid data.
+
+Callers never see a ``KVBlock``: a prefix-cache hit is an opaque ``ComputedBlocks`` handed
+back to ``allocate_slots``, and ``usage()`` is the one snapshot of pool occupancy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,16 +28,56 @@ from scheduler.prefix_cache import extend_block_hashes
 from scheduler.request import Request
 
 
+class ComputedBlocks:
+    """A prefix-cache hit: leading blocks whose K/V is already computed, not yet referenced.
+
+    Opaque to callers except for its length in tokens; pass it to ``allocate_slots``.
+    """
+
+    __slots__ = ("_blocks", "num_tokens")
+
+    def __init__(self, blocks: list[KVBlock], block_size: int) -> None:
+        self._blocks = blocks
+        self.num_tokens = len(blocks) * block_size
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+_NO_HIT = ComputedBlocks([], 1)
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """Occupancy of the device and host pools (usable blocks: the null block is excluded).
+
+    ``num_used + num_free == num_total``; ``num_cached_free`` is the part of ``num_free``
+    that still holds reusable prefix K/V. Prefix-cache queries and hits count tokens.
+    """
+
+    num_used: int
+    num_cached_free: int
+    num_free: int
+    num_total: int
+    num_host_used: int
+    num_host_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
 class _Blocks:
     """Per-request device allocation: logical -> physical blocks and its table slot."""
 
-    __slots__ = ("blocks", "slot", "num_registered")
+    __slots__ = ("blocks", "slot", "num_registered", "cacheable")
 
     def __init__(self, slot: int) -> None:
         self.blocks: list[KVBlock] = []
         self.slot = slot  # row of KVCacheManager.tables holding this request's block ids
         # Leading blocks already offered to the prefix cache (registered or duplicates).
         self.num_registered = 0
+        # False once the prefix cache was reset under this allocation: K/V computed before
+        # the reset (e.g. with old weights) must never be shared afterwards.
+        self.cacheable = True
 
 
 class KVCacheManager:
@@ -66,9 +110,18 @@ class KVCacheManager:
         st = self._reqs.get(request_id)
         return [b.block_id for b in st.blocks] if st else []
 
-    def get_blocks(self, request_id: str) -> list[KVBlock]:
-        st = self._reqs.get(request_id)
-        return list(st.blocks) if st else []
+    def usage(self) -> KVUsage:
+        pool, host = self.pool, self.host_pool
+        return KVUsage(
+            num_used=pool.num_used_blocks,
+            num_cached_free=pool.num_cached_free,
+            num_free=pool.num_free_blocks,
+            num_total=pool.num_usable_blocks,
+            num_host_used=host.num_blocks - host.num_free_blocks,
+            num_host_total=host.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
 
     def block_table_row(self, request_id: str) -> np.ndarray:
         """A copy of the request's block-table row (width ``max_blocks_per_seq``)."""
@@ -100,15 +153,15 @@ class KVCacheManager:
         return list(self._host.get(request_id, ()))
 
     # ----------------------------------------------------------------- prefix cache
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, in whole blocks, and its length in tokens.
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of the request, in whole blocks.
 
         At least the last token is always left to compute (the runner needs its logits), so
         the hit is capped at ``num_tokens - 1`` and floored to the block size. The blocks are
         not yet referenced; pass them to ``allocate_slots``.
         """
         if not self.enable_caching:
-            return [], 0
+            return _NO_HIT
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(
@@ -125,7 +178,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return ComputedBlocks(hits, self.block_size)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup in tokens. The scheduler calls this once per admission, so a
@@ -134,10 +187,9 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
-    def num_tokens_that_fit(
-        self, request: Request, new_computed_blocks: Sequence[KVBlock] = ()
-    ) -> int:
+    def num_tokens_that_fit(self, request: Request, computed: ComputedBlocks = _NO_HIT) -> int:
         """How many new tokens ``allocate_slots`` could take right now for this request."""
+        new_computed_blocks = computed._blocks
         st = self._reqs.get(request.request_id)
         num_held = (len(st.blocks) if st is not None else 0) + len(new_computed_blocks)
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -148,7 +200,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
         st = self._reqs.get(request.request_id)
-        if st is None or not self.enable_caching:
+        if st is None or not self.enable_caching or not st.cacheable:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= st.num_registered:
@@ -168,18 +220,16 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
-        num_new_computed_tokens: int = 0,
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks = _NO_HIT
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
-        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only for a
-        request that holds no blocks yet). Returns the ids of newly allocated blocks (possibly
+        ``computed`` is a prefix-cache hit from ``get_computed_blocks`` (only for a request
+        that holds no blocks yet). Returns the ids of newly allocated blocks (possibly
         empty), or None if the pool cannot supply them; nothing changes on None.
         """
+        new_computed_blocks = computed._blocks
+        num_new_computed_tokens = computed.num_tokens
         st = self._reqs.get(request.request_id)
         num_held = len(st.blocks) if st is not None else 0
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -282,4 +332,9 @@ class KVCacheManager:
         return refs
 
     def reset_prefix_cache(self) -> int:
+        """Forget every cached block, held ones included, and stop registering blocks of the
+        current allocations: after a reset no K/V computed before it is ever shared again.
+        Returns how many blocks lost their hash."""
+        for st in self._reqs.values():
+            st.cacheable = False
         return self.pool.reset_prefix_cache()

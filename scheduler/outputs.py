@@ -11,7 +11,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.request import FinishReason
+from scheduler.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """What the runner keeps for a request, sent once: on its first scheduling.
+
+    ``sampling_params`` is the sequence's own (for an ``n > 1`` child, its seed already
+    offset); the runner must not mutate it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
 
 
 @dataclass(slots=True)
@@ -54,10 +68,13 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     block_tables: np.ndarray  # [len(scheduled), max_blocks_per_seq] int32, batch order
+    # Requests scheduled for the first time in this step (also in ``scheduled``).
+    new_requests: list[NewRequestData] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Requests that ended (finished, aborted, capacity) since the previous step; the runner
-    # drops any per-request state it keeps for them.
+    # Requests that ended (finished, aborted, capacity, error) since the previous step; the
+    # runner drops any per-request state it keeps for them, before it reads ``new_requests``
+    # (a finished id may come back at once as a new request).
     finished_request_ids: list[str] = field(default_factory=list)
     # Requests preempted in this step (recompute or swap); they are not in ``scheduled``.
     preempted_request_ids: list[str] = field(default_factory=list)

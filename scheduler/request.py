@@ -24,6 +24,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the client went away or the engine aborted it
     CAPACITY = "capacity"  # can never fit in the KV cache (or past max_model_len at admission)
+    ERROR = "error"  # the device step that computed it failed; the engine kept serving the rest
 
 
 class RequestStatus(enum.IntEnum):
@@ -37,6 +38,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_CAPACITY = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:
@@ -56,6 +58,7 @@ _STATUS_OF_REASON = {
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
     FinishReason.CAPACITY: RequestStatus.FINISHED_CAPACITY,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
 _REASON_OF_STATUS = {v: k for k, v in _STATUS_OF_REASON.items()}
 

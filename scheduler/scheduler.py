@@ -4,12 +4,18 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``; a ste
 scheduled request a span of that gap. Prefill, chunked prefill, prefix-cache continuations,
 recompute after preemption and decode are all the same rule, so there are no phases.
 
-Order within a step: running requests first (oldest first; under the priority policy, most
-urgent first), then swapped-out requests coming back, then waiting ones. When a running
-request cannot get blocks, the least urgent running request (the tail of the running list)
-is preempted, by swapping its K/V to host blocks or by freeing them for recompute. A step
-that preempted admits nobody new, so a request is never preempted and re-admitted within the
-same step.
+A step has three phases, in order: running requests (oldest first; under the priority
+policy, most urgent first), then swapped-out requests coming back, then waiting ones. When a
+running request cannot get blocks, the least urgent running request (the tail of the running
+list) is preempted, by swapping its K/V to host blocks or by freeing them for recompute. A
+step that preempted admits nobody new, so a request is never preempted and re-admitted within
+the same step. A swapped-out request that cannot come back yet blocks new admissions (under
+the priority policy: admissions less urgent than it), so a steady stream of small new
+requests cannot starve it.
+
+Siblings of an ``n > 1`` request share their prompt: all but the first wait, parked, until
+the first has computed the prompt (its full blocks are then in the prefix cache), and are
+admitted with those blocks as prefix-cache hits.
 
 Requests that can never fit end with ``FinishReason.CAPACITY`` instead of hanging:
   * at ``add_request``, when the prompt is longer than ``max_model_len`` or needs more blocks
@@ -24,10 +30,11 @@ stays True until they are reported).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.outputs import NewRequestData, RequestUpdate, ScheduledRequest, SchedulerOutput
 from scheduler.queues import make_queue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.stats import SchedulerStats
@@ -39,6 +46,19 @@ def _priority_key(r: Request) -> tuple[int, float]:
     return (r.priority, r.arrival_time)
 
 
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far; the three phases fill it in turn."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -46,7 +66,11 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.swapped = make_queue(config.policy)
         self.running: list[Request] = []
+        # Unfinished requests only: a finished id can be used again at once.
         self._requests: dict[str, Request] = {}
+        # n > 1 siblings waiting for their first sibling's prompt: leader id -> siblings.
+        self._parked: dict[str, list[Request]] = {}
+        self._parked_under: dict[str, str] = {}  # sibling id -> leader id
         # Ended since the last schedule(): reported in the next SchedulerOutput.
         self._finished_ids: list[str] = []
         # Ended inside the scheduler (capacity): reported by the next update_from_output.
@@ -56,9 +80,12 @@ class Scheduler:
         self._swap_enabled = config.preemption_mode == "swap" and config.num_host_blocks > 0
 
     # ------------------------------------------------------------------ requests in / out
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, share_prompt_with: str | None = None) -> None:
         """Queue a new request (``n == 1``; the engine fans out ``n > 1``).
 
+        ``share_prompt_with`` names an unfinished sibling with the same prompt: this request
+        waits until that one has computed the prompt, then reuses its blocks through the
+        prefix cache (no effect without prefix caching or for a prompt under one block).
         Raises ValueError for a duplicate id or a request that is not fresh. A prompt that
         can never fit ends at once with CAPACITY (reported by the next update_from_output).
         """
@@ -70,8 +97,13 @@ class Scheduler:
         self._requests[rid] = request
         n = request.num_prompt_tokens
         if n > self.config.max_model_len or not self.kv.can_ever_fit(n):
-            self._finish(request, FinishReason.CAPACITY)
-            self._pending_updates.append(self._update_for(request, []))
+            self._end_capacity(request)
+            return
+        leader = self._requests.get(share_prompt_with) if share_prompt_with else None
+        if (leader is not None and leader.num_output_tokens == 0 and self.kv.enable_caching
+                and n > self.config.block_size):
+            self._parked.setdefault(leader.request_id, []).append(request)
+            self._parked_under[rid] = leader.request_id
             return
         self.waiting.push(request)
 
@@ -85,77 +117,115 @@ class Scheduler:
         reason: FinishReason = FinishReason.STOP,
         stop_reason: int | str | None = None,
     ) -> None:
-        """End requests from outside (a stop string matched, or an abort) and free them."""
+        """End requests from outside (a stop string matched, an abort, a failed step) and
+        free them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
             req = self._requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == _RUNNING:
-                self.running.remove(req)
-            elif req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._dequeue(req)
             if stop_reason is not None:
                 req.stop_reason = stop_reason
             self._finish(req, reason)
+
+    def _dequeue(self, req: Request) -> None:
+        """Take an unfinished request out of whichever queue holds it."""
+        if req.status == _RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        elif req.request_id in self._parked_under:
+            leader = self._parked_under.pop(req.request_id)
+            self._parked[leader].remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished and free its blocks. The caller removes it from its queue."""
         req.status = RequestStatus.for_finish_reason(reason)
         req.finish_reason = reason
         self.kv.free(req)
+        self._requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
         self._num_finished[reason.value] += 1
+        self._release_parked(req.request_id)
+
+    def _end_capacity(self, req: Request) -> None:
+        """End a request that can never fit (it is already out of its queue)."""
+        self._finish(req, FinishReason.CAPACITY)
+        self._pending_updates.append(self._update_for(req, []))
+
+    def _release_parked(self, leader_id: str) -> None:
+        """The leader's prompt is computed (or it left the device): its siblings go to the
+        front of the waiting queue, in order."""
+        siblings = self._parked.pop(leader_id, None)
+        if not siblings:
+            return
+        for req in reversed(siblings):
+            del self._parked_under[req.request_id]
+            self.waiting.push_front(req)
 
     def get_request(self, request_id: str) -> Request | None:
-        """The live request, or a finished one until the step after it was reported."""
+        """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped or self._pending_updates)
+        return bool(self._requests or self._pending_updates)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.swapped)
+        return len(self._requests)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
-        cfg = self.config
-        kv = self.kv
-        budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold
-        max_seqs = cfg.max_num_seqs
-        scheduled: list[ScheduledRequest] = []
-        slots: list[int] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        preempted: list[str] = []
-
-        for rid in self._finished_ids:
-            self._requests.pop(rid, None)
         finished_ids, self._finished_ids = self._finished_ids, []
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        if self.config.policy == "priority":
+            self.running.sort(key=_priority_key)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_swapped(plan)
+            self._schedule_waiting(plan)
+        tables = self.kv.gather_block_tables(plan.slots)
+        for k, sr in enumerate(plan.scheduled):
+            sr.block_table = tables[k]
+        return SchedulerOutput(
+            scheduled=plan.scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - plan.budget,
+            block_tables=tables,
+            new_requests=plan.new_requests,
+            swap_out=plan.swap_out,
+            swap_in=plan.swap_in,
+            finished_request_ids=finished_ids,
+            preempted_request_ids=plan.preempted,
+        )
 
+    def _span_len(self, req: Request, budget: int) -> int:
+        """Tokens the request may compute this step (see ``_clamp``)."""
+        return self._clamp(req.num_tokens - req.num_computed_tokens, budget)
+
+    def _clamp(self, n: int, budget: int) -> int:
+        """The one budget rule: ``n`` tokens to compute, capped by the long-prefill threshold
+        and the budget left (which is > 0 whenever this is called)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and n > threshold:
+            n = threshold
+        return min(n, budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Phase 1: decodes and unfinished prefill chunks, preempting from the tail when
+        blocks run out."""
+        kv = self.kv
         running = self.running
-        if cfg.policy == "priority":
-            running.sort(key=_priority_key)
-
-        # 1. Running requests: decodes and unfinished prefill chunks.
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
-            all_ids = req.all_token_ids
-            n = len(all_ids) - req.num_computed_tokens
+            n = self._span_len(req, plan.budget)
             if n <= 0:
                 i += 1
                 continue
-            if n > 1:
-                if threshold and n > threshold:
-                    n = threshold
-                if n > budget:
-                    n = budget
             new_ids = kv.allocate_slots(req, n)
             while new_ids is None:
                 if n > 1:  # shrink a prefill chunk to the room left before preempting anyone
@@ -166,149 +236,129 @@ class Scheduler:
                         continue
                 victim = running.pop()
                 if victim is req and i == 0:
-                    # Alone on the device and still no room: it can never fit.
-                    self._finish(req, FinishReason.CAPACITY)
-                    self._pending_updates.append(self._update_for(req, []))
+                    self._end_capacity(req)  # alone on the device and still no room
                     break
-                self._preempt(victim, swap_out)
-                preempted.append(victim.request_id)
+                self._preempt(victim, plan)
                 if victim is req:
                     break
                 new_ids = kv.allocate_slots(req, n)
             if new_ids is None:
                 break  # req left the running list, which now ends before it
-            start = req.num_computed_tokens
-            scheduled.append(
-                ScheduledRequest(
-                    req.request_id,
-                    start,
-                    n,
-                    all_ids[start : start + n],
-                    new_ids,
-                    None,  # type: ignore[arg-type]  # filled below
-                    start + n == len(all_ids),
-                )
-            )
-            slots.append(kv.slot_of(req.request_id))
-            budget -= n
+            self._append_scheduled(plan, req, n, new_ids)
             i += 1
 
-        # 2. Swapped-out requests come back before new ones (they already hold host blocks).
-        swapped = self.swapped
-        while swapped and budget > 0 and len(running) < max_seqs and not preempted:
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        """Phase 2: swapped-out requests come back (they already hold host blocks)."""
+        swapped, running = self.swapped, self.running
+        while swapped and plan.budget > 0 and len(running) < self.config.max_num_seqs:
             req = swapped.peek()
-            n = self._span_len(req, budget, threshold)
-            res = kv.swap_in(req, n)
+            n = self._span_len(req, plan.budget)
+            res = self.kv.swap_in(req, n)
             if res is None and not running:
-                res = kv.swap_in(req, 1)
+                n = 1
+                res = self.kv.swap_in(req, 1)
                 if res is None:
                     swapped.pop()
-                    self._finish(req, FinishReason.CAPACITY)
-                    self._pending_updates.append(self._update_for(req, []))
+                    self._end_capacity(req)
                     continue
-                n = 1
             if res is None:
-                break
+                return
             swapped.pop()
             mapping, new_ids = res
-            swap_in.extend(mapping)
+            plan.swap_in.extend(mapping)
             req.status = _RUNNING
             running.append(req)
-            self._append_scheduled(scheduled, slots, req, n, new_ids)
-            budget -= n
+            self._append_scheduled(plan, req, n, new_ids)
 
-        # 3. Waiting requests (new, or preempted by recompute), with prefix-cache hits.
-        waiting = self.waiting
-        while waiting and budget > 0 and len(running) < max_seqs and not preempted:
+    def _admission_blocked_by_swapped(self, req: Request) -> bool:
+        """A swapped-out request still waiting to come back goes first: FCFS admits nobody
+        new before it, the priority policy only more urgent requests."""
+        if not self.swapped:
+            return False
+        if self.config.policy != "priority":
+            return True
+        return _priority_key(req) >= _priority_key(self.swapped.peek())
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Phase 3: new requests and those preempted by recompute, with prefix-cache hits."""
+        kv, waiting, running = self.kv, self.waiting, self.running
+        while waiting and plan.budget > 0 and len(running) < self.config.max_num_seqs:
             req = waiting.peek()
-            hits, num_hit = kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit
-            if threshold and n > threshold:
-                n = threshold
-            if n > budget:
-                n = budget
-            new_ids = kv.allocate_slots(req, n, hits, num_hit)
+            if self._admission_blocked_by_swapped(req):
+                return
+            hits = kv.get_computed_blocks(req)
+            num_hit = hits.num_tokens
+            n = self._clamp(req.num_tokens - num_hit, plan.budget)
+            new_ids = kv.allocate_slots(req, n, hits)
             if new_ids is None and not running:
                 # Nothing else holds device blocks: take what fits, or give up for good.
                 fit = kv.num_tokens_that_fit(req, hits)
                 if 1 <= fit < n:
                     n = fit
-                    new_ids = kv.allocate_slots(req, n, hits, num_hit)
+                    new_ids = kv.allocate_slots(req, n, hits)
                 if new_ids is None:
                     waiting.pop()
-                    self._finish(req, FinishReason.CAPACITY)
-                    self._pending_updates.append(self._update_for(req, []))
+                    self._end_capacity(req)
                     continue
             if new_ids is None:
-                break
+                return
             waiting.pop()
-            req.num_computed_tokens = num_hit
-            kv.record_prefix_query(req.num_tokens, num_hit)
-            if req.num_cached_tokens < 0:
+            first_admission = req.num_cached_tokens < 0
+            if first_admission:
+                # Counted once per request: a preempted request re-admitted on its own
+                # blocks is not a prefix-cache hit.
+                kv.record_prefix_query(req.num_tokens, num_hit)
                 req.num_cached_tokens = num_hit
+                plan.new_requests.append(NewRequestData(
+                    req.request_id, list(req.prompt_token_ids), req.sampling_params, req.eos_token_id))
+            req.num_computed_tokens = num_hit
             req.status = _RUNNING
             running.append(req)
-            self._append_scheduled(scheduled, slots, req, n, new_ids)
-            budget -= n
+            self._append_scheduled(plan, req, n, new_ids)
 
-        tables = kv.gather_block_tables(slots)
-        for k, sr in enumerate(scheduled):
-            sr.block_table = tables[k]
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
-            block_tables=tables,
-            swap_out=swap_out,
-            swap_in=swap_in,
-            finished_request_ids=finished_ids,
-            preempted_request_ids=preempted,
-        )
-
-    @staticmethod
-    def _span_len(req: Request, budget: int, threshold: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
-        if threshold and n > threshold:
-            n = threshold
-        return min(n, budget)
-
-    def _append_scheduled(
-        self,
-        scheduled: list[ScheduledRequest],
-        slots: list[int],
-        req: Request,
-        n: int,
-        new_ids: list[int],
-    ) -> None:
+    def _append_scheduled(self, plan: _StepPlan, req: Request, n: int, new_ids: list[int]) -> None:
         start = req.num_computed_tokens
-        scheduled.append(
-            ScheduledRequest(
-                req.request_id,
-                start,
-                n,
-                req.all_token_ids[start : start + n],
-                new_ids,
-                None,  # type: ignore[arg-type]
-                start + n == req.num_tokens,
-            )
-        )
-        slots.append(self.kv.slot_of(req.request_id))
+        end = start + n
+        plan.scheduled.append(ScheduledRequest(
+            req.request_id, start, n, req.all_token_ids[start:end], new_ids,
+            None,  # type: ignore[arg-type]  # the block-table row, filled by schedule()
+            end == req.num_tokens,
+        ))
+        plan.slots.append(self.kv.slot_of(req.request_id))
+        plan.budget -= n
 
-    def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
+    def _preempt(self, req: Request, plan: _StepPlan) -> None:
         """Take a running request off the device (it is already out of ``self.running``)."""
         req.num_preemptions += 1
+        plan.preempted.append(req.request_id)
+        self._release_parked(req.request_id)
         if self._swap_enabled and req.num_computed_tokens > 0:
             mapping = self.kv.swap_out(req)
             if mapping is not None:
-                swap_out.extend(mapping)
+                plan.swap_out.extend(mapping)
                 req.status = RequestStatus.SWAPPED
                 self.swapped.push_front(req)
                 self._preemptions["swap"] += 1
                 return
+        self._requeue_for_recompute(req)
+        self._preemptions["recompute"] += 1
+
+    def _requeue_for_recompute(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.push_front(req)
-        self._preemptions["recompute"] += 1
+
+    def drop_device_kv(self) -> list[str]:
+        """The device KV cache was lost (a failed step that had donated it): every running
+        request goes back to the front of the waiting queue to recompute, and no block hash
+        survives. Swapped-out requests keep their host copies. Returns the requeued ids."""
+        lost = list(self.running)
+        self.running = []
+        for req in reversed(lost):
+            self._requeue_for_recompute(req)
+        self.kv.reset_prefix_cache()
+        return [r.request_id for r in lost]
 
     # ------------------------------------------------------------------ results
     def update_from_output(
@@ -339,6 +389,8 @@ class Scheduler:
                 kv.cache_computed_blocks(req)  # only when a block was completed
             if not sr.samples:
                 continue
+            if self._parked:
+                self._release_parked(rid)  # its prompt blocks are in the prefix cache now
             tokens = sampled.get(rid)
             if not tokens:
                 raise ValueError(f"no sampled token for request {rid!r}")
@@ -389,24 +441,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
-        host = self.kv.host_pool
+        u = self.kv.usage()
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._parked_under),
             num_swapped=len(self.swapped),
-            num_used_blocks=pool.num_used_blocks,
-            num_cached_free_blocks=pool.num_cached_free,
-            num_free_blocks=pool.num_free_blocks,
-            num_total_blocks=pool.num_usable_blocks,
-            num_host_blocks_used=host.num_blocks - host.num_free_blocks,
-            num_host_blocks_total=host.num_blocks,
+            num_used_blocks=u.num_used,
+            num_cached_free_blocks=u.num_cached_free,
+            num_free_blocks=u.num_free,
+            num_total_blocks=u.num_total,
+            num_host_blocks_used=u.num_host_used,
+            num_host_blocks_total=u.num_host_total,
             preemptions=dict(self._preemptions),
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
+            prefix_cache_queries=u.prefix_cache_queries,
+            prefix_cache_hits=u.prefix_cache_hits,
             num_finished=dict(self._num_finished),
         )
 
     def reset_prefix_cache(self) -> int:
-        """Drop all cached free blocks (e.g. after a weight reload)."""
+        """Forget every block hash (e.g. after a weight reload), those of blocks that running
+        requests hold included: nothing computed before the reset is shared after it.
+        Returns how many blocks lost their hash."""
         return self.kv.reset_prefix_cache()

@@ -66,6 +66,7 @@ class FakeModelRunner:
         self.device = np.full((config.num_blocks, self.bs), -1, dtype=np.int64)
         self.host = np.full((max(config.num_host_blocks, 1), self.bs), -1, dtype=np.int64)
         self.num_steps = 0
+        self.num_tokens_computed = 0
         self.max_step_tokens = 0
         self.num_swap_out_copies = 0
         self.num_swap_in_copies = 0
@@ -76,6 +77,7 @@ class FakeModelRunner:
         self.num_steps += 1
         total = sum(sr.num_tokens for sr in out.scheduled)
         assert total == out.num_scheduled_tokens
+        self.num_tokens_computed += total
         assert total <= cfg.max_num_batched_tokens, "token budget exceeded"
         assert len(out.scheduled) <= cfg.max_num_seqs
         ids = [sr.request_id for sr in out.scheduled]

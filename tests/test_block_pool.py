@@ -64,15 +64,17 @@ def test_cached_free_blocks_are_lru_and_uncached_reused_first():
     assert pool.num_cached_free == 0
 
 
-def test_reset_prefix_cache_keeps_live_blocks():
+def test_reset_prefix_cache_unhashes_live_blocks_too():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
     pool.cache_block(a, b"A")
     pool.cache_block(b, b"B")
     pool.free_blocks([a])
-    assert pool.reset_prefix_cache() == 1
-    assert pool.get_cached_block(b"A") is None and pool.get_cached_block(b"B") is b
-    assert pool.num_cached_free == 0
+    assert pool.reset_prefix_cache() == 2
+    assert pool.get_cached_block(b"A") is None and pool.get_cached_block(b"B") is None
+    assert b.ref_cnt == 1 and b.block_hash is None and pool.num_cached_free == 0
+    pool.free_blocks([b])  # an unhashed block goes to the head: reused first
+    assert next(iter(pool.free_queue)) is b and pool.num_cached_free == 0
 
 
 def test_host_pool():

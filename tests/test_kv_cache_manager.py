@@ -63,11 +63,32 @@ def test_prefix_hits_are_touched_on_allocation():
     m.free(a)
     assert m.pool.num_cached_free == 2
     b = req("b", 9)
-    hits, n = m.get_computed_blocks(b)
+    hits = m.get_computed_blocks(b)
+    n = hits.num_tokens
     assert n == 8 and len(hits) == 2
-    ids = m.allocate_slots(b, 1, hits, n)
-    assert len(ids) == 1 and m.get_block_ids("b")[:2] == [h.block_id for h in hits]
-    assert m.pool.num_cached_free == 0 and all(h.ref_cnt == 1 for h in hits)
+    ids = m.allocate_slots(b, 1, hits)
+    assert len(ids) == 1 and m.get_block_ids("b")[:2] == m.get_block_ids("a")[:0] + [
+        blk.block_id for blk in m.pool.blocks if blk.block_hash is not None][:2]
+    u = m.usage()
+    assert u.num_cached_free == 0 and u.num_used == 3 and u.num_used + u.num_free == u.num_total
+
+
+def test_reset_prefix_cache_unhashes_held_blocks():
+    m = mgr()
+    a = req("a", 9)
+    m.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    m.cache_computed_blocks(a)
+    assert m.reset_prefix_cache() == 2
+    assert not m.pool.cached and m.get_computed_blocks(req("b", 9)).num_tokens == 0
+    # Blocks computed under the old allocation are never registered afterwards either.
+    m.allocate_slots(a, 8)
+    a.num_computed_tokens = 17
+    m.cache_computed_blocks(a)
+    assert not m.pool.cached
+    m.free(a)
+    u = m.usage()
+    assert u.num_used == 0 and u.num_cached_free == 0
 
 
 def test_swap_out_and_in_round_trip():

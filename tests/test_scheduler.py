@@ -305,14 +305,15 @@ def test_abort_and_finish_requests_free_everything():
     cfg = SchedulerConfig(block_size=4, num_blocks=50, max_model_len=64, max_num_batched_tokens=16)
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg)
-    for i in range(5):
-        s.add_request(Request(f"r{i}", [i + 1] * 10, SamplingParams(max_tokens=30), None, i))
+    reqs = [Request(f"r{i}", [i + 1] * 10, SamplingParams(max_tokens=30), None, i) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
     out = s.schedule()
     s.update_from_output(out, runner.execute(out))
     s.abort_requests(["r0", "r4", "nope"])
     s.finish_requests(["r1"], FinishReason.STOP, stop_reason="</s>")
-    assert s.get_request("r0").finish_reason == FinishReason.ABORT
-    assert s.get_request("r1").stop_reason == "</s>"
+    assert reqs[0].finish_reason == FinishReason.ABORT and s.get_request("r0") is None
+    assert reqs[1].stop_reason == "</s>"
     check_invariants(s)
     out = s.schedule()
     assert set(out.finished_request_ids) == {"r0", "r4", "r1"}
