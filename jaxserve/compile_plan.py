@@ -24,7 +24,7 @@ def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, 
     Three modes (greedy, sample, full) times logprobs off/on. Rows whose feature is off get
     neutral values, so a richer variant never changes a row's result, only its cost.
     """
-    num_lp = max_logprobs if logprobs else 0
+    num_lp = max_logprobs if logprobs else None
     if not sampling and not penalties and not top:
         return SamplerFlags(True, False, False, num_lp)
     if penalties or top:
@@ -34,13 +34,13 @@ def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, 
 
 def sampler_variants(max_logprobs: int) -> tuple[SamplerFlags, ...]:
     modes = ((False, False, False), (True, False, False), (True, True, True))
-    lps = (False, True) if max_logprobs else (False,)
+    lps = (False, True)  # logprobs=0 (the sampled token's own) works with max_logprobs=0
     return tuple(sampler_variant(s, t, p, lp, max_logprobs) for (s, t, p) in modes for lp in lps)
 
 
 def variant_name(flags: SamplerFlags) -> str:
     mode = "greedy" if flags.all_greedy else ("full" if flags.use_penalties else "sample")
-    return f"{mode}+lp{flags.num_logprobs}" if flags.num_logprobs else mode
+    return mode if flags.num_logprobs is None else f"{mode}+lp{flags.num_logprobs}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ Python flags select static variants so the compile plan stays small:
 * ``all_greedy``      every row is greedy: skip temperature, filtering and the RNG.
 * ``use_penalties``   some row has a repetition/presence/frequency penalty.
 * ``use_top_k_top_p`` some row has top-k or top-p (min-p is cheap and always on).
-* ``num_logprobs``    0, or the configured maximum K of top logprobs to return.
+* ``num_logprobs``    None (no logprobs), or the K of top logprobs to return with each
+                      sampled token's own logprob (K = 0: the sampled token's only).
 
 A row whose feature is off gives bit-identical results whether or not the flag is on, so a
 seeded request yields the same tokens whatever else shares its batch.
@@ -97,11 +98,11 @@ class SamplerFlags(NamedTuple):
     all_greedy: bool
     use_penalties: bool
     use_top_k_top_p: bool
-    num_logprobs: int
+    num_logprobs: int | None
 
     @classmethod
     def from_host(
-        cls, tensors: SamplingTensors, num_rows: int, num_logprobs: int = 0
+        cls, tensors: SamplingTensors, num_rows: int, num_logprobs: int | None = None
     ) -> SamplerFlags:
         """Flags for the first ``num_rows`` (real) rows of host-side numpy tensors."""
         t = jax.tree.map(lambda a: np.asarray(a)[:num_rows], tensors)
@@ -113,7 +114,7 @@ class SamplerFlags(NamedTuple):
                 or np.any(t.frequency_penalty != 0.0)
             ),
             use_top_k_top_p=bool(np.any(t.top_k > 0) or np.any(t.top_p < 1.0)),
-            num_logprobs=int(num_logprobs),
+            num_logprobs=None if num_logprobs is None else int(num_logprobs),
         )
 
 
@@ -215,7 +216,9 @@ def _top_k_top_p_mask(probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
         return _bisect_threshold(bits, lambda m: jnp.where(m, kept, 0.0).sum(-1) >= target)
 
     thr_p = jax.lax.cond(jnp.any(p_on), p_threshold, lambda: zeros)
-    thr_p = jnp.where(p_on, thr_p, 0)
+    # A top_p that rounds to 0 in f32 (5e-324) would keep nothing: the most likely token
+    # always stays.
+    thr_p = jnp.where(p_on, jnp.minimum(thr_p, bits.max(-1)), 0)
     return keep_k & (bits >= thr_p[:, None])
 
 
@@ -239,7 +242,8 @@ def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Categorical sample per row from unnormalised ``probs`` [R, V] with uniforms ``u`` [R].
 
     Two levels (block sums, then a cumsum inside one block) keep it O(V) per row. The
-    chosen token always has positive mass, whatever the rounding.
+    chosen token always has positive mass, whatever the rounding; a row with no mass at all
+    (every logit -inf or NaN) gets -1, for the caller to replace.
     """
     r, v = probs.shape
     nb = -(-v // _CDF_BLOCK)
@@ -255,7 +259,7 @@ def _inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     blk = jnp.take_along_axis(blocks, bi[:, None, None], 1)[:, 0]  # [R, B]
     inner = jnp.cumsum(blk, -1)  # [R, B]
     j = jnp.minimum((inner <= (target - before)[:, None]).sum(-1), _last_nonzero(blk))
-    return (bi * _CDF_BLOCK + j).astype(jnp.int32)
+    return jnp.where(cum[:, -1] > 0, bi * _CDF_BLOCK + j, -1).astype(jnp.int32)
 
 
 def _random_sample(logits: jax.Array, t: SamplingTensors, use_top_k_top_p: bool) -> jax.Array:
@@ -305,7 +309,7 @@ def sample(
     all_greedy: bool = False,
     use_penalties: bool = False,
     use_top_k_top_p: bool = False,
-    num_logprobs: int = 0,
+    num_logprobs: int | None = None,
     keep_processed: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (traceable; see :data:`sample_jit`).
@@ -322,9 +326,9 @@ def sample(
     else:
         sampled = _random_sample(x, tensors, use_top_k_top_p)
         is_greedy = jnp.asarray(tensors.temperature, jnp.float32) < SAMPLING_EPS
-        token_ids = jnp.where(is_greedy, greedy, sampled)
+        token_ids = jnp.where(is_greedy | (sampled < 0), greedy, sampled)
     kept = {"processed_logits": x} if keep_processed else {}
-    if num_logprobs > 0:
+    if num_logprobs is not None:
         return SamplerOutput(token_ids=token_ids, **_logprobs(raw, token_ids, num_logprobs), **kept)
     return SamplerOutput(token_ids=token_ids, **kept)
 

@@ -241,7 +241,7 @@ def test_tensors_are_a_pytree_and_flags():
     t = _tensors(4, temperature=[0, 0, 0, 0.5])
     leaves = jax.tree.leaves(t)
     assert len(leaves) == len(dataclasses.fields(SamplingTensors))
-    assert SamplerFlags.from_host(t, 3) == SamplerFlags(True, False, False, 0)
+    assert SamplerFlags.from_host(t, 3) == SamplerFlags(True, False, False, None)
     assert SamplerFlags.from_host(t, 4).all_greedy is False
 
 
@@ -280,3 +280,32 @@ def test_new_data_does_not_recompile():
     t.penalty_token_ids[:, :2] = 1
     sample_jit(logits + 1, t, **flags)
     assert sample_jit._cache_size() == before
+
+
+def test_degenerate_top_p_and_dead_rows_stay_in_vocab():
+    # V not a multiple of the CDF block: an out-of-range id would be >= V.
+    r, v = 4, 300
+    logits = np.asarray(np.random.default_rng(3).normal(size=(r, v)), np.float32)
+    logits[3] = -np.inf  # a row with no mass at all (everything banned)
+    t = SamplingTensors.neutral(r, 2, 8)
+    t.temperature[:] = 1.0
+    t.seeds[:] = np.arange(r)
+    t.top_p[:] = np.float32(5e-324)  # rounds to 0 in f32
+    t.top_p[2] = 1.0
+    for pos in range(3):
+        t.output_pos[:] = pos
+        out = np.asarray(sample_jit(logits, t, use_top_k_top_p=True).token_ids)
+        assert ((0 <= out) & (out < v)).all(), out
+        assert out[0] == logits[0].argmax() and out[1] == logits[1].argmax()  # nucleus of one
+
+
+def test_logprobs_zero_returns_the_sampled_token_only():
+    r = 3
+    logits = _logits(r)
+    t = SamplingTensors.neutral(r, 2, 8)
+    out = sample_jit(logits, t, all_greedy=True, num_logprobs=0)
+    lp = np.log(_softmax(logits.astype(np.float64)))
+    tok = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.chosen_logprob, lp[np.arange(r), tok], atol=1e-5)
+    assert out.top_logprobs.shape == (r, 0) and (np.asarray(out.chosen_rank) == 1).all()
+    assert sample_jit(logits, t, all_greedy=True).chosen_logprob is None
