@@ -1,42 +1,19 @@
-"""The `jaxserve` command line: generate, convert (and, as they land, serve / warmup / client)."""
+"""The `jaxserve` command line: generate, warmup and convert here; other packages add their
+subcommands (the server's `serve` and `client`) through the `jaxserve.commands` entry-point
+group, so this module never imports them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import sys
 import time
-import typing
 
-from jaxserve.config import EngineConfig
+from jaxserve.engine_args import add_engine_args, engine_config_from_args
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`--max-num-seqs`, `--no-enable-prefix-caching`, ...)."""
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        if hint is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif typing.get_origin(hint) is tuple:
-            p.add_argument(flag, type=int, nargs="*", default=())
-        else:
-            args = typing.get_args(hint)
-            base = next((a for a in args if a is not type(None)), hint)
-            if typing.get_origin(base) is typing.Literal:
-                p.add_argument(flag, choices=typing.get_args(base), default=f.default)
-            else:
-                conv = base if base in (int, float, str) else str
-                p.add_argument(flag, type=conv, default=f.default)
-
-
-def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig)}
-    for f in dataclasses.fields(EngineConfig):
-        if isinstance(f.default, tuple):
-            kwargs[f.name] = tuple(kwargs[f.name] or ())
-    return EngineConfig(**kwargs)
+COMMANDS_ENTRY_POINTS = "jaxserve.commands"
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -136,11 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(func=cmd_convert)
 
-    from server.cli import (
-        add_commands,  # gRPC `serve` and `client` (lazy: keeps grpc off other commands)
-    )
-
-    add_commands(sub)
+    for ep in sorted(importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINTS), key=lambda e: e.name):
+        ep.load()(sub)  # e.g. server.cli:add_commands (its heavy imports stay lazy)
     return parser
 
 

@@ -1,13 +1,26 @@
-"""EngineConfig: every engine setting in one validated, frozen dataclass (no environment variables)."""
+"""EngineConfig: every engine setting in one validated, frozen dataclass (no environment variables).
+
+`EngineConfig` is what users write (flat: one keyword of `LLM(...)` and one flag each).
+`EngineConfig.resolve(model_config)` turns it, once, into a `ResolvedConfig` that holds the
+`SchedulerConfig` and every value derived from the model: max_model_len, KV pages, host pages,
+dtype and the compile plan. The scheduling fields are validated by `SchedulerConfig` alone
+(its messages name the engine's fields).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import re
+from typing import Any, Literal
 
 import jax
+import numpy as np
 
 from scheduler import SchedulerConfig
+
+# SchedulerConfig field -> the EngineConfig field a user sets for it.
+_ENGINE_NAME = {"block_size": "page_size", "num_blocks": "num_pages", "num_host_blocks": "num_host_pages",
+                "policy": "scheduling_policy"}
 
 AttentionBackend = Literal["auto", "pallas", "reference"]
 
@@ -66,24 +79,14 @@ class EngineConfig:
         if self.min_token_bucket is not None and (
                 not isinstance(self.min_token_bucket, int) or self.min_token_bucket < 2):
             raise ValueError(f"min_token_bucket must be an integer >= 2, got {self.min_token_bucket!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "token_bucket_gap", "max_n"):
+        for name in ("token_bucket_gap", "max_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
-            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is reserved), got {self.num_pages!r}")
         if self.num_pages is None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
-        if self.num_host_pages is not None and self.num_host_pages < 0:
-            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
         if not 0 <= self.max_logprobs <= 100:
             raise ValueError(f"max_logprobs must be in [0, 100], got {self.max_logprobs!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.data_parallel_size != 1:
@@ -100,8 +103,12 @@ class EngineConfig:
             raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
         if self.warmup_threads < 0:
             raise ValueError(f"warmup_threads must be >= 0, got {self.warmup_threads!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
+        # The scheduling fields: validated once, by SchedulerConfig, with stand-ins for the
+        # values only the model decides.
+        self.scheduler_config(
+            self.num_pages if self.num_pages is not None else 2,
+            self.max_model_len if self.max_model_len is not None else 1,
+            self.num_host_pages if self.num_host_pages is not None else 0)
 
     def resolved_cache_dir(self) -> str | None:
         if self.compilation_cache_dir in (None, "", "none"):
@@ -120,10 +127,34 @@ class EngineConfig:
             return self.min_token_bucket
         return 4 if jax.default_backend() == "cpu" else 16
 
+    def resolved_max_model_len(self, model_config) -> int:
+        """`max_model_len`, or min(model context, 4096). Past the model's context (as its
+        linear RoPE scaling extends it) is an error naming both numbers."""
+        limit = model_config.max_position_embeddings
+        scaling = model_config.rope_scaling
+        if scaling.kind == "linear" and scaling.factor > 1:
+            limit = int(limit * scaling.factor)
+        if self.max_model_len is None:
+            return min(limit, 4096)
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is larger than the model's context of {limit} tokens "
+                f"(max_position_embeddings {model_config.max_position_embeddings}"
+                + (f" x RoPE scaling {scaling.factor:g}" if limit != model_config.max_position_embeddings else "")
+                + ")")
+        return self.max_model_len
+
     def resolved_dtype(self) -> str:
         return default_dtype_for_platform() if self.dtype == "auto" else self.dtype
 
     def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
+        try:
+            return self._scheduler_config(num_pages, max_model_len, num_host_pages)
+        except ValueError as e:  # name the field as the user wrote it
+            msg = re.sub(r"^(\w+)", lambda m: _ENGINE_NAME.get(m.group(1), m.group(1)), str(e))
+            raise ValueError(msg) from None
+
+    def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.page_size,
             num_blocks=num_pages,
@@ -136,3 +167,48 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
         )
+
+    def resolve(self, model_config: Any, kv_model_config: Any | None = None) -> ResolvedConfig:
+        """The settings derived from the model, computed once. `kv_model_config` is the
+        per-device model config under tensor parallelism (it sizes a KV page)."""
+        from jaxserve.compile_plan import CompilePlan
+        from jaxserve.models.llama import kv_cache_bytes_per_page
+
+        dtype = self.resolved_dtype()
+        max_model_len = self.resolved_max_model_len(model_config)
+        if self.num_pages is not None:
+            num_pages = self.num_pages
+        else:
+            itemsize = np.float32 if dtype == "float32" else np.float16
+            per_page = kv_cache_bytes_per_page(kv_model_config or model_config, self.page_size, itemsize)
+            num_pages = max(2, int(self.kv_cache_memory_gb * 2**30) // per_page)
+        if self.num_host_pages is not None:
+            num_host_pages = self.num_host_pages
+        else:
+            num_host_pages = num_pages if self.preemption_mode == "swap" else 0
+        return ResolvedConfig(
+            scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages),
+            dtype=dtype,
+            plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """What an engine runs with once its model is known."""
+
+    scheduler: SchedulerConfig
+    dtype: str  # "float32" | "bfloat16"
+    plan: Any  # CompilePlan: token and request buckets, sampler variants, swap sizes
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def num_pages(self) -> int:
+        return self.scheduler.num_blocks
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.scheduler.num_host_blocks

@@ -14,7 +14,8 @@ only covers tokens since the last emitted character, so per-call cost does not g
 the output.
 
 Stop strings are searched in the last ``max_len - 1`` characters plus the new text, so
-they are found across token boundaries. Text that could still be the start of a stop
+they are found across token boundaries; as in vLLM, only once more than ``min_tokens``
+tokens have been output (a stop string may still begin in earlier text). Text that could still be the start of a stop
 string is held back until it is known not to be one; :meth:`flush` releases it when the
 request finishes for another reason.
 """
@@ -59,8 +60,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str_in_output
@@ -104,6 +107,10 @@ class IncrementalDetokenizer:
         self._num_output_tokens += len(new_token_ids)
         return self._process(self._decode_new(final=False), final=False)
 
+    @property
+    def _checking_stops(self) -> bool:
+        return self._num_output_tokens > self._min_tokens
+
     def flush(self) -> DetokenizerDelta:
         """Finish: emit incomplete trailing bytes (as decode would) and held-back text."""
         if self.finished:
@@ -132,14 +139,15 @@ class IncrementalDetokenizer:
     def _process(self, delta: str, *, final: bool) -> DetokenizerDelta:
         """Stop-string search over held + new text; emit what is safe to emit."""
         pending = self._held + delta  # not yet emitted, in order
-        match = self._find_stop(delta)
+        match = self._find_stop(delta) if self._checking_stops else None
         if match is not None:
             stop_str, end_in_pending = match  # end of the stop string within pending
             cut = end_in_pending if self._include_stop else end_in_pending - len(stop_str)
+            cut = max(cut, 0)  # the match began in text emitted while min_tokens held stops off
             self.stop_str = stop_str
             self._held = ""
             return self._emit(pending[:cut], stop_str)
-        keep = 0 if final else self._stop_prefix_len(pending)
+        keep = 0 if final or not self._checking_stops else self._stop_prefix_len(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
         self._tail = (self._tail + delta)[-self._tail_len :] if self._tail_len else ""
         return self._emit(pending[: len(pending) - keep], None)

@@ -1,11 +1,12 @@
 """Multi-host serving: `jax.distributed`, a leader that broadcasts each step, followers that
 run the same jitted step, and heartbeats so a dead peer makes the leader unhealthy.
 
-Process 0 (the leader) runs the scheduler and the front end. Every runner call it makes is
-first broadcast to all processes as a fixed-size header plus a fixed-size int32 payload (one
-compiled broadcast per size class, primed at warmup, so serving compiles nothing); every
-process then runs the same SPMD executable over the global mesh. Followers loop on
-`run_follower` until the leader sends STOP.
+Process 0 (the leader) runs the scheduler, the runner's input stage and the front end. Each
+step is broadcast once, before it runs, as a fixed-size header plus one fixed-size int32
+payload holding the batch and the sampling rows (and a second one with the penalty history,
+only when a row uses penalties): one compiled broadcast per size class, primed at warmup, so
+serving compiles nothing. Every process then runs the same SPMD executables over the global
+mesh. Followers loop on `run_follower` until the leader sends STOP.
 
 A dead follower surfaces two ways, both without a hang: the leader's next collective fails
 at once (gloo reports the reset connection), and an idle leader's heartbeat monitor sees the
@@ -22,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -32,7 +32,7 @@ from jaxserve.sampler import SamplerFlags, SamplingTensors
 
 logger = logging.getLogger(__name__)
 
-OP_NOOP, OP_BACKBONE, OP_SAMPLE, OP_STOP = 0, 1, 2, 3
+OP_NOOP, OP_STEP, OP_STOP = 0, 1, 3
 HEADER_SIZE = 8  # [op, T, R, variant index, has penalties, num_reqs, num_tokens, 0]
 
 
@@ -104,25 +104,52 @@ class StepChannel:
 
     def prime(self) -> None:
         """Compiles each broadcast size class (both sides run this at warmup)."""
-        for size in (HEADER_SIZE, self.backbone_size, self.sample_size, self.penalty_size):
+        for size in (HEADER_SIZE, self.step_size, self.penalty_size):
             _broadcast(np.zeros(size, np.int32))
 
-    # -------------------------------------------------------------- backbone
-    def send_backbone(self, a: StepArrays) -> None:
+    @property
+    def step_size(self) -> int:
+        return self.backbone_size + self.sample_size
+
+    # -------------------------------------------------------------- one step
+    def send_step(self, a: StepArrays, t: SamplingTensors, rows: int, flags: SamplerFlags) -> None:
+        buf = np.zeros(self.step_size, np.int32)
+        self._pack_backbone(a, buf[: self.backbone_size])
+        self._pack_sample(t, rows, buf[self.backbone_size :])
+        payloads = [buf]
+        if flags.use_penalties:
+            pen = np.zeros(self.penalty_size, np.int32)
+            ids = np.asarray(t.penalty_token_ids)[:rows]
+            pen[: ids.size] = ids.ravel()
+            payloads.append(pen)
+        header = [OP_STEP, len(a.token_ids), rows, self.variants.index(flags), int(flags.use_penalties),
+                  a.num_reqs, a.num_tokens]
+        self._send(header, payloads)
+
+    def recv_step(self, header: np.ndarray, tensors_by_rows: dict[int, SamplingTensors]
+                  ) -> tuple[StepArrays, SamplingTensors, int, SamplerFlags]:
+        T, rows, n_reqs, n_tok = int(header[1]), int(header[2]), int(header[5]), int(header[6])
+        flags = self.variants[int(header[3])]
+        buf = _broadcast(np.zeros(self.step_size, np.int32))
+        arrays = self._unpack_backbone(buf[: self.backbone_size], T, n_reqs, n_tok)
+        into = tensors_by_rows[rows]
+        self._unpack_sample(buf[self.backbone_size :], rows, into)
+        if header[4]:
+            P = into.penalty_token_ids.shape[1]
+            pen = _broadcast(np.zeros(self.penalty_size, np.int32))
+            into.penalty_token_ids[:rows] = pen[: rows * P].reshape(rows, P)
+        return arrays, into, rows, flags
+
+    def _pack_backbone(self, a: StepArrays, buf: np.ndarray) -> None:
         T = len(a.token_ids)
-        buf = np.zeros(self.backbone_size, np.int32)
-        parts = [a.token_ids, a.positions, a.slot_mapping]
-        for i, p in enumerate(parts):
+        for i, p in enumerate((a.token_ids, a.positions, a.slot_mapping)):
             buf[i * self.max_tokens : i * self.max_tokens + T] = p
         o = 3 * self.max_tokens
         for p in (a.cu_q_lens, a.kv_lens, a.logits_indices, a.block_tables.ravel(), a.num_seqs):
             buf[o : o + p.size] = p.ravel()
             o += p.size
-        self._send([OP_BACKBONE, T, 0, 0, 0, a.num_reqs, a.num_tokens], [buf])
 
-    def recv_backbone(self, header: np.ndarray) -> StepArrays:
-        T, n_reqs, n_tok = int(header[1]), int(header[5]), int(header[6])
-        buf = _broadcast(np.zeros(self.backbone_size, np.int32))
+    def _unpack_backbone(self, buf: np.ndarray, T: int, n_reqs: int, n_tok: int) -> StepArrays:
         tok, pos, slots = (buf[i * self.max_tokens : i * self.max_tokens + T].copy() for i in range(3))
         o = 3 * self.max_tokens
         R = self.max_reqs
@@ -133,9 +160,7 @@ class StepChannel:
         cu, kv, lidx, tables, nseq = out
         return StepArrays(tok, pos, slots, cu, kv, tables.reshape(R, self.width), nseq, lidx, n_tok, n_reqs)
 
-    # -------------------------------------------------------------- sampler
-    def send_sample(self, t: SamplingTensors, rows: int, flags: SamplerFlags) -> None:
-        buf = np.zeros(self.sample_size, np.int32)
+    def _pack_sample(self, t: SamplingTensors, rows: int, buf: np.ndarray) -> None:
         o = 0
         for name in self._scalar_fields:
             a = np.asarray(getattr(t, name))[:rows]
@@ -143,17 +168,8 @@ class StepChannel:
             o += self.max_reqs
         stops = np.asarray(t.stop_token_ids)[:rows]
         buf[o : o + stops.size] = stops.ravel()
-        payloads = [buf]
-        if flags.use_penalties:
-            pen = np.zeros(self.penalty_size, np.int32)
-            ids = np.asarray(t.penalty_token_ids)[:rows]
-            pen[: ids.size] = ids.ravel()
-            payloads.append(pen)
-        self._send([OP_SAMPLE, 0, rows, self.variants.index(flags), int(flags.use_penalties)], payloads)
 
-    def recv_sample(self, header: np.ndarray, into: SamplingTensors) -> tuple[SamplingTensors, int, SamplerFlags]:
-        rows, flags = int(header[2]), self.variants[int(header[3])]
-        buf = _broadcast(np.zeros(self.sample_size, np.int32))
+    def _unpack_sample(self, buf: np.ndarray, rows: int, into: SamplingTensors) -> None:
         o = 0
         for name in self._scalar_fields:
             dst = getattr(into, name)
@@ -162,41 +178,12 @@ class StepChannel:
             o += self.max_reqs
         S = into.stop_token_ids.shape[1]
         into.stop_token_ids[:rows] = buf[o : o + rows * S].reshape(rows, S)
-        if header[4]:
-            P = into.penalty_token_ids.shape[1]
-            pen = _broadcast(np.zeros(self.penalty_size, np.int32))
-            into.penalty_token_ids[:rows] = pen[: rows * P].reshape(rows, P)
-        return into, rows, flags
 
     def send_stop(self) -> None:
         self._send([OP_STOP], [])
 
     def recv_header(self) -> np.ndarray:
         return _broadcast(np.zeros(HEADER_SIZE, np.int32))
-
-
-class LeaderRunner:
-    """The leader's runner: broadcasts each call, then runs it like every follower does."""
-
-    def __init__(self, runner, channel: StepChannel):
-        self._runner = runner
-        self._channel = channel
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def run_backbone(self, arrays: StepArrays):
-        self._channel.send_backbone(arrays)
-        return self._runner.run_backbone(arrays)
-
-    def sample(self, h_last, tensors: SamplingTensors, num_rows: int, flags: SamplerFlags):
-        self._channel.send_sample(tensors, num_rows, flags)
-        return self._runner.sample(h_last, tensors, num_rows, flags)
-
-    def swap_out(self, pairs) -> None:
-        raise RuntimeError("swap preemption is not supported across hosts")
-
-    swap_in = swap_out
 
 
 def exit_follower(code: int = 0) -> None:
@@ -213,19 +200,15 @@ def exit_follower(code: int = 0) -> None:
 
 
 def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, SamplingTensors]) -> None:
-    """A follower's loop: receive each runner call from the leader and run it, until STOP."""
-    h_last = None
+    """A follower's loop: receive each step from the leader and run it, until STOP."""
     while True:
         header = channel.recv_header()
         op = int(header[0])
         if op == OP_STOP:
             return
-        if op == OP_BACKBONE:
-            h_last = runner.run_backbone(channel.recv_backbone(header))
-        elif op == OP_SAMPLE:
-            rows = int(header[2])
-            tensors, rows, flags = channel.recv_sample(header, tensors_by_rows[rows])
-            runner.sample(h_last, tensors, rows, flags).token_ids.block_until_ready()
+        if op == OP_STEP:
+            arrays, tensors, rows, flags = channel.recv_step(header, tensors_by_rows)
+            runner.run_step(arrays, tensors, rows, flags).token_ids.block_until_ready()
 
 
 class PeerMonitor:

@@ -68,3 +68,5 @@ class RequestOutput:
     finished: bool
     usage: Usage
     metrics: RequestMetrics
+    # Set when the request ended because the engine failed it (finish reason "error").
+    error: str | None = None

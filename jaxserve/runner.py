@@ -1,7 +1,12 @@
 """The model runner: owns the device params and the paged KV cache, runs jitted ragged steps.
 
-`nnx.split` happens once; each step is a plain `jax.jit` over a pure function. Two jits keep
-the number of compiled shapes O(m + n) rather than O(m * n):
+`execute(SchedulerOutput) -> ModelRunnerOutput` is the whole step seen from the engine: the
+runner updates its persistent input batch (per-request sampling state), does the swap copies,
+picks the token and request buckets, builds the padded batch and the sampling rows, runs the
+device programs and returns the sampled ids and logprobs as host data.
+
+`nnx.split` happens once; each step is a plain `jax.jit` over a pure function. Separate jits
+keep the number of compiled shapes O(m + n) rather than O(m * n):
 
 - the backbone, keyed on the token bucket T only (its per-sequence metadata always has the
   full `max_reqs` rows), with the KV cache donated so it is updated in place;
@@ -11,7 +16,9 @@ the number of compiled shapes O(m + n) rather than O(m * n):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -22,12 +29,33 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 from jaxserve import parallel
-from jaxserve.batch import StepArrays
+from jaxserve.batch import BatchBuilder, SequenceSpan, StepArrays
+from jaxserve.buckets import pick
+from jaxserve.compile_cache import CompileGuard
 from jaxserve.compile_plan import SWAP_SIZES, ShapeKey
+from jaxserve.input_batch import InputBatch
 from jaxserve.loading import LoadedModel
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.outputs import TokenLogprob
+from jaxserve.runner_output import ModelRunnerOutput, StepTiming
 from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors, sample
+from scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The step shapes and limits `execute` works within (resolved engine settings)."""
+
+    token_buckets: tuple[int, ...]
+    request_buckets: tuple[int, ...]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_logprobs: int = 20
+    seed: int = 0
+    strict_compile_guard: bool = False
+    record_traffic_log: str | None = None  # append each step's token count to this file
 
 
 class ModelRunner:
@@ -41,7 +69,12 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_pages_per_seq: int = 0,
         mesh: Mesh | None = None,
+        steps: StepConfig | None = None,
+        channel: Any = None,
     ):
+        """`steps` is needed by `execute` only (tools that call `forward` leave it out);
+        `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
+        before it runs."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq
@@ -59,11 +92,7 @@ class ModelRunner:
         model = LlamaForCausalLM(self.config, params)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["embed"].dtype
-        kv_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh is not None else None
-        self.kv_cache = jax.jit(
-            functools.partial(init_kv_cache, self.config, num_pages, page_size, self.dtype),
-            out_shardings=(kv_sharding, kv_sharding) if kv_sharding is not None else None,
-        )()
+        self.kv_cache = self._new_kv_cache()
         self.attention_backend = attention_backend
         # Host-side swap pool, same layout as the device cache: [L, H, S, Hkv, D] each.
         shape = (self.config.num_layers, max(num_host_pages, 0), page_size, self.config.num_kv_heads,
@@ -71,8 +100,96 @@ class ModelRunner:
         self.host_k = np.zeros(shape, self.dtype) if num_host_pages else None
         self.host_v = np.zeros(shape, self.dtype) if num_host_pages else None
         # Ahead-of-time compiled executables by shape (filled by `compile_plan`); a shape
-        # missing here falls back to the jit, which the engine's guard reports.
+        # missing here falls back to the jit, which the compile guard reports.
         self.executables: dict[ShapeKey, Any] = {}
+        self.steps = steps
+        self.channel = channel
+        self.guard = CompileGuard(strict=steps.strict_compile_guard if steps else False)
+        if steps is not None:
+            self.input_batch = InputBatch(steps.request_buckets, steps.max_model_len, steps.max_logprobs, steps.seed)
+            self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size)
+        self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
+
+    # ------------------------------------------------------------------ the step
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one scheduled step: swap copies first (swap-outs before swap-ins), then the
+        ragged step over every scheduled span. Returns host data only."""
+        self.input_batch.update(so.finished_request_ids, so.new_requests)
+        td = time.perf_counter()
+        if so.swap_out:
+            self.swap_out(so.swap_out)
+        if so.swap_in:
+            self.swap_in(so.swap_in)
+        device_s = time.perf_counter() - td
+        if not so.scheduled:
+            return ModelRunnerOutput.empty(StepTiming(device_s))
+        cfg = self.steps
+        spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table) for sr in so.scheduled]
+        T = pick(cfg.token_buckets, so.num_scheduled_tokens)
+        arrays = self.builder.build(spans, T, cfg.max_num_seqs)
+        R = pick(cfg.request_buckets, len(spans))
+        tensors, flags = self.input_batch.sampling_rows(so.scheduled, R)
+        td = time.perf_counter()
+        if self.channel is not None:
+            self.channel.send_step(arrays, tensors, R, flags)
+        out = self.run_step(arrays, tensors, R, flags)
+        token_ids = np.asarray(out.token_ids)
+        lp = None
+        if flags.num_logprobs is not None:
+            lp = jax.device_get((out.chosen_logprob, out.chosen_rank, out.top_logprobs, out.top_token_ids))
+        timing = StepTiming(device_s + time.perf_counter() - td, num_tokens=so.num_scheduled_tokens,
+                            padded_tokens=T, num_rows=R)
+        result = self._collect(so, token_ids, lp, timing)
+        self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
+        if self._traffic_log is not None:
+            self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
+        return result
+
+    def _collect(self, so: SchedulerOutput, token_ids: np.ndarray, lp, timing: StepTiming) -> ModelRunnerOutput:
+        """Sampled ids (and logprobs where asked) of the spans that sample; each id is also
+        appended to the request's own history (penalties, output count)."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        states = self.input_batch.requests
+        for i, sr in enumerate(so.scheduled):
+            if not sr.samples:
+                continue
+            tok = int(token_ids[i])
+            sampled[sr.request_id] = [tok]
+            st = states.get(sr.request_id)
+            if st is None:
+                continue
+            st.output_token_ids.append(tok)
+            k = st.params.logprobs
+            if k is not None and lp is not None:
+                top = tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(k))
+                logprobs[sr.request_id] = TokenLogprob(tok, float(lp[0][i]), int(lp[1][i]), top)
+        return ModelRunnerOutput(sampled, logprobs, timing)
+
+    def run_step(self, arrays: StepArrays, tensors: SamplingTensors, num_rows: int,
+                 flags: SamplerFlags) -> SamplerOutput:
+        """The device part of a step (what every multi-host process runs)."""
+        return self.sample(self.run_backbone(arrays), tensors, num_rows, flags)
+
+    def kv_cache_lost(self) -> bool:
+        """True when a failed call had already consumed the donated cache buffers."""
+        return any(x.is_deleted() for x in self.kv_cache)
+
+    def rebuild_kv_cache(self) -> None:
+        """A fresh, zeroed cache with the same shapes and shardings (its contents are gone:
+        the scheduler must recompute every request that held device blocks)."""
+        self.kv_cache = self._new_kv_cache()
+
+    def _new_kv_cache(self) -> tuple[jax.Array, jax.Array]:
+        """Zeroed cache buffers; the jitted initialiser is kept, so a rebuild after a failed
+        step reuses its executable instead of compiling while serving."""
+        if not hasattr(self, "_init_kv_cache"):
+            kv_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh is not None else None
+            self._init_kv_cache = jax.jit(
+                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.dtype),
+                out_shardings=(kv_sharding, kv_sharding) if kv_sharding is not None else None,
+            )
+        return self._init_kv_cache()
 
     # ------------------------------------------------------------------ host API
     def device_inputs(self, arrays: StepArrays) -> tuple[Any, ...]:

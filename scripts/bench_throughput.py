@@ -208,10 +208,10 @@ def breakdown(engine, wl: Workload) -> None:
         setattr(obj, name, timed)
 
     wrap(engine.scheduler, "schedule", "host: scheduler.schedule")
-    wrap(engine.builder, "build", "host: builder.build")
-    wrap(engine, "_fill_sampling", "host: _fill_sampling")
+    wrap(engine.runner.builder, "build", "host: runner.builder.build")
+    wrap(engine.runner.input_batch, "sampling_rows", "host: runner.input_batch.sampling_rows")
     wrap(engine.scheduler, "update_from_output", "host: scheduler.update_from_output")
-    wrap(engine, "_process_updates", "host: _process_updates (detok, outputs)")
+    wrap(engine.outputs, "process", "host: outputs.process (detok, outputs)")
     wrap(engine.runner, "device_inputs", "device: device_inputs (H2D)", sync=True)
     wrap(engine.runner, "run_backbone", "device: run_backbone (incl. H2D)", sync=True)
     wrap(engine.runner, "sample", "device: head+sampler", sync=True)

@@ -357,6 +357,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             while True:
                 item = await q.get()
                 if isinstance(item, RequestOutput):
+                    if item.finished and item.error is not None:  # its device step failed
+                        done = True
+                        await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {item.error}")
                     resp = output_to_proto(item, reported)
                     if item.finished:
                         done = True

@@ -1,4 +1,4 @@
-"""`jaxserve serve` and `jaxserve client`, added to the main CLI by `add_commands`."""
+"""`jaxserve serve` and `jaxserve client`, added to the main CLI by `add_commands` (registered\nin the `jaxserve.commands` entry-point group)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from jaxserve.cli import add_engine_args
+    from jaxserve.engine_args import add_engine_args
     from server.app import ServerOptions
 
     d = ServerOptions()
@@ -62,7 +62,7 @@ def _setup_logging() -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxserve.cli import engine_config_from_args
+    from jaxserve.engine_args import engine_config_from_args
     from server.app import ServerOptions, serve
 
     _setup_logging()

@@ -33,3 +33,16 @@ def test_no_jax_import_statements_in_scheduler_sources():
         if pattern.search(p.read_text())
     ]
     assert not offenders, f"jax (or jaxserve) imported in {offenders}"
+
+
+def _importers(package: str, targets: str) -> list[str]:
+    pattern = re.compile(rf"^\s*(import|from)\s+({targets})\b", re.MULTILINE)
+    return [str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py") if pattern.search(p.read_text())]
+
+
+def test_imports_flow_one_way():
+    """scheduler -> jaxserve -> server/scripts; pallas_kernels is a leaf. The CLI finds the
+    server's subcommands through an entry point, never by importing it."""
+    assert not _importers("jaxserve", "server|scripts")
+    assert not _importers("pallas_kernels", "scheduler|jaxserve|server|scripts")
+    assert not _importers("server", "scripts")

@@ -22,6 +22,7 @@ class FakeEngine:
     def __init__(self):
         self.reqs: dict[str, list] = {}
         self.steps = 0
+        self.polls = 0  # has_unfinished_requests calls: a spinning loop makes many
         self.fail_next = False
         self.last_step = types.SimpleNamespace(num_tokens=0, host_s=0.0, device_s=0.0)
         self.scheduler = types.SimpleNamespace(stats=self._stats)
@@ -43,6 +44,7 @@ class FakeEngine:
         return self.reqs.pop(request_id, None) is not None
 
     def has_unfinished_requests(self):
+        self.polls += 1
         return bool(self.reqs)
 
     def step(self):
@@ -64,6 +66,11 @@ class FakeEngine:
             outs.append(RequestOutput(rid, None, [1, 2], [comp], done, Usage(2, st[1], 0),
                                       RequestMetrics(st[2], st[2], st[2], now if done else None)))
         return outs
+
+
+def sample(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
+    """A metric's value as the Prometheus registry exports it."""
+    return metrics.registry.get_sample_value(name, labels)
 
 
 async def _collect(q: asyncio.Queue, timeout: float = 5.0) -> list:
@@ -94,12 +101,14 @@ def test_streams_outputs_and_blocks_when_idle():
         q = await loop.add_request("a", SamplingParams(max_tokens=3), prompt="hi")
         items = await _collect(q)
         assert [len(i.outputs[0].delta_token_ids) for i in items] == [1, 1, 1] and items[-1].finished
-        steps = engine.steps
+        await asyncio.sleep(0.05)  # let the loop reach its idle wait
+        steps, polls = engine.steps, engine.polls
         await asyncio.sleep(0.3)
-        assert engine.steps == steps  # idle: blocked on the queue, not stepping
+        # Idle: blocked on the command queue, neither stepping nor polling the engine.
+        assert engine.steps == steps and engine.polls - polls <= 1, engine.polls - polls
         assert loop.snapshot.generation_tokens == 3 and loop.snapshot.num_streams == 0
-        assert metrics.generation_tokens._value.get() == 3
-        assert metrics.request_success.labels(finished_reason="length")._value.get() == 1
+        assert sample(metrics, "jaxserve:generation_tokens_total") == 3
+        assert sample(metrics, "jaxserve:request_success_total", finished_reason="length") == 1
         assert metrics.num_compilations_after_warmup == 0
 
     _run(body)
@@ -145,7 +154,7 @@ def test_abort_by_ticket_and_notify():
             if isinstance(item, Aborted):
                 assert item.reason == "bye"
                 break
-        assert metrics.request_success.labels(finished_reason="abort")._value.get() == 1
+        assert sample(metrics, "jaxserve:request_success_total", finished_reason="abort") == 1
 
     _run(body)
 

@@ -1,0 +1,117 @@
+"""The runner's persistent per-request state and the sampling rows it fills each step.
+
+The scheduler sends a request's parameters once (`SchedulerOutput.new_requests`, on its first
+scheduling) and its end once (`finished_request_ids`); in between the runner keeps what the
+sampler needs (seed, output count, penalty history, stop ids) here, keyed by request id, and
+appends each token it samples. Nothing here reads a scheduler `Request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxserve.compile_plan import sampler_variant
+from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
+from scheduler import NewRequestData, SamplingParams, ScheduledRequest
+
+MAX_STOP_TOKEN_IDS = 15  # per request, besides EOS: the sampler's stop-id table is [R, 16]
+STOP_ID_WIDTH = MAX_STOP_TOKEN_IDS + 1
+
+
+@dataclasses.dataclass
+class CachedRequestState:
+    """What the runner remembers of one sequence between steps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # uint32
+    stop_ids_row: np.ndarray  # [STOP_ID_WIDTH] int32, -1 padded: EOS (unless ignored) + stop ids
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def uses_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class InputBatch:
+    """Per-request state plus one set of host sampling buffers per request bucket."""
+
+    def __init__(self, request_buckets: Sequence[int], max_model_len: int, max_logprobs: int, seed: int):
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.requests: dict[str, CachedRequestState] = {}
+        self.tensors = {r: SamplingTensors.neutral(r, STOP_ID_WIDTH, max_model_len) for r in request_buckets}
+        self._neutral = SamplingTensors.neutral(1, STOP_ID_WIDTH, max_model_len)
+        self._rng = np.random.default_rng(seed)
+
+    def update(self, finished_request_ids: Sequence[str], new_requests: Sequence[NewRequestData]) -> None:
+        """Drop ended requests first: a finished id may come back as a new request."""
+        for rid in finished_request_ids:
+            self.requests.pop(rid, None)
+        for nr in new_requests:
+            self.requests[nr.request_id] = self._new_state(nr)
+
+    def _new_state(self, nr: NewRequestData) -> CachedRequestState:
+        p = nr.sampling_params
+        seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
+        stops = [] if p.ignore_eos or nr.eos_token_id is None else [nr.eos_token_id]
+        stops += list(p.stop_token_ids)
+        row = np.full(STOP_ID_WIDTH, -1, np.int32)
+        row[: len(stops)] = stops
+        return CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFF, row)
+
+    def append_output(self, request_id: str, token_id: int) -> None:
+        self.requests[request_id].output_token_ids.append(token_id)
+
+    def sampling_rows(self, scheduled: Sequence[ScheduledRequest], num_rows: int) -> tuple[SamplingTensors, SamplerFlags]:
+        """Fills the buffers of bucket `num_rows` in batch order; rows that do not sample
+        (non-final prefill chunks) and padding rows are neutral."""
+        t = self.tensors[num_rows]
+        any_logprobs = any_penalties = any_sampling = any_top = False
+        for i, sr in enumerate(scheduled):
+            st = self.requests.get(sr.request_id) if sr.samples else None
+            if st is None:
+                self._set_neutral_row(t, i)
+                continue
+            p = st.params
+            t.temperature[i] = p.temperature
+            t.top_k[i] = p.top_k
+            t.top_p[i] = p.top_p
+            t.min_p[i] = p.min_p
+            t.repetition_penalty[i] = p.repetition_penalty
+            t.presence_penalty[i] = p.presence_penalty
+            t.frequency_penalty[i] = p.frequency_penalty
+            t.seeds[i] = st.seed
+            num_out = len(st.output_token_ids)
+            t.output_pos[i] = num_out
+            t.min_tokens_mask[i] = num_out < p.min_tokens
+            t.stop_token_ids[i] = st.stop_ids_row
+            if st.uses_penalties:
+                self._fill_penalty_row(t, i, st)
+                any_penalties = True
+            any_sampling |= p.temperature >= SAMPLING_EPS
+            any_top |= p.top_k > 0 or p.top_p < 1.0
+            any_logprobs |= p.logprobs is not None
+        for i in range(len(scheduled), num_rows):
+            self._set_neutral_row(t, i)
+        return t, sampler_variant(any_sampling, any_top, any_penalties, any_logprobs, self.max_logprobs)
+
+    def _fill_penalty_row(self, t: SamplingTensors, i: int, st: CachedRequestState) -> None:
+        """Prompt then output ids, the most recent `max_model_len` of them."""
+        width = self.max_model_len
+        out = st.output_token_ids[-width:]
+        prompt = st.prompt_token_ids[max(0, len(st.prompt_token_ids) - (width - len(out))):] if len(out) < width else []
+        n = len(prompt) + len(out)
+        t.penalty_token_ids[i, : len(prompt)] = prompt
+        t.penalty_token_ids[i, len(prompt) : n] = out
+        t.penalty_token_ids[i, n:] = -1
+        t.penalty_prompt_len[i] = len(prompt)
+
+    def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
+        for f in dataclasses.fields(SamplingTensors):
+            getattr(t, f.name)[i] = getattr(self._neutral, f.name)[0]
