@@ -15,10 +15,22 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_
 
 
 @pytest.fixture(scope="module")
-def engine(smollm):
+def warm_engine(smollm):
     e = Engine(EngineConfig(**SMALL), loaded=smollm)
     e.warmup()
     return e
+
+
+@pytest.fixture
+def engine(warm_engine):
+    """The module's warmed-up engine, handed to each test idle, with no KV block held and an
+    empty prefix cache, whatever the previous test left."""
+    yield warm_engine
+    warm_engine.abort_all()
+    while warm_engine.has_unfinished_requests():
+        warm_engine.step()
+    assert warm_engine.scheduler.stats().num_used_blocks == 0, "the test leaked KV blocks"
+    warm_engine.reset_prefix_cache()
 
 
 def drain(engine, wanted=None):
