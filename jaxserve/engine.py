@@ -36,7 +36,6 @@ from jaxserve.warmup import WarmupReport, compile_ahead
 from scheduler import (
     FinishReason,
     Request,
-    RequestStatus,
     SamplingParams,
     Scheduler,
     SchedulerOutput,
@@ -221,14 +220,9 @@ class Engine:
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The step's requests end with `error`; the engine recovers or reports unhealthy."""
-        failed = [sr.request_id for sr in so.scheduled]
-        swapped = [rid for rid in so.preempted_request_ids
-                   if (r := self.scheduler.get_request(rid)) is not None and r.status == RequestStatus.SWAPPED]
-        if so.swap_out:  # their host copies were being written by the failed call
-            failed += swapped
+        failed = self.scheduler.fail_step(so)
         logger.error("engine step failed (%d requests end with error): %s: %s",
                      len(failed), type(error).__name__, error)
-        self.scheduler.finish_requests(failed, FinishReason.ERROR)
         if self.distributed is not None:  # a collective failed: a peer is gone
             self._mark_unhealthy(f"multi-host step failed: {error}")
         elif self.runner.kv_cache_lost():

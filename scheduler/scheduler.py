@@ -349,6 +349,17 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.push_front(req)
 
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The runner failed to execute ``scheduler_output``: end (ERROR) every request it
+        computed for, and those it was swapping out (their host copies may be partial).
+        Returns their ids; requests preempted by recompute lose nothing and stay queued."""
+        ids = [sr.request_id for sr in scheduler_output.scheduled]
+        if scheduler_output.swap_out:
+            ids += [rid for rid in scheduler_output.preempted_request_ids
+                    if (r := self._requests.get(rid)) is not None and r.status == RequestStatus.SWAPPED]
+        self.finish_requests(ids, FinishReason.ERROR)
+        return ids
+
     def drop_device_kv(self) -> list[str]:
         """The device KV cache was lost (a failed step that had donated it): every running
         request goes back to the front of the waiting queue to recompute, and no block hash

@@ -11,8 +11,12 @@ The ratio is what to compare between commits (run both in one session on one mac
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
@@ -39,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, num_pages=512, max_model_len=1024))
     engine.warmup()

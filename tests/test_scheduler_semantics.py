@@ -165,3 +165,24 @@ def test_drop_device_kv_requeues_running_for_recompute():
     assert reqs[0].finish_reason == FinishReason.ERROR
     for r in reqs[1:]:
         assert r.output_token_ids == reference_generate(r.prompt_token_ids, sp, None, 64)[0]
+
+
+def test_fail_step_ends_its_requests_and_the_ones_it_swapped_out():
+    cfg = SchedulerConfig(block_size=4, num_blocks=13, max_model_len=64, max_num_batched_tokens=64,
+                          num_host_blocks=40, preemption_mode="swap")
+    s, runner = Scheduler(cfg), FakeModelRunner(cfg)
+    a = Request("a", [1] * 24, SamplingParams(max_tokens=20, ignore_eos=True))
+    h = Request("h", [2] * 20, SamplingParams(max_tokens=30, ignore_eos=True))
+    c = Request("c", [3] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add_request(a)
+    s.add_request(h)
+    step(s, runner)
+    out = s.schedule()  # "h" is swapped out to make room for "a"
+    assert out.swap_out and h.status == RequestStatus.SWAPPED
+    s.add_request(c)
+    assert sorted(s.fail_step(out)) == ["a", "h"]
+    assert a.finish_reason == h.finish_reason == FinishReason.ERROR
+    check_invariants(s)
+    got = run_all(s, runner)
+    assert got == {} and c.output_token_ids == reference_generate(c.prompt_token_ids, c.sampling_params, None, 64)[0]
+    assert s.kv.usage().num_host_used == 0
