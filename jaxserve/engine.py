@@ -47,15 +47,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
-        self.distributed = None
-        if config.num_processes > 1:  # before anything touches a JAX backend
-            self.distributed = distributed.DistributedConfig(
-                config.coordinator, config.num_processes, config.process_id, config.heartbeat_timeout_s)
-            distributed.initialize(self.distributed)
-            if config.tensor_parallel_size != jax.device_count():
-                raise ValueError(
-                    f"multi-host serving shards the model over all {jax.device_count()} devices: set "
-                    f"tensor_parallel_size={jax.device_count()} (got {config.tensor_parallel_size})")
+        self.distributed = self._join_processes(config)  # before anything touches a JAX backend
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.dtype = config.resolved_dtype()
@@ -83,23 +75,41 @@ class Engine:
                 config.max_num_batched_tokens, config.max_num_seqs, self.scheduler_config.max_blocks_per_seq,
                 STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants)
             self._monitor = distributed.PeerMonitor(self.distributed, self._mark_unhealthy).start()
-        steps = StepConfig(
-            token_buckets=self.plan.token_buckets, request_buckets=self.plan.request_buckets,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, max_logprobs=config.max_logprobs, seed=config.seed,
-            strict_compile_guard=config.strict_compile_guard, record_traffic_log=config.record_traffic_log)
-        self.runner = ModelRunner(
-            self.model, num_pages=self.num_pages, page_size=config.page_size,
-            num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
-            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
-            channel=self.channel if self.is_leader else None,
-        )
+        self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
         self._rng = np.random.default_rng(config.seed)
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else getattr(
             self.tokenizer, "eos_token_id", None)
+
+    @staticmethod
+    def _join_processes(config: EngineConfig) -> distributed.DistributedConfig | None:
+        """Multi-host: join the process group (one model sharded over every device)."""
+        if config.num_processes <= 1:
+            return None
+        dc = distributed.DistributedConfig(
+            config.coordinator, config.num_processes, config.process_id, config.heartbeat_timeout_s)
+        distributed.initialize(dc)
+        if config.tensor_parallel_size != jax.device_count():
+            raise ValueError(
+                f"multi-host serving shards the model over all {jax.device_count()} devices: set "
+                f"tensor_parallel_size={jax.device_count()} (got {config.tensor_parallel_size})")
+        return dc
+
+    def _make_runner(self) -> ModelRunner:
+        config = self.config
+        steps = StepConfig(
+            token_buckets=self.plan.token_buckets, request_buckets=self.plan.request_buckets,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, max_logprobs=config.max_logprobs, seed=config.seed,
+            strict_compile_guard=config.strict_compile_guard, record_traffic_log=config.record_traffic_log)
+        return ModelRunner(
+            self.model, num_pages=self.num_pages, page_size=config.page_size,
+            num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
+            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
+            channel=self.channel if self.is_leader else None,
+        )
 
     @property
     def token_buckets(self) -> list[int]:
