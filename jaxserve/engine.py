@@ -33,6 +33,7 @@ from jaxserve.parallel import build_mesh, tp_model_config
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
 from jaxserve.warmup import WarmupReport, compile_ahead
+from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 from scheduler import (
     FinishReason,
     Request,
@@ -76,6 +77,8 @@ class Engine:
                 STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants)
             self._monitor = distributed.PeerMonitor(self.distributed, self._mark_unhealthy).start()
         self.runner = self._make_runner()
+        self.attention = self._attention_implementation()
+        logger.info("attention on %s: %s (%s)", self.platform, *self.attention)
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
@@ -110,6 +113,22 @@ class Engine:
             max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
             channel=self.channel if self.is_leader else None,
         )
+
+    @property
+    def platform(self) -> str:
+        """The platform the engine's programs are compiled for ("cpu", "tpu", "gpu")."""
+        devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()
+        return next(iter(devices)).platform
+
+    def _attention_implementation(self) -> tuple[str, str]:
+        """("pallas" | "reference", why) for this engine's platform and cache layout."""
+        if self.config.attention_backend == "reference":
+            return "reference", "attention_backend='reference'"
+        cfg = self.runner.config  # per-device under tensor parallelism
+        impl, why = attention_implementation(self.platform, cfg.num_kv_heads, cfg.head_dim, self.runner.dtype)
+        if impl == "reference" and self.platform != "cpu":
+            logger.warning("attention falls back to the reference on %s: %s", self.platform, why)
+        return impl, why
 
     @property
     def token_buckets(self) -> list[int]:

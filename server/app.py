@@ -411,11 +411,17 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             max_logprobs=self.engine_config.max_logprobs, max_n=self.engine_config.max_n,
         )
 
+    def _attention_info(self) -> dict[str, str]:
+        """The attention implementation the engine runs (and why), once it is loaded."""
+        attention = getattr(self.engine, "attention", None)
+        return {"attention_implementation": f"{attention[0]} ({attention[1]})"} if attention else {}
+
     async def GetServerInfo(self, request, context):
         info = pb.ServerInfo(
             version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
-            engine_config={f.name: str(getattr(self.engine_config, f.name))
-                           for f in dataclasses.fields(self.engine_config)},
+            engine_config={**{f.name: str(getattr(self.engine_config, f.name))
+                              for f in dataclasses.fields(self.engine_config)},
+                           **self._attention_info()},
             num_in_flight=self.num_in_flight, max_queued_requests=self.max_queued_requests,
             compilations_after_warmup=self.metrics.num_compilations_after_warmup,
         )

@@ -1,10 +1,23 @@
-"""Shared fixtures: the embedded SmolLM2 model, loaded once per session."""
+"""Shared fixtures: the embedded SmolLM2 model, loaded once per session.
+
+Also the test environment: JAX runs on the host CPU (JAX_PLATFORMS=cpu, also for the
+servers tests start), and the libtpu that `make install-test` puts in .venv/accel/tpu is
+importable, so compile-only TPU targets work without libtpu in the run environment.
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_ACCEL_TPU = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "accel" / "tpu"
+if _ACCEL_TPU.is_dir() and str(_ACCEL_TPU) not in sys.path:
+    sys.path.append(str(_ACCEL_TPU))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(_ACCEL_TPU)) if p)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
 
@@ -39,13 +39,18 @@ def update_kv_cache(
     Padding tokens must point at slots of the null page 0. Same backends as attention.
     """
     _validate(k_new, v_new, k_pages, v_pages, slot_mapping)
-    impl = resolve_backend(backend, interpret)
     args = (k_new, v_new, k_pages, v_pages, slot_mapping)
     head_dim = k_pages.shape[3]
-    if impl == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
-        if backend != "auto":
-            raise ValueError(f"the gpu KV-update kernel needs a power-of-two D, got {head_dim}")
-        impl = "reference"
+    gpu_ok = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    if backend == "auto" and not interpret:  # the target platform's kernel (see _dispatch)
+        from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
+        from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
+
+        return by_target_platform(args, reference=update_kv_cache_reference, tpu=update_kv_cache_tpu,
+                                  gpu=update_kv_cache_gpu if gpu_ok else None)
+    impl = resolve_backend(backend, interpret)
+    if impl == "gpu" and not gpu_ok:
+        raise ValueError(f"the gpu KV-update kernel needs a power-of-two D, got {head_dim}")
     if impl == "reference":
         return update_kv_cache_reference(*args)
     if impl == "tpu":

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
+import functools
 
 import jax
 
-from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -62,28 +62,36 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged batch over the paged cache (docs/architecture.md contract).
 
-    backend: "auto" (kernel on TPU/GPU, reference on CPU), "pallas" (kernel; on CPU only with
-    interpret=True), "reference", or "pallas_tpu"/"pallas_gpu" to force one kernel.
+    backend: "auto" (the kernel of the platform compiled for, TPU or GPU, where it supports
+    the layout, else the reference: see `attention_implementation`), "pallas" (the host
+    platform's kernel; on CPU only with interpret=True), "reference", or
+    "pallas_tpu"/"pallas_gpu" to force one kernel.
     interpret: run the kernel in Pallas interpret mode (CPU); for the TPU kernel it may be a
-    `pltpu.InterpretParams()`. "auto" falls back to the reference (with a warning) when the
-    platform's kernel does not support the head layout; "pallas" raises instead.
+    `pltpu.InterpretParams()`. "pallas" raises when the kernel does not support the layout.
     """
     _validate(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap
     )
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "auto" and not interpret:
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+
+        layout = (k_pages.shape[2], k_pages.shape[3], k_pages.dtype)
+        return by_target_platform(
+            args,
+            reference=functools.partial(ragged_paged_attention_reference, **kw),
+            tpu=functools.partial(ragged_paged_attention_tpu, **kw) if _kernel_supports("tpu", *layout) else None,
+            gpu=functools.partial(ragged_paged_attention_gpu, **kw) if _kernel_supports("gpu", *layout) else None,
+        )
     impl = resolve_backend(backend, interpret)
     num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     # Interpret mode has no tiling limits; the check guards the compiled kernels only.
     compiled = not interpret
-    if impl != "reference" and compiled and not _kernel_supports(impl, num_kv_heads, head_dim):
-        msg = f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim}"
-        if backend == "auto":
-            warnings.warn(f"{msg}; using the reference attention", stacklevel=2)
-            impl = "reference"
-        else:
-            raise ValueError(msg)
-    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl != "reference" and compiled and not _kernel_supports(impl, num_kv_heads, head_dim, k_pages.dtype):
+        raise ValueError(f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
+                         f"in {k_pages.dtype}; use backend='auto' or 'reference'")
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kw)
     if impl == "tpu":
@@ -95,10 +103,22 @@ def ragged_paged_attention(
     return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret))
 
 
-def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int) -> bool:
+def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype) -> tuple[str, str]:
+    """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for this
+    cache layout: ("pallas" | "reference", why)."""
+    impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
+    if impl is None:
+        return "reference", f"no Pallas kernel on {platform}"
+    if not _kernel_supports(impl, num_kv_heads, head_dim, dtype):
+        return "reference", (f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
+                             f"in {jax.numpy.dtype(dtype).name}")
+    return "pallas", f"the {impl} kernel"
+
+
+def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype) -> bool:
     """Shapes each kernel handles (Triton: power-of-two D; Mosaic: see tpu.supports)."""
     if impl == "gpu":
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0
     from pallas_kernels.ragged_paged_attention.tpu import supports
 
-    return supports(num_kv_heads, head_dim)
+    return supports(num_kv_heads, head_dim, dtype)

@@ -9,11 +9,19 @@ flight while the current one is used), and runs an online softmax per KV head in
 scratch. Rows of the block that belong to the sequence are then written into the output
 block with a masked select; rows of no sequence (padding) keep the zeros written first.
 
-Pages are viewed as [ps * Hkv, D] rows (slot-major, head-minor) and head h is taken out of
-a page by a strided sublane load (rows h, h + Hkv, ...). Mosaic's strided loads want 32-bit
-rows and a tile-friendly Hkv (1, 2, 4 or a multiple of 8; see `supports`). Only chunks a sequence's rows can
-see are visited (its window start to its last position in the block), and only pages
-inside the block table are fetched (indices are clamped), so nothing is read out of bounds.
+How head h of a page reaches VMEM depends on the cache dtype (see `supports`):
+
+- 32-bit caches with several KV heads: one DMA per (page, head) copies the strided
+  [ps, D] slice of head h straight into a head-major buffer [Hkv, Cp, ps, D], so the kernel
+  reads each head's chunk as one contiguous [Cp * ps, D] block. Any Hkv, any D in 64..256.
+- one KV head (any dtype): whole pages [ps, D] are copied, nothing to pick.
+- 16-bit caches with several KV heads are not supported yet: Mosaic implements neither
+  strided loads of 16-bit rows nor DMAs that slice a tiled dimension of a 16-bit array, so
+  they need a head-major cache layout (the callers fall back to the reference).
+
+Only chunks a sequence's rows can see are visited (its window start to its last position
+in the block), and only pages inside the block table are fetched (indices are clamped), so
+nothing is read out of bounds.
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from jax.experimental.pallas import tpu as pltpu
 _MASKED = -1e30
 
 
-def supports(num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel's VMEM reshape/strided head loads tile on a real TPU."""
-    return (num_kv_heads in (1, 2, 4) or num_kv_heads % 8 == 0) and head_dim % 64 == 0
+def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
+    """Whether the kernel compiles for this cache layout on a real TPU (module docstring)."""
+    if head_dim % 64 or head_dim > 256:
+        return False
+    return num_kv_heads == 1 or jnp.dtype(dtype).itemsize == 4
+
 
 
 def _kernel(
@@ -42,13 +53,13 @@ def _kernel(
     num_seqs_ref,  # [1] int32
     # inputs
     q_ref,  # [Bq, Hq, D] VMEM block of the token axis
-    k_hbm,  # [P, ps * Hkv, D] HBM, row = offset * Hkv + head
-    v_hbm,  # [P, ps * Hkv, D] HBM
+    k_hbm,  # [P, ps, Hkv, D] HBM (one KV head: [P, ps, D])
+    v_hbm,
     # output
     o_ref,  # [Bq, Hq, D]
     # scratch
-    k_buf,  # [2, Cp, ps * Hkv, D] VMEM
-    v_buf,  # [2, Cp, ps * Hkv, D] VMEM
+    k_buf,  # [2, Hkv, Cp, ps, D] VMEM (double-buffered chunks, head-major)
+    v_buf,
     sems,  # DMA semaphores [2, 2] (buffer slot, k/v)
     m_ref,  # [Hkv, Bq * G, 1] f32
     l_ref,  # [Hkv, Bq * G, 1] f32
@@ -61,8 +72,8 @@ def _kernel(
     num_kv_heads: int,
 ):
     block_q, num_q_heads, head_dim = q_ref.shape
-    _, chunk_pages, page_rows, _ = k_buf.shape
-    page_size = page_rows // num_kv_heads
+    _, _, chunk_pages, page_size, _ = k_buf.shape
+    per_head = k_hbm.ndim == 4
     group = num_q_heads // num_kv_heads
     rows = block_q * group
     chunk = chunk_pages * page_size
@@ -82,9 +93,11 @@ def _kernel(
         for p in range(chunk_pages):
             page = tables_ref[seq * max_pages + jnp.minimum(c * chunk_pages + p, max_pages - 1)]
             for kv, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                copies.append(
-                    pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[slot, kv])
-                )
+                if per_head:  # the DMA picks head h's [ps, D] out of the page
+                    copies += [pltpu.make_async_copy(src.at[page, :, h], dst.at[slot, h, p], sems.at[slot, kv])
+                               for h in range(num_kv_heads)]
+                else:
+                    copies.append(pltpu.make_async_copy(src.at[page], dst.at[slot, 0, p], sems.at[slot, kv]))
         return copies
 
     def seq_body(seq):
@@ -126,10 +139,8 @@ def _kernel(
                     # Packed rows cannot fold an odd head group into sublanes: go via f32.
                     q = q.astype(jnp.float32)
                 q = q.reshape(rows, head_dim)  # [BM, D], row = token * G + head
-                # Strided (sublane) loads pick head h out of every slot: [Cp, ps, D].
-                heads = pl.ds(h, page_size, stride=num_kv_heads)
-                k = k_buf[slot, :, heads, :].reshape(chunk, head_dim)  # [S, D]
-                v = v_buf[slot, :, heads, :].reshape(chunk, head_dim)  # [S, D]
+                k = k_buf[slot, h].reshape(chunk, head_dim)  # [Cp, ps, D] -> [S, D]
+                v = v_buf[slot, h].reshape(chunk, head_dim)
                 if q.dtype != k.dtype:
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
@@ -220,9 +231,12 @@ def ragged_paged_attention_tpu(
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, head_dim), lambda j, *_: (j, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
-    buf_shape = (2, chunk_pages, page_size * num_kv_heads, head_dim)
+    buf_shape = (2, num_kv_heads, chunk_pages, page_size, head_dim)
     num_pages = k_pages.shape[0]
-    # [P, ps, Hkv, D] -> [P, ps * Hkv, D]: a bitcast when XLA tiles the cache by rows.
+    if num_kv_heads == 1:
+        # One KV head: [P, ps, 1, D] -> [P, ps, D] (dropping a unit dimension is a bitcast).
+        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
+        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -249,7 +263,7 @@ def ragged_paged_attention_tpu(
         cu_q_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
         q_p,
-        k_pages.reshape(num_pages, page_size * num_kv_heads, head_dim),
-        v_pages.reshape(num_pages, page_size * num_kv_heads, head_dim),
+        k_pages,
+        v_pages,
     )
     return out[:num_tokens]
