@@ -125,5 +125,5 @@ def test_dispatch_rules():
         for backend in ("pallas", "pallas_tpu", "pallas_gpu"):
             with pytest.raises(ValueError, match="interpret=True"):
                 resolve_backend(backend, False)
-    assert supports(8, 128) and supports(3, 64) and not supports(4, 96)
-    assert supports(1, 128, jnp.bfloat16) and not supports(8, 128, jnp.bfloat16)
+    assert supports(8, 128) and supports(3, 64) and not supports(4, 96) and not supports(4, 512)
+    assert supports(3, 64, jnp.bfloat16) and supports(8, 128, jnp.bfloat16)

@@ -21,6 +21,16 @@ T, R, MAX_PAGES, PAGES, PAGE = 64, 8, 16, 128, 16
 KERNEL = "tpu_custom_call"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_persistent_cache():
+    """Compile-only TPU executables cannot be loaded back from the persistent cache (there
+    is no TPU client): keep them out of it."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 @functools.cache
 def tpu_device(topology: str):
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
@@ -43,11 +53,12 @@ def attention_args(dtype, hq, hkv, d):
 
 ATTENTION = functools.partial(pk.ragged_paged_attention, sm_scale=0.125)
 KERNEL_CASES = [  # (dtype, (Hq, Hkv, D)) the Mosaic kernel compiles for
-    (jnp.float32, (9, 3, 64)),  # SmolLM2's layout
-    (jnp.float32, (32, 8, 128)),  # Llama-3-8B's
-    (jnp.float32, (16, 16, 64)),
+    (jnp.bfloat16, (9, 3, 64)),  # SmolLM2's layout
+    (jnp.bfloat16, (32, 8, 128)),  # Llama-3-8B's
+    (jnp.bfloat16, (16, 16, 64)),
+    (jnp.bfloat16, (8, 1, 256)),
+    (jnp.float32, (9, 3, 64)),
     (jnp.float32, (16, 4, 256)),
-    (jnp.bfloat16, (8, 1, 128)),
 ]
 
 
@@ -60,10 +71,15 @@ def test_auto_compiles_the_mosaic_kernel_for_tpu(topology, dtype, heads):
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
 
 
+def test_window_and_soft_cap_compile_in_bf16():
+    fn = functools.partial(ATTENTION, sliding_window=128, soft_cap=30.0)
+    assert KERNEL in compiled_hlo(fn, attention_args(jnp.bfloat16, 9, 3, 64), tpu_device("v5e:2x2"))
+
+
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
-    impl, why = attention_implementation("tpu", 8, 128, jnp.bfloat16)
-    assert impl == "reference" and "Hkv=8" in why and "bfloat16" in why
-    hlo = compiled_hlo(ATTENTION, attention_args(jnp.bfloat16, 32, 8, 128), tpu_device("v5e:2x2"))
+    impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
+    assert impl == "reference" and "D=96" in why
+    hlo = compiled_hlo(ATTENTION, attention_args(jnp.bfloat16, 4, 2, 96), tpu_device("v5e:2x2"))
     assert "ragged_paged_attention_tpu" not in hlo
 
 
@@ -80,3 +96,36 @@ def test_auto_kv_update_compiles_the_kernel_for_tpu(dtype):
     args = (S((T, 3, 64), dtype), S((T, 3, 64), dtype), page, page, S((T,), jnp.int32))
     hlo = compiled_hlo(pk.update_kv_cache, args, tpu_device("v5e:2x2"))
     assert KERNEL in hlo and "update_kv_cache_tpu" in hlo
+
+
+def test_smollm2_backbone_compiles_with_both_kernels_in_bf16(smollm):
+    """The real model's layer scan in bf16, compiled for a v5e: attention and the KV-cache
+    update run as Mosaic kernels (abstract params: nothing is copied to any device)."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.models.metadata import AttentionMetadata
+    from jaxserve.runner import ModelRunner, _backbone_jit
+
+    bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), smollm.params)
+    runner = ModelRunner(dataclasses.replace(smollm, params=bf16, dtype="bfloat16"), num_pages=64, page_size=16,
+                         max_pages_per_seq=16)
+    device = tpu_device("v5e:2x2")
+    sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+
+    def sds(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
+    t, r = 32, 8
+    md = AttentionMetadata(slot_mapping=i32(t), cu_q_lens=i32(r + 1), kv_lens=i32(r), block_tables=i32(r, 16),
+                           num_seqs=i32(1))
+    with jax.default_device(device):
+        compiled = _backbone_jit.lower(runner.graphdef, "auto", None, jax.tree.map(sds, runner.state),
+                                       jax.tree.map(sds, runner.kv_cache), i32(t), i32(t), md, i32(r)).compile()
+    hlo = compiled.as_text()
+    assert "ragged_paged_attention_tpu" in hlo and "update_kv_cache_tpu" in hlo
+    assert compiled.memory_analysis().argument_size_in_bytes < 2 * 2**30  # params + cache, bf16

@@ -9,15 +9,12 @@ flight while the current one is used), and runs an online softmax per KV head in
 scratch. Rows of the block that belong to the sequence are then written into the output
 block with a masked select; rows of no sequence (padding) keep the zeros written first.
 
-How head h of a page reaches VMEM depends on the cache dtype (see `supports`):
-
-- 32-bit caches with several KV heads: one DMA per (page, head) copies the strided
-  [ps, D] slice of head h straight into a head-major buffer [Hkv, Cp, ps, D], so the kernel
-  reads each head's chunk as one contiguous [Cp * ps, D] block. Any Hkv, any D in 64..256.
-- one KV head (any dtype): whole pages [ps, D] are copied, nothing to pick.
-- 16-bit caches with several KV heads are not supported yet: Mosaic implements neither
-  strided loads of 16-bit rows nor DMAs that slice a tiled dimension of a 16-bit array, so
-  they need a head-major cache layout (the callers fall back to the reference).
+Each page is copied whole, in the cache's own layout `[ps, Hkv, D]`, into a VMEM buffer
+`[2, Cp, ps, Hkv, D]`; head h of the chunk is then the load `buf[slot, :, :, h, :]`
+(`[Cp, ps, D]`, one row of each (Hkv, D) tile), which Mosaic implements for 32- and 16-bit
+data alike, unlike a strided load of 16-bit rows or a DMA that slices a 16-bit tiled
+dimension. Selects that broadcast a row mask across lanes run in f32 (Mosaic cannot
+broadcast across lanes of packed 16-bit rows when the head group is odd).
 
 Only chunks a sequence's rows can see are visited (its window start to its last position
 in the block), and only pages inside the block table are fetched (indices are clamped), so
@@ -38,10 +35,10 @@ _MASKED = -1e30
 
 
 def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
-    """Whether the kernel compiles for this cache layout on a real TPU (module docstring)."""
-    if head_dim % 64 or head_dim > 256:
-        return False
-    return num_kv_heads == 1 or jnp.dtype(dtype).itemsize == 4
+    """Whether the kernel compiles for this cache layout on a real TPU: any KV head count,
+    f32 or bf16, D in {64, 128, 192, 256} (checked with libtpu by scripts/check_tpu_compile.py)."""
+    del num_kv_heads, dtype
+    return head_dim % 64 == 0 and head_dim <= 256
 
 
 
@@ -53,12 +50,12 @@ def _kernel(
     num_seqs_ref,  # [1] int32
     # inputs
     q_ref,  # [Bq, Hq, D] VMEM block of the token axis
-    k_hbm,  # [P, ps, Hkv, D] HBM (one KV head: [P, ps, D])
+    k_hbm,  # [P, ps, Hkv, D] HBM
     v_hbm,
     # output
     o_ref,  # [Bq, Hq, D]
     # scratch
-    k_buf,  # [2, Hkv, Cp, ps, D] VMEM (double-buffered chunks, head-major)
+    k_buf,  # [2, Cp, ps, Hkv, D] VMEM (double-buffered chunks of whole pages)
     v_buf,
     sems,  # DMA semaphores [2, 2] (buffer slot, k/v)
     m_ref,  # [Hkv, Bq * G, 1] f32
@@ -72,8 +69,7 @@ def _kernel(
     num_kv_heads: int,
 ):
     block_q, num_q_heads, head_dim = q_ref.shape
-    _, _, chunk_pages, page_size, _ = k_buf.shape
-    per_head = k_hbm.ndim == 4
+    _, chunk_pages, page_size, _, _ = k_buf.shape
     group = num_q_heads // num_kv_heads
     rows = block_q * group
     chunk = chunk_pages * page_size
@@ -93,11 +89,7 @@ def _kernel(
         for p in range(chunk_pages):
             page = tables_ref[seq * max_pages + jnp.minimum(c * chunk_pages + p, max_pages - 1)]
             for kv, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                if per_head:  # the DMA picks head h's [ps, D] out of the page
-                    copies += [pltpu.make_async_copy(src.at[page, :, h], dst.at[slot, h, p], sems.at[slot, kv])
-                               for h in range(num_kv_heads)]
-                else:
-                    copies.append(pltpu.make_async_copy(src.at[page], dst.at[slot, 0, p], sems.at[slot, kv]))
+                copies.append(pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[slot, kv]))
         return copies
 
     def seq_body(seq):
@@ -139,8 +131,9 @@ def _kernel(
                     # Packed rows cannot fold an odd head group into sublanes: go via f32.
                     q = q.astype(jnp.float32)
                 q = q.reshape(rows, head_dim)  # [BM, D], row = token * G + head
-                k = k_buf[slot, h].reshape(chunk, head_dim)  # [Cp, ps, D] -> [S, D]
-                v = v_buf[slot, h].reshape(chunk, head_dim)
+                # Head h of every slot of the chunk: [Cp, ps, D] -> [S, D].
+                k = k_buf[slot, :, :, h, :].reshape(chunk, head_dim)
+                v = v_buf[slot, :, :, h, :].reshape(chunk, head_dim)
                 if q.dtype != k.dtype:
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
@@ -167,7 +160,10 @@ def _kernel(
             out = jnp.where(in_seq, out, 0.0).reshape(block_q, group, head_dim)
             keep = in_seq.reshape(block_q, group, 1)
             cur = o_ref[:, h * group : (h + 1) * group, :]
-            o_ref[:, h * group : (h + 1) * group, :] = jnp.where(keep, out.astype(cur.dtype), cur)
+            # The select runs in f32: Mosaic cannot broadcast a mask across lanes of packed
+            # 16-bit rows when the head group is odd.
+            merged = jnp.where(keep, out, cur.astype(jnp.float32))
+            o_ref[:, h * group : (h + 1) * group, :] = merged.astype(cur.dtype)
         return seq + 1
 
     jax.lax.while_loop(
@@ -175,6 +171,21 @@ def _kernel(
         seq_body,
         first_seq,
     )
+
+
+# VMEM for the K and V double buffers together; the rest of the scoped VMEM (16 MiB by
+# default on v5e) holds the q/out blocks and the f32 softmax state.
+_KV_BUFFER_BYTES = 4 * 2**20
+
+
+def _default_chunk_pages(page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Pages per chunk: 128 tokens where the double buffers fit `_KV_BUFFER_BYTES`, fewer for
+    wide layouts. VMEM tiles pad the (Hkv, D) minor dims to (8 * packing, 128)."""
+    item = jnp.dtype(dtype).itemsize
+    sublanes = 8 * (4 // item)
+    page_bytes = page_size * (-(-num_kv_heads // sublanes) * sublanes) * (-(-head_dim // 128) * 128) * item
+    fit = _KV_BUFFER_BYTES // (4 * page_bytes)  # 2 slots x K and V
+    return max(1, min(128 // page_size, fit))
 
 
 @functools.partial(
@@ -214,7 +225,7 @@ def ragged_paged_attention_tpu(
     _, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     if chunk_pages is None:
-        chunk_pages = max(1, 128 // page_size)
+        chunk_pages = _default_chunk_pages(page_size, num_kv_heads, head_dim, k_pages.dtype)
     chunk_pages = min(chunk_pages, max_pages)
     block_q = min(block_q, max(8, 1 << (num_tokens - 1).bit_length()))
     padded_tokens = math.ceil(num_tokens / block_q) * block_q
@@ -231,12 +242,7 @@ def ragged_paged_attention_tpu(
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, head_dim), lambda j, *_: (j, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
-    buf_shape = (2, num_kv_heads, chunk_pages, page_size, head_dim)
-    num_pages = k_pages.shape[0]
-    if num_kv_heads == 1:
-        # One KV head: [P, ps, 1, D] -> [P, ps, D] (dropping a unit dimension is a bitcast).
-        k_pages = k_pages.reshape(num_pages, page_size, head_dim)
-        v_pages = v_pages.reshape(num_pages, page_size, head_dim)
+    buf_shape = (2, chunk_pages, page_size, num_kv_heads, head_dim)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -254,7 +260,9 @@ def ragged_paged_attention_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        # 32 MiB of scoped VMEM (the default is 16 on v5e): every TPU since v4 has at least
+        # that, and the widest layouts (16 KV heads of D=256 in f32) need it.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=32 * 2**20),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(
