@@ -105,7 +105,8 @@ class InputBatch:
         """Prompt then output ids, the most recent `max_model_len` of them."""
         width = self.max_model_len
         out = st.output_token_ids[-width:]
-        prompt = st.prompt_token_ids[max(0, len(st.prompt_token_ids) - (width - len(out))):] if len(out) < width else []
+        room = width - len(out)
+        prompt = st.prompt_token_ids[-room:] if room > 0 else []
         n = len(prompt) + len(out)
         t.penalty_token_ids[i, : len(prompt)] = prompt
         t.penalty_token_ids[i, len(prompt) : n] = out
