@@ -60,3 +60,19 @@ def test_tpu_attention_lowers_for_tpu(dtype, heads, opts):
 def test_kv_update_kernels_lower(dtype):
     assert "update_kv_cache_gpu" in lower_for_cuda(update_kv_cache_gpu, *_update_args(dtype, 3, 64))
     assert "tpu_custom_call" in lower_for_tpu(update_kv_cache_tpu, *_update_args(dtype, 8, 128))
+
+
+def test_auto_lowers_each_targets_kernel():
+    """backend="auto" is resolved per lowering platform: Triton for CUDA, Mosaic for TPU, the
+    reference (no custom call) for CPU, from the same traced program."""
+    import pallas_kernels as pk
+
+    fn = functools.partial(pk.ragged_paged_attention, sm_scale=0.125)
+    args = _attn_args(jnp.bfloat16, 9, 3, 64)
+    assert "ragged_paged_attention_gpu" in lower_for_cuda(fn, *args)
+    tpu = lower_for_tpu(fn, *args)
+    assert "tpu_custom_call" in tpu and "ragged_paged_attention_gpu" not in tpu
+    cpu = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "tpu_custom_call" not in cpu and "ragged_paged_attention_gpu" not in cpu
+    update = lower_for_cuda(pk.update_kv_cache, *_update_args(jnp.bfloat16, 3, 64))
+    assert "update_kv_cache_gpu" in update
