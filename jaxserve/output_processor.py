@@ -117,12 +117,7 @@ class OutputProcessor:
             child = self._children.get(up.request_id)
             if child is None:
                 continue
-            parent = child.parent
-            if parent.request_id not in touched:
-                touched[parent.request_id] = parent
-                for c in parent.completions:  # deltas are per step
-                    c.delta_text, c.delta_token_ids = "", []
-                    c.delta_logprobs = [] if c.logprobs is not None else None
+            _touch(child.parent, touched)
             stop_str = self._apply(child, up, logprobs.get(up.request_id), now)
             if stop_str is not None and not up.finished:
                 stopped.append((up.request_id, stop_str))
@@ -179,11 +174,7 @@ class OutputProcessor:
             if child is None:
                 continue
             parent = child.parent
-            if parent.request_id not in touched:
-                touched[parent.request_id] = parent
-                for c in parent.completions:
-                    c.delta_text, c.delta_token_ids = "", []
-                    c.delta_logprobs = [] if c.logprobs is not None else None
+            _touch(parent, touched)
             comp = parent.completions[child.index]
             comp.finish_reason, comp.stop_reason = str(FinishReason.ERROR), None
             parent.num_unfinished -= 1
@@ -206,6 +197,16 @@ class OutputProcessor:
             metrics=dataclasses.replace(parent.metrics),
             error=parent.error,
         )
+
+
+def _touch(parent: _Parent, touched: dict[str, _Parent]) -> None:
+    """First update of a request in this step: its deltas start empty."""
+    if parent.request_id in touched:
+        return
+    touched[parent.request_id] = parent
+    for c in parent.completions:
+        c.delta_text, c.delta_token_ids = "", []
+        c.delta_logprobs = [] if c.logprobs is not None else None
 
 
 def _copy_completion(c: CompletionOutput) -> CompletionOutput:
