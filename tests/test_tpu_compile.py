@@ -22,13 +22,14 @@ KERNEL = "tpu_custom_call"
 
 
 @pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache():
+def no_persistent_cache_writes():
     """Compile-only TPU executables cannot be loaded back from the persistent cache (there
-    is no TPU client): keep them out of it."""
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    is no TPU client): keep them out of it. (Whether the cache is used at all is decided
+    once per process, so writes are stopped by the minimum compile time instead.)"""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     yield
-    jax.config.update("jax_enable_compilation_cache", before)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 @functools.cache
