@@ -60,3 +60,13 @@ def hf_greedy_refs(smollm, hf_smollm):
     from hf_reference import HF_MAX_NEW, PROMPTS, hf_greedy
 
     return [hf_greedy(hf_smollm, smollm.tokenizer(p)["input_ids"], HF_MAX_NEW) for p in PROMPTS]
+
+
+def hand_back_idle(engine) -> None:
+    """After a test on a module-shared engine: nothing in flight, no KV block held (a leak
+    fails the test), and an empty prefix cache, so the next test starts from the same state."""
+    engine.abort_all()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.stats().num_used_blocks == 0, "the test leaked KV blocks"
+    engine.reset_prefix_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import hand_back_idle
 
 from jaxserve.compile_cache import EVENTS
 from jaxserve.config import EngineConfig
@@ -26,11 +27,7 @@ def engine(warm_engine):
     """The module's warmed-up engine, handed to each test idle, with no KV block held and an
     empty prefix cache, whatever the previous test left."""
     yield warm_engine
-    warm_engine.abort_all()
-    while warm_engine.has_unfinished_requests():
-        warm_engine.step()
-    assert warm_engine.scheduler.stats().num_used_blocks == 0, "the test leaked KV blocks"
-    warm_engine.reset_prefix_cache()
+    hand_back_idle(warm_engine)
 
 
 def drain(engine, wanted=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import hand_back_idle
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
@@ -23,12 +24,7 @@ def warm_engine(smollm):
 def engine(warm_engine):
     """The module's engine, idle and with an empty prefix cache before every test."""
     yield warm_engine
-    e = warm_engine
-    e.abort_all()
-    while e.has_unfinished_requests():
-        e.step()
-    assert e.scheduler.stats().num_used_blocks == 0, "a test leaked KV blocks"
-    e.reset_prefix_cache()
+    hand_back_idle(warm_engine)
 
 
 def run(engine, prompt, params, rid="r"):
