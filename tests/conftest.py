@@ -62,6 +62,25 @@ def hf_greedy_refs(smollm, hf_smollm):
     return [hf_greedy(hf_smollm, smollm.tokenizer(p)["input_ids"], HF_MAX_NEW) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def warm_engine(request, smollm):
+    """One warmed-up engine per test module, configured by the module's `SMALL` dict."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+
+    e = Engine(EngineConfig(**request.module.SMALL), loaded=smollm)
+    e.warmup()
+    return e
+
+
+@pytest.fixture
+def engine(warm_engine):
+    """The module's engine, handed to each test idle, with no KV block held and an empty
+    prefix cache, whatever the previous test left."""
+    yield warm_engine
+    hand_back_idle(warm_engine)
+
+
 def hand_back_idle(engine) -> None:
     """After a test on a module-shared engine: nothing in flight, no KV block held (a leak
     fails the test), and an empty prefix cache, so the next test starts from the same state."""

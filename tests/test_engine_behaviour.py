@@ -5,29 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import hand_back_idle
 
 from jaxserve.compile_cache import EVENTS
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
 from scheduler import SamplingParams
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256)
 
-
-@pytest.fixture(scope="module")
-def warm_engine(smollm):
-    e = Engine(EngineConfig(**SMALL), loaded=smollm)
-    e.warmup()
-    return e
-
-
-@pytest.fixture
-def engine(warm_engine):
-    """The module's warmed-up engine, handed to each test idle, with no KV block held and an
-    empty prefix cache, whatever the previous test left."""
-    yield warm_engine
-    hand_back_idle(warm_engine)
 
 
 def drain(engine, wanted=None):

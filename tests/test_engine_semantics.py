@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from conftest import hand_back_idle
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
@@ -12,19 +11,6 @@ from scheduler import SamplingParams
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256)
 PROMPT = "List ten fruits, separated by commas: apples, bananas,"
 
-
-@pytest.fixture(scope="module")
-def warm_engine(smollm):
-    e = Engine(EngineConfig(**SMALL), loaded=smollm)
-    e.warmup()
-    return e
-
-
-@pytest.fixture
-def engine(warm_engine):
-    """The module's engine, idle and with an empty prefix cache before every test."""
-    yield warm_engine
-    hand_back_idle(warm_engine)
 
 
 def run(engine, prompt, params, rid="r"):
