@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import sys
 import time
 
@@ -82,6 +83,27 @@ def cmd_warmup(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(ns: argparse.Namespace) -> int:
+    from jaxserve.aot import compile_for_target
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    target = Target.parse(ns.target)
+    cfg = engine_config_from_args(ns)
+    model_config = load_model_config(ns.model_config or cfg.model)
+    shapes = [s for s in ns.shapes.split(";") if s] if ns.shapes else None
+    report = compile_for_target(model_config, cfg, target, shapes=shapes, out_dir=ns.out,
+                                workers=cfg.warmup_threads, progress=not ns.quiet)
+    print(report.table())
+    if ns.manifest:
+        with open(ns.manifest, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+        print(f"manifest: {ns.manifest}")
+    if ns.out:
+        print(f"executables and manifest: {ns.out}")
+    return 0 if report.fits else 4
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="JAX LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quiet", action="store_true")
     add_engine_args(w)
     w.set_defaults(func=cmd_warmup)
+
+    k = sub.add_parser("compile", help="compile every planned shape for a target (a TPU, or this host) and "
+                                       "report its HBM plan; --out also writes the executables")
+    k.add_argument("--target", required=True, help="tpu:<chip>-<chips> (tpu:v5e-1, tpu:v5e-4, tpu:v6e-8, ...) "
+                   "or cpu[-<devices>]; the model is sharded over all of the target's devices")
+    k.add_argument("--model-config", default=None,
+                   help="an HF config.json to plan from without weights (default: --model's own config)")
+    k.add_argument("--manifest", default=None, help="write the JSON manifest here")
+    k.add_argument("--out", default=None, help="write the manifest and serialized executables to this "
+                   "directory (for `jaxserve serve --compiled`)")
+    k.add_argument("--shapes", default=None, help="compile only these planned shapes (names as printed, ';'-separated)")
+    k.add_argument("--quiet", action="store_true")
+    add_engine_args(k)
+    k.set_defaults(func=cmd_compile)
 
     c = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxserve (orbax) checkpoint")
     c.add_argument("src")

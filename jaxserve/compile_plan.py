@@ -68,8 +68,8 @@ class CompilePlan:
     swap_sizes: tuple[int, ...]
 
     @classmethod
-    def from_config(cls, config, *, swap_enabled: bool) -> CompilePlan:
-        """`config` is an EngineConfig."""
+    def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
+        """`config` is an EngineConfig; `platform` the one compiled for (None: the host's)."""
         if config.token_buckets:
             tokens = sorted({*config.token_buckets, config.max_num_batched_tokens})
             if tokens[-1] > config.max_num_batched_tokens or tokens[0] < 1:
@@ -81,7 +81,7 @@ class CompilePlan:
                 read_traffic_log(config.traffic_log), config.max_num_batched_tokens, config.max_token_buckets
             )
         else:
-            tokens = token_buckets(config.max_num_batched_tokens, config.resolved_min_token_bucket(),
+            tokens = token_buckets(config.max_num_batched_tokens, config.resolved_min_token_bucket(platform),
                                    config.token_bucket_gap, config.extra_token_buckets)
         return cls(
             token_buckets=tuple(tokens),

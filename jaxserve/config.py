@@ -66,6 +66,7 @@ class EngineConfig:
     max_token_buckets: int = 8  # shape budget for traffic-derived buckets
     record_traffic_log: str | None = None  # append each step's token count to this file
     compilation_cache_dir: str | None = "default"  # None: no persistent cache
+    compiled_dir: str | None = None  # load `jaxserve compile --out` executables instead of compiling
     strict_compile_guard: bool = False  # raise on any compilation after warmup
     warmup_threads: int = 0  # 0: one per CPU core
 
@@ -119,13 +120,13 @@ class EngineConfig:
             return default_cache_dir()
         return self.compilation_cache_dir
 
-    def resolved_min_token_bucket(self) -> int:
+    def resolved_min_token_bucket(self, platform: str | None = None) -> int:
         """Smallest token bucket. On CPU a 1-sequence decode padded to 16 rows costs ~60% more
         than at 4 (matmul time grows with rows); a 1-row bucket hits a slow XLA:CPU path, so
         the floor is 2. Accelerators tile rows in 8s/16s anyway."""
         if self.min_token_bucket is not None:
             return self.min_token_bucket
-        return 4 if jax.default_backend() == "cpu" else 16
+        return 4 if (platform or jax.default_backend()) == "cpu" else 16
 
     def resolved_max_model_len(self, model_config) -> int:
         """`max_model_len`, or min(model context, 4096). Past the model's context (as its
@@ -144,8 +145,8 @@ class EngineConfig:
                 + ")")
         return self.max_model_len
 
-    def resolved_dtype(self) -> str:
-        return default_dtype_for_platform() if self.dtype == "auto" else self.dtype
+    def resolved_dtype(self, platform: str | None = None) -> str:
+        return default_dtype_for_platform(platform) if self.dtype == "auto" else self.dtype
 
     def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
         try:
@@ -168,13 +169,16 @@ class EngineConfig:
             policy=self.scheduling_policy,
         )
 
-    def resolve(self, model_config: Any, kv_model_config: Any | None = None) -> ResolvedConfig:
+    def resolve(self, model_config: Any, kv_model_config: Any | None = None,
+                platform: str | None = None) -> ResolvedConfig:
         """The settings derived from the model, computed once. `kv_model_config` is the
-        per-device model config under tensor parallelism (it sizes a KV page)."""
+        per-device model config under tensor parallelism (it sizes a KV page); `platform`
+        the one compiled for (default: this host's backend), which picks `auto` dtype and
+        the smallest token bucket."""
         from jaxserve.compile_plan import CompilePlan
         from jaxserve.models.llama import kv_cache_bytes_per_page
 
-        dtype = self.resolved_dtype()
+        dtype = self.resolved_dtype(platform)
         max_model_len = self.resolved_max_model_len(model_config)
         if self.num_pages is not None:
             num_pages = self.num_pages
@@ -189,7 +193,7 @@ class EngineConfig:
         return ResolvedConfig(
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages),
             dtype=dtype,
-            plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0),
+            plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
         )
 
 

@@ -69,6 +69,7 @@ class Engine:
         self.plan = self.resolved.plan
         self.scheduler = Scheduler(self.scheduler_config)
         self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self._compiled = self._check_compiled() if config.compiled_dir else None  # before the cache exists
         self.channel = None
         self._monitor = None
         if self.distributed is not None:
@@ -266,13 +267,32 @@ class Engine:
         return self.outputs.fail(failed, f"the engine step failed ({type(error).__name__}); the request was not completed")
 
     # ------------------------------------------------------------------ warmup
+    def _check_compiled(self) -> dict:
+        """The `compiled_dir` manifest, checked against this engine (raises CompiledMismatchError)."""
+        from jaxserve import aot
+
+        manifest = aot.read_manifest(self.config.compiled_dir)
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        fingerprint = aot.program_fingerprint(self.model_config, self.config, self.resolved,
+                                              self.config.tensor_parallel_size)
+        aot.check_manifest(manifest, platform=self.platform, num_devices=len(devices),
+                           device_kind=devices[0].device_kind, fingerprint=fingerprint,
+                           directory=self.config.compiled_dir)
+        return manifest
+
     def warmup(self, *, progress: bool = False) -> WarmupReport:
         """Compiles every shape of the compile plan ahead of time (from the persistent cache
-        when it is warm), installs the executables and arms the compile guard."""
-        report = compile_ahead(
-            self.runner, self.plan, max_reqs=self.config.max_num_seqs, tensors_by_rows=self.runner.input_batch.tensors,
-            workers=self.config.warmup_threads, progress=progress, cache_enabled=self.cache_dir is not None,
-        )
+        when it is warm; loaded instead from `compiled_dir` when set), installs the
+        executables and arms the compile guard."""
+        if self._compiled is not None:
+            from jaxserve.aot import load_compiled
+
+            report = load_compiled(self.config.compiled_dir, self._compiled, self.runner, self.plan.shapes())
+        else:
+            report = compile_ahead(
+                self.runner, self.plan, max_reqs=self.config.max_num_seqs,
+                tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
+                progress=progress, cache_enabled=self.cache_dir is not None)
         self.warmup_report = report
         if self.channel is not None:  # every process compiles the broadcasts in the same order
             self.channel.prime()

@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-import pallas_kernels
 from jaxserve import parallel
 from jaxserve.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.buckets import pick
@@ -39,7 +38,16 @@ from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.outputs import TokenLogprob
 from jaxserve.runner_output import ModelRunnerOutput, StepTiming
-from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors, sample
+from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors
+from jaxserve.step_programs import (
+    StepPrograms,
+    abstract,
+    backbone_jit,
+    gather_pages_jit,
+    logits_jit,
+    sample_jit,
+    scatter_pages_jit,
+)
 from scheduler import SchedulerOutput
 
 
@@ -99,7 +107,7 @@ class ModelRunner:
                  self.config.head_dim)
         self.host_k = np.zeros(shape, self.dtype) if num_host_pages else None
         self.host_v = np.zeros(shape, self.dtype) if num_host_pages else None
-        # Ahead-of-time compiled executables by shape (filled by `compile_plan`); a shape
+        # Ahead-of-time compiled executables by shape (filled by warmup or `--compiled`); a shape
         # missing here falls back to the jit, which the compile guard reports.
         self.executables: dict[ShapeKey, Any] = {}
         self.steps = steps
@@ -222,7 +230,7 @@ class ModelRunner:
         if exe is not None:
             h_last, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
         else:
-            h_last, self.kv_cache = _backbone_jit(self.graphdef, self.attention_backend, self.mesh,
+            h_last, self.kv_cache = backbone_jit(self.graphdef, self.attention_backend, self.mesh,
                                                   self.state, self.kv_cache, tok, pos, md, lidx)
         return h_last
 
@@ -237,16 +245,16 @@ class ModelRunner:
         if logits_exe is not None:
             logits = logits_exe(self.state, h_last)
         else:
-            logits = _logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=num_rows)
+            logits = logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=num_rows)
         exe = self.executables.get(ShapeKey("head", num_rows, flags))
         if exe is not None:
             return exe(logits, tensors)
-        return _sample_jit(logits, tensors, flags=flags)
+        return sample_jit(logits, tensors, flags=flags)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
         h_last = self.run_backbone(arrays)
-        return _logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=h_last.shape[0])
+        return logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=h_last.shape[0])
 
     def forward_numpy(self, arrays: StepArrays) -> np.ndarray:
         return np.asarray(self.forward(arrays))[: arrays.num_reqs]
@@ -255,7 +263,7 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device pages to host pages: [(device_page, host_page), ...]."""
         for dev, host in _chunks([(d, h) for d, h in pairs]):
-            k, v = self._swap_exe(len(dev), 0, _gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
+            k, v = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
             n = len(host)
             self.host_k[:, host] = np.asarray(k)[:, :n]
             self.host_v[:, host] = np.asarray(v)[:, :n]
@@ -269,103 +277,27 @@ class ModelRunner:
             v = np.zeros_like(k)
             k[:, :n] = self.host_k[:, host]
             v[:, :n] = self.host_v[:, host]
-            self.kv_cache = self._swap_exe(len(dev), 1, _scatter_pages_jit)(self.kv_cache, jnp.asarray(dev), k, v)
+            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, jnp.asarray(dev), k, v)
 
     def _swap_exe(self, size: int, which: int, fallback):
         pair = self.executables.get(ShapeKey("swap", size))
         return pair[which] if pair is not None else fallback
 
     # ------------------------------------------------------------------ ahead-of-time compilation
+    def programs(self) -> StepPrograms:
+        """This runner's step programs over abstract copies of its params and cache."""
+        return StepPrograms(
+            graphdef=self.graphdef, state=abstract(self.state), kv_cache=abstract(self.kv_cache), mesh=self.mesh,
+            input_sharding=self.input_sharding, index_sharding=None, hidden_size=self.config.hidden_size,
+            vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
+            max_pages_per_seq=self.max_pages_per_seq)
+
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
-        sds = _abstract
-        rep = self.input_sharding
-
-        def i32(*shape):
-            return _sds(shape, jnp.int32, rep)
-
-        if key.kind == "backbone":
-            T = key.size
-            md = AttentionMetadata(
-                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
-                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
-            )
-            return _backbone_jit.lower(
-                self.graphdef, self.attention_backend, self.mesh, sds(self.state), sds(self.kv_cache),
-                i32(T), i32(T), md, i32(max_reqs),
-            ).compile()
-        if key.kind == "logits":
-            h = self._h_last_abstract(max_reqs)
-            return _logits_jit.lower(self.graphdef, self.mesh, sds(self.state), h, num_rows=key.size).compile()
-        if key.kind == "head":
-            logits = _sds((key.size, self.config.vocab_size), jnp.float32, rep)
-            t = jax.tree.map(lambda x: _sds(x.shape, x.dtype, rep), tensors)
-            return _sample_jit.lower(logits, t, flags=key.flags).compile()
-        if key.kind == "swap":
-            L, _, S, Hkv, D = self.kv_cache[0].shape
-            ids = _sds((key.size,), jnp.int32)
-            page = _sds((L, key.size, S, Hkv, D), self.dtype)
-            gather = _gather_pages_jit.lower(sds(self.kv_cache), ids).compile()
-            scatter = _scatter_pages_jit.lower(sds(self.kv_cache), ids, page, page).compile()
-            return gather, scatter
-        raise ValueError(f"unknown shape kind {key.kind!r}")
-
-    def _h_last_abstract(self, max_reqs: int) -> jax.ShapeDtypeStruct:
-        """The backbone's output as the head will receive it (shape, dtype and sharding)."""
-        return _sds((max_reqs, self.config.hidden_size), self.dtype, self.input_sharding)
+        return self.programs().lower(key, max_reqs, tensors)
 
     def install(self, key: ShapeKey, executable: Any) -> None:
         self.executables[key] = executable
-
-
-def _sds(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def _abstract(tree):
-    """ShapeDtypeStructs with each leaf's own sharding: warmup shardings equal serving ones."""
-    def one(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    return jax.tree.map(one, tree)
-
-
-# ---------------------------------------------------------------------- pure step functions
-# Module-level jits with the graph definition as a static argument: runners of the same model
-# and shapes share compiled executables (and the persistent compilation cache keys).
-
-
-def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices):
-    model = nnx.merge(graphdef, state)
-    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
-    kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
-    if mesh is not None:
-        attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
-    h_last, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
-                             attention_fn=attention_fn, kv_update_fn=kv_update_fn)
-    if mesh is not None:  # the head receives replicated hidden states, as its warmup assumed
-        h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
-    return h_last, kv_cache
-
-
-def _logits(graphdef, mesh, state, h_last, *, num_rows):
-    model = nnx.merge(graphdef, state)
-    logits = model.compute_logits(h_last[:num_rows])  # [R, V]
-    if mesh is not None:  # the sampler receives replicated logits, as its warmup assumed
-        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
-    return logits
-
-
-def _sample(logits, tensors, *, flags):
-    # The logits are donated and the processed ones returned, so scatters run in place.
-    return sample(logits, tensors, **flags._asdict(), keep_processed=True)
-
-
-_backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
-_sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
-_gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
-_scatter_pages_jit = jax.jit(
-    lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,))
 
 
 def _chunks(pairs: list[tuple[int, int]]):

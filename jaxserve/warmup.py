@@ -28,7 +28,8 @@ class ShapeRecord:
     variant: str | None
     seconds: float
     # "hit": loaded from the persistent cache; "miss": compiled (and written to it); "memory":
-    # reused from this process's in-memory jit cache; "off": persistent cache disabled
+    # reused from this process's in-memory jit cache; "off": persistent cache disabled;
+    # "loaded": deserialized from a `jaxserve compile --out` directory
     cache: str
 
 
@@ -55,6 +56,7 @@ class WarmupReport:
                 + "".join(f", {n} {what}" for what, n in (
                     ("reused in memory", sum(r.cache == "memory" for r in self.records)),
                     ("compiled without a persistent cache", sum(r.cache == "off" for r in self.records)),
+                    ("loaded from compiled executables", sum(r.cache == "loaded" for r in self.records)),
                 ) if n))
 
     def to_json(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:

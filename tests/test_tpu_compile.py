@@ -107,7 +107,8 @@ def test_smollm2_backbone_compiles_with_both_kernels_in_bf16(smollm):
     import numpy as np
 
     from jaxserve.models.metadata import AttentionMetadata
-    from jaxserve.runner import ModelRunner, _backbone_jit
+    from jaxserve.runner import ModelRunner
+    from jaxserve.step_programs import backbone_jit
 
     bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), smollm.params)
     runner = ModelRunner(dataclasses.replace(smollm, params=bf16, dtype="bfloat16"), num_pages=64, page_size=16,
@@ -125,7 +126,7 @@ def test_smollm2_backbone_compiles_with_both_kernels_in_bf16(smollm):
     md = AttentionMetadata(slot_mapping=i32(t), cu_q_lens=i32(r + 1), kv_lens=i32(r), block_tables=i32(r, 16),
                            num_seqs=i32(1))
     with jax.default_device(device):
-        compiled = _backbone_jit.lower(runner.graphdef, "auto", None, jax.tree.map(sds, runner.state),
+        compiled = backbone_jit.lower(runner.graphdef, "auto", None, jax.tree.map(sds, runner.state),
                                        jax.tree.map(sds, runner.kv_cache), i32(t), i32(t), md, i32(r)).compile()
     hlo = compiled.as_text()
     assert "ragged_paged_attention_tpu" in hlo and "update_kv_cache_tpu" in hlo

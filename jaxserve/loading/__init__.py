@@ -1,6 +1,6 @@
 """Model loading: GGUF files, HF directories (config.json + safetensors), orbax checkpoints."""
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
-from jaxserve.loading.loader import LoadedModel, load_model
+from jaxserve.loading.loader import LoadedModel, load_model, load_model_config
 
-__all__ = ["CheckpointError", "LoadedModel", "MissingTensorError", "ModelFileNotFoundError", "load_model"]
+__all__ = ["CheckpointError", "LoadedModel", "MissingTensorError", "ModelFileNotFoundError", "load_model", "load_model_config"]

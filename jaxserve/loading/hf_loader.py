@@ -37,13 +37,13 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
-def hf_config(path: str) -> ModelConfig:
-    cfg_path = os.path.join(path, "config.json")
+def hf_config(path: str, name: str = "config.json") -> ModelConfig:
+    cfg_path = os.path.join(path, name)
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
     except FileNotFoundError as e:
-        raise ModelFileNotFoundError(f"no config.json in {path}") from e
+        raise ModelFileNotFoundError(f"no {name} in {path}") from e
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path} is not valid JSON ({e})") from e
     return ModelConfig.from_hf_config(raw)

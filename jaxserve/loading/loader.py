@@ -59,6 +59,21 @@ def canonical_dtype_name(dtype: str) -> str:
     return "float32" if resolve_dtype(dtype) == jnp.float32 else "bfloat16"
 
 
+def load_model_config(path: str | None = None) -> ModelConfig:
+    """The model's config alone (no weights read): a GGUF file's metadata, an HF directory's
+    or a bare HF config.json's, or a jaxserve checkpoint's. None: the embedded model."""
+    path = embedded_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelFileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isfile(path) and path.endswith(".json"):
+        return hf_loader.hf_config(os.path.dirname(path) or ".", os.path.basename(path))
+    if os.path.isfile(path):
+        return gguf_loader.gguf_config(gguf_loader.GGUFFile(path))
+    if checkpoint.is_orbax_dir(path):
+        return checkpoint.load_checkpoint_config(path)[0]
+    return hf_loader.hf_config(path)
+
+
 def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model)."""
     path = embedded_model_path() if path is None else os.fspath(path)

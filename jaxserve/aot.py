@@ -1,0 +1,424 @@
+"""`jaxserve compile`: every planned shape of an engine config, compiled for a target.
+
+The params and the KV cache are abstract (`ShapeDtypeStruct`s sharded over the target's
+devices), so a model is planned from its config alone: an 8B model's plan for a v5e-4 runs on
+a laptop. Per shape the compiler's own memory analysis is kept; the plan's HBM per device is
+resident params + KV cache + the largest temporaries of any one program, and a target "fits"
+when every shape compiled (XLA:TPU refuses a program that needs more HBM than it allows) and
+that total is within the HBM XLA allows. `out_dir` also gets the serialized executables and
+a manifest; `load_compiled` installs them in a serving runner after checking that they were
+built for this very program (versions, devices, model and engine settings).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import parallel
+from jaxserve.compile_plan import ShapeKey, variant_name
+from jaxserve.config import EngineConfig, ResolvedConfig
+from jaxserve.input_batch import InputBatch
+from jaxserve.loading.loader import resolve_dtype
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes
+from jaxserve.step_programs import StepPrograms, sds
+from jaxserve.targets import Target, software_versions
+from jaxserve.warmup import ShapeRecord, WarmupReport
+
+MANIFEST = "manifest.json"
+_KERNEL_MARKERS = {"tpu": "ragged_paged_attention_tpu", "gpu": "ragged_paged_attention_gpu"}
+
+
+# ---------------------------------------------------------------------- the program
+def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolved: ResolvedConfig,
+                        tensor_parallel_size: int) -> dict[str, Any]:
+    """Everything that decides the compiled programs; equal fingerprints, equal executables."""
+    plan = resolved.plan
+    return {
+        "model": model_config.to_dict(),
+        "dtype": resolved.dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "attention_backend": config.attention_backend,
+        "num_pages": resolved.num_pages,
+        "num_host_pages": resolved.num_host_pages,
+        "page_size": config.page_size,
+        "max_pages_per_seq": resolved.scheduler.max_blocks_per_seq,
+        "max_model_len": resolved.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_logprobs": config.max_logprobs,
+        "shapes": [k.name for k in plan.shapes()],
+    }
+
+
+def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: Target,
+                      ) -> tuple[StepPrograms, ResolvedConfig]:
+    """The engine's step programs for `target`'s devices over abstract params and cache."""
+    tp = target.num_devices
+    if config.tensor_parallel_size not in (1, tp):
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the target "
+                         f"{target.name}'s {tp} devices (the model is sharded over all of them)")
+    rank_config = parallel.tp_model_config(model_config, tp)  # validates the split
+    resolved = config.resolve(model_config, rank_config, platform=target.platform)
+    devices = target.devices()
+    dtype = resolve_dtype(resolved.dtype)
+    if tp == 1:
+        mesh, one = None, SingleDeviceSharding(devices[0])
+        place, kv_sharding, rep = (lambda spec: one), one, one
+    else:
+        mesh = parallel.build_mesh(tp, devices)
+        place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+        kv_sharding, rep = parallel.kv_cache_sharding(mesh), parallel.replicated(mesh)
+    shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
+    specs = parallel.param_specs(shapes, rank_config, tp) if tp > 1 else jax.tree.map(
+        lambda _: P(), shapes, is_leaf=_is_shape)
+    params = jax.tree.map(lambda shape, spec: sds(shape, dtype, place(spec)), shapes, specs, is_leaf=_is_shape)
+    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params))
+    c = rank_config
+    kv = sds((c.num_layers, resolved.num_pages, config.page_size, c.num_kv_heads, c.head_dim), dtype, kv_sharding)
+    programs = StepPrograms(
+        graphdef=graphdef, state=state, kv_cache=(kv, kv), mesh=mesh, input_sharding=rep, index_sharding=rep,
+        hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
+        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq)
+    return programs, resolved
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of an abstract tree (each leaf's shard)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)  # a numpy constant (RoPE) has none
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+# ---------------------------------------------------------------------- the report
+@dataclasses.dataclass(frozen=True)
+class ShapeResult:
+    name: str
+    kind: str
+    size: int
+    compiled: bool
+    seconds: float
+    attention: str | None  # backbone: "pallas" | "reference"
+    hbm_bytes: int | None  # per device: arguments + outputs - aliased + temporaries
+    temp_bytes: int | None
+    cache_copies: int | None = None  # backbone: copies of >= one layer's KV pages (relayouts)
+    error: str | None = None
+    file: str | None = None  # serialized executable, relative to the output directory
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    target: Target
+    device_kind: str
+    capacity_bytes: int | None  # HBM XLA allows a program per device (None: host memory)
+    params_bytes: int  # per device
+    kv_cache_bytes: int  # per device
+    kv_bytes_per_page: int  # per device, all layers, K and V
+    num_pages: int
+    attention: tuple[str, str]  # what the engine config selects on the target, and why
+    fingerprint: dict[str, Any]
+    shapes: tuple[ShapeResult, ...]
+    versions: dict[str, str]
+    wall_seconds: float
+
+    @property
+    def temp_bytes(self) -> int:
+        return max((s.temp_bytes or 0 for s in self.shapes), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.kv_cache_bytes + self.temp_bytes
+
+    @property
+    def all_compiled(self) -> bool:
+        return all(s.compiled for s in self.shapes)
+
+    @property
+    def fits(self) -> bool:
+        return self.all_compiled and (self.capacity_bytes is None or self.total_bytes <= self.capacity_bytes)
+
+    @property
+    def max_num_pages(self) -> int | None:
+        """Largest cache (incl. the null page) that leaves room for the params and the
+        largest temporaries, assuming temporaries do not grow with the cache (they do not:
+        attention reads pages through block tables). None: unbounded (host memory)."""
+        if self.capacity_bytes is None:
+            return None
+        free = self.capacity_bytes - self.params_bytes - self.temp_bytes
+        return max(0, free // self.kv_bytes_per_page)
+
+    def verdict(self) -> str:
+        cap = self.capacity_bytes
+        failed = [s for s in self.shapes if not s.compiled]
+        if failed:
+            return (f"does not fit: {len(failed)} of {len(self.shapes)} shapes failed to compile "
+                    f"(first: {failed[0].name}: {failed[0].error})" + self._advice())
+        if cap is None:
+            return f"compiled for {self.target.name}: {_gb(self.total_bytes)} per device (host memory)"
+        if self.total_bytes > cap:
+            return (f"does not fit: params {_gb(self.params_bytes)} + KV cache {_gb(self.kv_cache_bytes)} + "
+                    f"temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} > {_gb(cap)} per device"
+                    + self._advice())
+        tokens = self.max_num_pages * self.fingerprint["page_size"]
+        return (f"fits: {_gb(self.total_bytes)} of {_gb(cap)} per device; the largest cache that fits is "
+                f"--num-pages {self.max_num_pages} ({tokens} tokens, "
+                f"{_gb(self.max_num_pages * self.kv_bytes_per_page)} per device)")
+
+    def _advice(self) -> str:
+        if self.capacity_bytes is None:
+            return ""
+        if self.params_bytes >= self.capacity_bytes:
+            return (f"; the params alone take {_gb(self.params_bytes)} of {_gb(self.capacity_bytes)} per device: "
+                    "use more chips (tensor parallelism) or a smaller dtype")
+        return f"; at most --num-pages {self.max_num_pages} fits beside the params and temporaries"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target.name,
+            "platform": self.target.platform,
+            "device_kind": self.device_kind,
+            "num_devices": self.target.num_devices,
+            "versions": self.versions,
+            "fits": self.fits,
+            "verdict": self.verdict(),
+            "max_num_pages": self.max_num_pages,
+            "num_pages": self.num_pages,
+            "hbm_per_device": {
+                "capacity_bytes": self.capacity_bytes,
+                "params_bytes": self.params_bytes,
+                "kv_cache_bytes": self.kv_cache_bytes,
+                "kv_bytes_per_page": self.kv_bytes_per_page,
+                "temp_bytes": self.temp_bytes,
+                "total_bytes": self.total_bytes,
+            },
+            "attention": {"implementation": self.attention[0], "reason": self.attention[1]},
+            "program": self.fingerprint,
+            "wall_seconds": round(self.wall_seconds, 2),
+            "shapes": [dataclasses.asdict(s) for s in self.shapes],
+        }
+
+    def table(self) -> str:
+        lines = [f"target {self.target.name} ({self.target.num_devices} x {self.device_kind}); jax "
+                 f"{self.versions.get('jax')}" + (f", libtpu {self.versions['libtpu']}" if "libtpu" in self.versions
+                                                  else ""),
+                 f"attention: {self.attention[0]} ({self.attention[1]})",
+                 f"{'shape':28} {'compiled':>8} {'s':>6} {'attention':>10} {'HBM/device':>11} {'temps':>10} "
+                 f"{'KV copies':>9}"]
+        for s in self.shapes:
+            copies = "-" if s.cache_copies is None else str(s.cache_copies)
+            lines.append(f"{s.name:28} {'yes' if s.compiled else 'NO':>8} {s.seconds:6.1f} {s.attention or '-':>10} "
+                         f"{_gb(s.hbm_bytes):>11} {_gb(s.temp_bytes):>10} {copies:>9}")
+        cap = _gb(self.capacity_bytes) if self.capacity_bytes is not None else "host memory"
+        lines += [
+            f"HBM per device: params {_gb(self.params_bytes)} + KV cache {_gb(self.kv_cache_bytes)} "
+            f"({self.num_pages} pages x {_gb(self.kv_bytes_per_page)}) + temporaries {_gb(self.temp_bytes)} = "
+            f"{_gb(self.total_bytes)} of {cap}",
+            self.verdict(),
+        ]
+        return "\n".join(lines)
+
+
+def _gb(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.3f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
+
+
+# ---------------------------------------------------------------------- compiling
+def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: Target, *,
+                       shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
+                       progress: bool = False) -> CompileReport:
+    """Compiles the planned shapes (all, or those named in `shapes`) for `target`."""
+    from pallas_kernels.ragged_paged_attention.ops import attention_implementation
+
+    t_start = time.perf_counter()
+    programs, resolved = abstract_programs(model_config, config, target)
+    keys = resolved.plan.shapes()
+    if shapes:
+        known = {k.name: k for k in keys}
+        unknown = [s for s in shapes if s not in known]
+        if unknown:
+            raise ValueError(f"unknown shapes {unknown}: the plan has {', '.join(known)}")
+        keys = [known[s] for s in shapes]
+    tensors = InputBatch(resolved.plan.request_buckets, resolved.max_model_len, config.max_logprobs,
+                         config.seed).tensors
+    device = target.devices()[0]
+    kv = programs.kv_cache[0]
+    layer_elements = math.prod(kv.sharding.shard_shape(kv.shape)) // kv.shape[0]
+    if out_dir is not None:
+        os.makedirs(os.path.join(out_dir, "executables"), exist_ok=True)
+
+    def one(key: ShapeKey) -> ShapeResult:
+        t0 = time.perf_counter()
+        try:
+            with jax.default_device(device):  # Pallas reads the chip generation from it
+                exe = programs.lower(key, config.max_num_seqs, tensors.get(key.size))
+        except Exception as e:  # noqa: BLE001 - reported per shape (an HBM overflow, say)
+            return ShapeResult(key.name, key.kind, key.size, False, round(time.perf_counter() - t0, 2), None, None,
+                               None, error=_first_line(e))
+        seconds = round(time.perf_counter() - t0, 2)
+        first = exe[0] if isinstance(exe, tuple) else exe
+        attention = copies = None
+        if key.kind == "backbone":
+            hlo = first.as_text()
+            marker = _KERNEL_MARKERS.get(target.platform)
+            attention = "pallas" if marker and marker in hlo else "reference"
+            copies = cache_copies(hlo, layer_elements)
+        hbm, temp = _memory(exe)
+        file = _serialize(out_dir, key, exe) if out_dir is not None else None
+        return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, file=file)
+
+    workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for r in pool.map(one, keys):
+            results.append(r)
+            if progress:
+                print(f"  {r.name}: {'compiled' if r.compiled else 'FAILED'} in {r.seconds:.1f} s", flush=True)
+    rank = programs.kv_cache[0]
+    impl = ("reference", "attention_backend='reference'") if config.attention_backend == "reference" else \
+        attention_implementation(target.platform, rank.shape[3], rank.shape[4], rank.dtype)
+    kv_bytes = per_device_bytes(programs.kv_cache)
+    report = CompileReport(
+        target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
+        params_bytes=per_device_bytes(programs.state), kv_cache_bytes=kv_bytes,
+        kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=impl,
+        fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
+        shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start)
+    if out_dir is not None:
+        with open(os.path.join(out_dir, MANIFEST), "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return report
+
+
+_COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
+
+
+def cache_copies(hlo: str, min_elements: int) -> int:
+    """Copy instructions in optimized HLO whose result holds at least `min_elements`
+    elements: a relayout of (one layer of) the KV cache, which a step must never pay for."""
+    n = 0
+    for m in _COPY.finditer(hlo):
+        dims = [int(d) for d in m.group(1).split(",") if d]
+        n += math.prod(dims) >= min_elements
+    return n
+
+
+def _memory(exe) -> tuple[int | None, int | None]:
+    """(HBM per device, temporaries) of one executable (a swap pair: the larger)."""
+    pairs = []
+    for e in exe if isinstance(exe, tuple) else (exe,):
+        m = e.memory_analysis()
+        if m is None:
+            return None, None
+        total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        pairs.append((total, m.temp_size_in_bytes))
+    return max(p[0] for p in pairs), max(p[1] for p in pairs)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    m = re.search(r"(RESOURCE_EXHAUSTED: [^\n]*|Ran out of memory[^\n]*)", text)
+    return (m.group(1) if m else text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def _file_name(key: ShapeKey) -> str:
+    return "executables/" + re.sub(r"[^A-Za-z0-9_.+-]+", "_", key.name).strip("_") + ".xla"
+
+
+def _serialize(out_dir: str, key: ShapeKey, exe) -> str:
+    from jax.experimental.serialize_executable import serialize
+
+    parts = [serialize(e) for e in (exe if isinstance(exe, tuple) else (exe,))]
+    name = _file_name(key)
+    with open(os.path.join(out_dir, name), "wb") as f:
+        pickle.dump({"shape": key.name, "parts": parts}, f)
+    return name
+
+
+# ---------------------------------------------------------------------- loading
+class CompiledMismatchError(ValueError):
+    """The serialized executables were built for another program, target or software."""
+
+
+def check_manifest(manifest: dict[str, Any], *, platform: str, num_devices: int, device_kind: str,
+                   fingerprint: dict[str, Any], directory: str) -> None:
+    """Raises CompiledMismatchError naming every difference between what the executables
+    were compiled for and what this process would run."""
+    problems = []
+    theirs_v = manifest.get("versions", {})
+    for k, v in software_versions(platform).items():
+        if theirs_v.get(k) != v:
+            problems.append(f"{k} {theirs_v.get(k)} (compiled) vs {v} (here)")
+    if manifest.get("platform") != platform or manifest.get("num_devices") != num_devices:
+        problems.append(f"target {manifest.get('target')} (compiled) vs {num_devices} {platform} device(s) (here)")
+    elif manifest.get("device_kind") != device_kind:
+        problems.append(f"device kind {manifest.get('device_kind')!r} (compiled) vs {device_kind!r} (here)")
+    theirs = manifest.get("program", {})
+    for k in sorted(set(theirs) | set(fingerprint)):
+        if theirs.get(k) != fingerprint.get(k):
+            if k in ("model", "shapes"):
+                problems.append(f"the {k} differs")
+            else:
+                problems.append(f"{k} {theirs.get(k)!r} (compiled) vs {fingerprint.get(k)!r} (here)")
+    missing = [s["name"] for s in manifest.get("shapes", []) if not s.get("file")]
+    if missing:
+        problems.append(f"{len(missing)} planned shapes have no executable (first: {missing[0]})")
+    if problems:
+        raise CompiledMismatchError(f"the executables in {directory} do not match this server: " + "; ".join(problems)
+                                    + ". Recompile with `jaxserve compile --out` and the same flags.")
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: --compiled expects the --out directory of `jaxserve compile`") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def load_compiled(directory: str, manifest: dict[str, Any], runner, keys: list[ShapeKey]) -> WarmupReport:
+    """Deserializes the executable of each planned shape onto this process's devices and
+    installs it in `runner` (nothing compiles). `manifest` was checked by `check_manifest`."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    by_name = {s["name"]: s["file"] for s in manifest["shapes"]}
+    t_start = time.perf_counter()
+    records = []
+    for key in keys:
+        t0 = time.perf_counter()
+        path = os.path.join(directory, by_name[key.name])
+        try:
+            with open(path, "rb") as f:
+                parts = pickle.load(f)["parts"]
+            loaded = tuple(deserialize_and_load(*p) for p in parts)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+            raise CompiledMismatchError(f"cannot load the executable of {key.name} from {path}: {e}") from e
+        runner.install(key, loaded if key.kind == "swap" else loaded[0])
+        records.append(ShapeRecord(key.name, key.kind, key.size, variant_name(key.flags) if key.flags else None,
+                                   round(time.perf_counter() - t0, 3), "loaded"))
+    return WarmupReport(tuple(records), time.perf_counter() - t_start)

@@ -1,0 +1,126 @@
+"""The device programs of a serving step and how each planned shape is lowered.
+
+`StepPrograms` holds what lowering needs and nothing that lives on a device: the model's graph
+definition and *abstract* params and KV cache (`jax.ShapeDtypeStruct`s carrying their
+shardings). A `ModelRunner` builds one from its real arrays (warmup); `jaxserve compile`
+builds one from a model config alone for devices that are not attached (a TPU, a GPU, or
+this host), so a model of any size is planned without its weights.
+
+The jits are module-level with the graph definition static: runners of the same model and
+shapes share executables and persistent-cache keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, Sharding
+
+import pallas_kernels
+from jaxserve import parallel
+from jaxserve.compile_plan import ShapeKey
+from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.sampler import SamplingTensors, sample
+
+
+def sds(shape, dtype, sharding: Sharding | None = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def abstract(tree):
+    """ShapeDtypeStructs with each leaf's own sharding: warmup shardings equal serving ones."""
+    def one(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    graphdef: Any
+    state: Any  # abstract params (nnx.State of ShapeDtypeStructs)
+    kv_cache: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # [L, P, S, Hkv, D] each
+    mesh: Mesh | None  # tensor-parallel mesh (None: one device)
+    input_sharding: Sharding | None  # step inputs, hidden states, logits (None: the default device)
+    index_sharding: Sharding | None  # the swap copies' page ids
+    hidden_size: int
+    vocab_size: int
+    attention_backend: str
+    max_pages_per_seq: int
+
+    @property
+    def dtype(self) -> Any:
+        return self.kv_cache[0].dtype
+
+    def lower(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
+        """Lowers one planned shape on abstract values (no device buffers) and compiles it.
+        A swap shape compiles to a (gather, scatter) pair."""
+        rep = self.input_sharding
+
+        def i32(*shape):
+            return sds(shape, jnp.int32, rep)
+
+        if key.kind == "backbone":
+            T = key.size
+            md = AttentionMetadata(
+                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
+                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
+            )
+            return backbone_jit.lower(
+                self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache,
+                i32(T), i32(T), md, i32(max_reqs),
+            ).compile()
+        if key.kind == "logits":
+            h = sds((max_reqs, self.hidden_size), self.dtype, rep)
+            return logits_jit.lower(self.graphdef, self.mesh, self.state, h, num_rows=key.size).compile()
+        if key.kind == "head":
+            logits = sds((key.size, self.vocab_size), jnp.float32, rep)
+            t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
+            return sample_jit.lower(logits, t, flags=key.flags).compile()
+        if key.kind == "swap":
+            L, _, S, Hkv, D = self.kv_cache[0].shape
+            ids = sds((key.size,), jnp.int32, self.index_sharding)
+            page = sds((L, key.size, S, Hkv, D), self.dtype, self.index_sharding)
+            gather = gather_pages_jit.lower(self.kv_cache, ids).compile()
+            scatter = scatter_pages_jit.lower(self.kv_cache, ids, page, page).compile()
+            return gather, scatter
+        raise ValueError(f"unknown shape kind {key.kind!r}")
+
+
+# ---------------------------------------------------------------------- pure step functions
+def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices):
+    model = nnx.merge(graphdef, state)
+    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
+    kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
+    if mesh is not None:
+        attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
+    h_last, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
+                             attention_fn=attention_fn, kv_update_fn=kv_update_fn)
+    if mesh is not None:  # the head receives replicated hidden states, as its warmup assumed
+        h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
+    return h_last, kv_cache
+
+
+def _logits(graphdef, mesh, state, h_last, *, num_rows):
+    model = nnx.merge(graphdef, state)
+    logits = model.compute_logits(h_last[:num_rows])  # [R, V]
+    if mesh is not None:  # the sampler receives replicated logits, as its warmup assumed
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
+    return logits
+
+
+def _sample(logits, tensors, *, flags):
+    # The logits are donated and the processed ones returned, so scatters run in place.
+    return sample(logits, tensors, **flags._asdict(), keep_processed=True)
+
+
+backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
+logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
+sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
+gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
+scatter_pages_jit = jax.jit(
+    lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,))

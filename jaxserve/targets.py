@@ -1,0 +1,150 @@
+"""Compile targets: the devices `jaxserve compile` plans for, attached or not.
+
+`tpu:v5e-4` is four v5e chips as libtpu describes them (compile-only devices: XLA:TPU and
+Mosaic run here, nothing executes); `cpu` / `cpu-N` is this host's CPU devices, whose
+executables can be served (`jaxserve serve --compiled`). A target knows its devices and the
+HBM XLA lets a program use on each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# TPU generations libtpu describes with one device per chip, and their topology axes.
+_TPU_CHIPS = {"v5e": 2, "v6e": 2, "v5p": 3}
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    platform: str  # "tpu" | "cpu"
+    chip: str  # "v5e", "v6e", "v5p"; "host" for the CPU
+    num_devices: int
+
+    @property
+    def name(self) -> str:
+        if self.platform == "cpu":
+            return "cpu" if self.num_devices == 1 else f"cpu-{self.num_devices}"
+        return f"{self.platform}:{self.chip}-{self.num_devices}"
+
+    @property
+    def attached(self) -> bool:
+        """True when the target's devices are this process's own (executables can run)."""
+        return self.platform == "cpu"
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """`tpu:<chip>-<chips>` (chips a power of two), `cpu` or `cpu-<devices>`."""
+        m = re.fullmatch(r"cpu(?:-(\d+))?", text)
+        if m:
+            return cls("cpu", "host", int(m.group(1) or 1))
+        m = re.fullmatch(r"tpu:(v\d+[a-z]?)-(\d+)", text)
+        if not m:
+            raise ValueError(f"unknown target {text!r}: expected tpu:<chip>-<chips> (e.g. tpu:v5e-4, tpu:v6e-8) "
+                             "or cpu[-<devices>]")
+        chip, n = m.group(1), int(m.group(2))
+        if chip not in _TPU_CHIPS:
+            raise ValueError(f"unknown TPU chip {chip!r} in {text!r}: one of {', '.join(_TPU_CHIPS)}")
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"target {text!r}: the number of chips must be a power of two, got {n}")
+        return cls("tpu", chip, n)
+
+    def devices(self) -> list[Any]:
+        if self.platform == "cpu":
+            devices = jax.devices("cpu")
+            if len(devices) < self.num_devices:
+                raise ValueError(f"target {self.name} needs {self.num_devices} CPU devices; this process has "
+                                 f"{len(devices)}")
+            return devices[: self.num_devices]
+        return list(_tpu_devices(self.chip, self.num_devices))
+
+    def hbm_bytes(self) -> int | None:
+        """Memory XLA lets one program use on each device (None: host memory, unbounded here)."""
+        if self.platform != "tpu":
+            return None
+        return _usable_hbm(self.chip)
+
+    def nominal_hbm_bytes(self) -> int | None:
+        if self.platform != "tpu":
+            return None
+        return _nominal_hbm(self.chip)
+
+    def versions(self) -> dict[str, str]:
+        return software_versions(self.platform)
+
+
+def software_versions(platform: str) -> dict[str, str]:
+    """What must match for a serialized executable to load: jax, jaxlib and the plugin."""
+    import importlib.metadata
+
+    import jaxlib
+
+    out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    if platform == "tpu":
+        try:
+            out["libtpu"] = importlib.metadata.version("libtpu")
+        except importlib.metadata.PackageNotFoundError:
+            out["libtpu"] = "unknown"
+    return out
+
+
+def _topology(chip: str, n: int) -> tuple[str, tuple[int, int, int]]:
+    """A libtpu topology of `n` chips and the chips-per-host bounds it needs (< 4 chips)."""
+    axes = _TPU_CHIPS[chip]
+    dims = [1] * axes
+    i = 0
+    while dims[0] * dims[1] * (dims[2] if axes == 3 else 1) < n:  # grow x, y alternately
+        dims[i % 2] *= 2
+        i += 1
+    dims = dims[::-1] if axes == 2 else [dims[1], dims[0], dims[2]]
+    bounds = (min(dims[0], 2), min(dims[1], 2), 1)
+    return f"{chip}:{'x'.join(map(str, dims))}", bounds
+
+
+@functools.cache
+def _tpu_devices(chip: str, n: int) -> tuple[Any, ...]:
+    from jax.experimental import topologies
+
+    name, bounds = _topology(chip, n)
+    devices = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                           chips_per_host_bounds=bounds).devices
+    if len(devices) != n:
+        raise ValueError(f"libtpu's topology {name} has {len(devices)} devices, not {n}")
+    return tuple(devices)
+
+
+@functools.cache
+def tpu_info(chip: str):
+    """Pallas' description of the chip (HBM size and bandwidth, VMEM, ...)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    with jax.default_device(_tpu_devices(chip, 1)[0]):
+        return pltpu.get_tpu_info()
+
+
+def _nominal_hbm(chip: str) -> int:
+    info = tpu_info(chip)  # per TensorCore; a device may hold two (megacore)
+    return info.hbm_capacity_bytes * info.num_cores
+
+
+@functools.cache
+def _usable_hbm(chip: str) -> int:
+    """XLA:TPU keeps part of HBM for itself; the limit it enforces is read off the error it
+    gives a program that needs more than the chip has (one small compile, cached)."""
+    nominal = _nominal_hbm(chip)
+    device = _tpu_devices(chip, 1)[0]
+    too_big = nominal // 4 + _GIB // 4  # f32 words: a little more than the whole chip
+    out = jax.ShapeDtypeStruct((too_big,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda: jnp.zeros(out.shape, out.dtype), out_shardings=out.sharding).lower().compile()
+    except Exception as e:  # noqa: BLE001 - the message carries the figure
+        m = re.search(r"available HBM \(([\d.]+)([GM])\)", str(e))
+        if m:
+            return int(float(m.group(1)) * (_GIB if m.group(2) == "G" else 2**20))
+    return nominal
