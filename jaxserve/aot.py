@@ -265,7 +265,8 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                          config.seed).tensors
     device = target.devices()[0]
     kv = programs.kv_cache[0]
-    layer_elements = math.prod(kv.sharding.shard_shape(kv.shape)) // kv.shape[0]
+    rank_kv = kv.sharding.shard_shape(kv.shape)  # [L, P, S, Hkv, D] on one device
+    page_dims, layer_elements = tuple(rank_kv[2:]), math.prod(rank_kv) // kv.shape[0]
     if out_dir is not None:
         os.makedirs(os.path.join(out_dir, "executables"), exist_ok=True)
 
@@ -284,7 +285,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             hlo = first.as_text()
             marker = _KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if marker and marker in hlo else "reference"
-            copies = cache_copies(hlo, layer_elements)
+            copies = cache_copies(hlo, page_dims, layer_elements)
         hbm, temp = _memory(exe)
         file = _serialize(out_dir, key, exe) if out_dir is not None else None
         return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, file=file)
@@ -315,13 +316,14 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
 _COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
 
 
-def cache_copies(hlo: str, min_elements: int) -> int:
-    """Copy instructions in optimized HLO whose result holds at least `min_elements`
-    elements: a relayout of (one layer of) the KV cache, which a step must never pay for."""
+def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int:
+    """Copy instructions in optimized HLO of a KV-cache-shaped buffer (trailing dims
+    `page_dims` = (S, Hkv, D)) of at least `min_elements` elements (one layer's pages): a
+    relayout of the cache, which a step must never pay for."""
     n = 0
     for m in _COPY.finditer(hlo):
-        dims = [int(d) for d in m.group(1).split(",") if d]
-        n += math.prod(dims) >= min_elements
+        dims = tuple(int(d) for d in m.group(1).split(",") if d)
+        n += dims[-len(page_dims):] == tuple(page_dims) and math.prod(dims) >= min_elements
     return n
 
 

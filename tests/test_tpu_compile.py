@@ -7,6 +7,7 @@ from this CPU host, and the reference where the kernel does not support the layo
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +132,45 @@ def test_smollm2_backbone_compiles_with_both_kernels_in_bf16(smollm):
     hlo = compiled.as_text()
     assert "ragged_paged_attention_tpu" in hlo and "update_kv_cache_tpu" in hlo
     assert compiled.memory_analysis().argument_size_in_bytes < 2 * 2**30  # params + cache, bf16
+
+
+# ---------------------------------------------------------------------- the whole serving step
+LLAMA_8B = pathlib.Path(__file__).parent / "data" / "llama3_8b_config.json"
+STEP_SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,), num_pages=256,
+                     max_model_len=2048, dtype="bfloat16")
+STEP_SHAPES = ["backbone[T=64]", "logits[R=8]", "head[R=8,greedy]"]
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("model,chips", [("smollm2", 1), ("llama-3-8b", 1), ("llama-3-8b", 4)])
+def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
+    """Backbone (Mosaic attention and KV update), logits and sampler of the real engine plan,
+    bf16, abstract weights, TP over the target's chips (`jaxserve compile`'s own path)."""
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    mc = load_model_config(None if model == "smollm2" else str(LLAMA_8B))
+    report = compile_for_target(mc, EngineConfig(**STEP_SETTINGS), Target.parse(f"tpu:{chip}-{chips}"),
+                                shapes=STEP_SHAPES)
+    assert [s.name for s in report.shapes if s.compiled] == STEP_SHAPES, report.verdict()
+    backbone = report.shapes[0]
+    assert backbone.attention == "pallas" and report.attention[0] == "pallas"
+    assert report.fits and report.max_num_pages >= STEP_SETTINGS["num_pages"], report.verdict()
+    if model == "llama-3-8b":  # the cache is read in place: no relayout copy of it
+        assert backbone.cache_copies == 0
+
+
+def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    report = compile_for_target(load_model_config(str(LLAMA_8B)), EngineConfig(**{**STEP_SETTINGS, "num_pages": 2048}),
+                                Target.parse("tpu:v5e-1"), shapes=["logits[R=8]"])
+    assert not report.fits
+    assert report.params_bytes > 14.9 * 2**30  # 8.0 B bf16 params on one chip
+    assert "does not fit" in report.verdict() and "--num-pages" in report.verdict()
+    assert 0 < report.max_num_pages < 2048
