@@ -34,7 +34,7 @@ from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes
+from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes, kv_cache_shape
 from jaxserve.step_programs import StepPrograms, sds
 from jaxserve.targets import Target, software_versions
 from jaxserve.warmup import ShapeRecord, WarmupReport
@@ -51,6 +51,7 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
     return {
         "model": model_config.to_dict(),
         "dtype": resolved.dtype,
+        "kv_layout": resolved.kv_layout,
         "tensor_parallel_size": tensor_parallel_size,
         "attention_backend": config.attention_backend,
         "num_pages": resolved.num_pages,
@@ -73,6 +74,7 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the target "
                          f"{target.name}'s {tp} devices (the model is sharded over all of them)")
     rank_config = parallel.tp_model_config(model_config, tp)  # validates the split
+    config = dataclasses.replace(config, tensor_parallel_size=tp)
     resolved = config.resolve(model_config, rank_config, platform=target.platform)
     devices = target.devices()
     dtype = resolve_dtype(resolved.dtype)
@@ -82,14 +84,14 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     else:
         mesh = parallel.build_mesh(tp, devices)
         place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-        kv_sharding, rep = parallel.kv_cache_sharding(mesh), parallel.replicated(mesh)
+        kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
     shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
     specs = parallel.param_specs(shapes, rank_config, tp) if tp > 1 else jax.tree.map(
         lambda _: P(), shapes, is_leaf=_is_shape)
     params = jax.tree.map(lambda shape, spec: sds(shape, dtype, place(spec)), shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params))
     c = rank_config
-    kv = sds((c.num_layers, resolved.num_pages, config.page_size, c.num_kv_heads, c.head_dim), dtype, kv_sharding)
+    kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), dtype, kv_sharding)
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=(kv, kv), mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
@@ -265,7 +267,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                          config.seed).tensors
     device = target.devices()[0]
     kv = programs.kv_cache[0]
-    rank_kv = kv.sharding.shard_shape(kv.shape)  # [L, P, S, Hkv, D] on one device
+    rank_kv = kv.sharding.shard_shape(kv.shape)  # [L, P, S, Hkv, D] or [L, P, S, C] on one device
     page_dims, layer_elements = tuple(rank_kv[2:]), math.prod(rank_kv) // kv.shape[0]
     if out_dir is not None:
         os.makedirs(os.path.join(out_dir, "executables"), exist_ok=True)
@@ -297,9 +299,10 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             results.append(r)
             if progress:
                 print(f"  {r.name}: {'compiled' if r.compiled else 'FAILED'} in {r.seconds:.1f} s", flush=True)
-    rank = programs.kv_cache[0]
+    rank = parallel.tp_model_config(model_config, target.num_devices)
     impl = ("reference", "attention_backend='reference'") if config.attention_backend == "reference" else \
-        attention_implementation(target.platform, rank.shape[3], rank.shape[4], rank.dtype)
+        attention_implementation(target.platform, rank.num_kv_heads // target.num_devices, rank.head_dim,
+                                 programs.dtype)
     kv_bytes = per_device_bytes(programs.kv_cache)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
@@ -318,7 +321,7 @@ _COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")
 
 def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int:
     """Copy instructions in optimized HLO of a KV-cache-shaped buffer (trailing dims
-    `page_dims` = (S, Hkv, D)) of at least `min_elements` elements (one layer's pages): a
+    `page_dims`: (S, Hkv, D) or (S, C)) of at least `min_elements` elements (one layer's pages): a
     relayout of the cache, which a step must never pay for."""
     n = 0
     for m in _COPY.finditer(hlo):

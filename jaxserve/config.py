@@ -177,14 +177,19 @@ class EngineConfig:
         the smallest token bucket."""
         from jaxserve.compile_plan import CompilePlan
         from jaxserve.models.llama import kv_cache_bytes_per_page
+        from pallas_kernels import kv_cache_layout
 
         dtype = self.resolved_dtype(platform)
         max_model_len = self.resolved_max_model_len(model_config)
+        itemsize = np.float32 if dtype == "float32" else np.float16
+        kv_config = kv_model_config or model_config
+        tp = self.tensor_parallel_size
+        kv_layout = kv_cache_layout(platform or jax.default_backend(), kv_config.num_kv_heads // tp,
+                                    kv_config.head_dim, itemsize, self.attention_backend)
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:
-            itemsize = np.float32 if dtype == "float32" else np.float16
-            per_page = kv_cache_bytes_per_page(kv_model_config or model_config, self.page_size, itemsize)
+            per_page = kv_cache_bytes_per_page(kv_config, self.page_size, itemsize, kv_layout, tp)
             num_pages = max(2, int(self.kv_cache_memory_gb * 2**30) // per_page)
         if self.num_host_pages is not None:
             num_host_pages = self.num_host_pages
@@ -193,6 +198,7 @@ class EngineConfig:
         return ResolvedConfig(
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages),
             dtype=dtype,
+            kv_layout=kv_layout,
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
         )
 
@@ -203,6 +209,7 @@ class ResolvedConfig:
 
     scheduler: SchedulerConfig
     dtype: str  # "float32" | "bfloat16"
+    kv_layout: str  # "heads" | "lanes" (pallas_kernels.kv_layout)
     plan: Any  # CompilePlan: token and request buckets, sampler variants, swap sizes
 
     @property

@@ -112,7 +112,7 @@ class Engine:
             self.model, num_pages=self.num_pages, page_size=config.page_size,
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
             max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
-            channel=self.channel if self.is_leader else None,
+            channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
         )
 
     @property

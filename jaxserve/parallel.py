@@ -120,7 +120,9 @@ def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[s
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, layout: str = "heads") -> NamedSharding:
+    if layout == "lanes":  # [L, P, S, C]: each rank's C/tp lanes hold its own heads
+        return NamedSharding(mesh, P(None, None, None, MODEL_AXIS))
     return NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))  # [L, P, S, Hkv, D]
 
 
@@ -131,15 +133,22 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
     """Wraps the attention and KV-update ops so each rank runs them on its own heads."""
     heads = P(None, MODEL_AXIS, None)  # [T, H, D]
-    pages = P(None, None, MODEL_AXIS, None)  # [pages, S, Hkv, D]
+    tp = mesh.shape[MODEL_AXIS]
+
+    def page_spec(pages):  # [pages, S, Hkv, D] or [pages, S, C]
+        return P(None, None, MODEL_AXIS, None) if pages.ndim == 4 else P(None, None, MODEL_AXIS)
 
     def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kwargs):
+        if kwargs.get("num_kv_heads") is not None:
+            kwargs["num_kv_heads"] //= tp  # each rank's own heads
+        pages = page_spec(k_pages)
         fn = jax.shard_map(functools.partial(attention_fn, **kwargs), mesh=mesh,
                            in_specs=(heads, pages, pages, P(), P(), P(), P()), out_specs=heads,
                            check_vma=False)
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
 
     def kv_update(k_new, v_new, k_pages, v_pages, slot_mapping):
+        pages = page_spec(k_pages)
         fn = jax.shard_map(kv_update_fn, mesh=mesh, in_specs=(heads, heads, pages, pages, P()),
                            out_specs=(pages, pages), check_vma=False)
         return fn(k_new, v_new, k_pages, v_pages, slot_mapping)

@@ -79,12 +79,14 @@ class ModelRunner:
         mesh: Mesh | None = None,
         steps: StepConfig | None = None,
         channel: Any = None,
+        kv_layout: str = "heads",
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
         before it runs."""
         self.page_size = page_size
         self.num_pages = num_pages
+        self.kv_layout = kv_layout
         self.max_pages_per_seq = max_pages_per_seq
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         if self.mesh is None:
@@ -102,9 +104,8 @@ class ModelRunner:
         self.dtype = params["embed"].dtype
         self.kv_cache = self._new_kv_cache()
         self.attention_backend = attention_backend
-        # Host-side swap pool, same layout as the device cache: [L, H, S, Hkv, D] each.
-        shape = (self.config.num_layers, max(num_host_pages, 0), page_size, self.config.num_kv_heads,
-                 self.config.head_dim)
+        # Host-side swap pool, same layout as the device cache: [L, H, S, ...] each.
+        shape = (self.config.num_layers, max(num_host_pages, 0), *self.kv_cache[0].shape[2:])
         self.host_k = np.zeros(shape, self.dtype) if num_host_pages else None
         self.host_v = np.zeros(shape, self.dtype) if num_host_pages else None
         # Ahead-of-time compiled executables by shape (filled by warmup or `--compiled`); a shape
@@ -192,9 +193,11 @@ class ModelRunner:
         """Zeroed cache buffers; the jitted initialiser is kept, so a rebuild after a failed
         step reuses its executable instead of compiling while serving."""
         if not hasattr(self, "_init_kv_cache"):
-            kv_sharding = parallel.kv_cache_sharding(self.mesh) if self.mesh is not None else None
+            kv_sharding = parallel.kv_cache_sharding(self.mesh, self.kv_layout) if self.mesh is not None else None
+            tp = self.mesh.shape[parallel.MODEL_AXIS] if self.mesh is not None else 1
             self._init_kv_cache = jax.jit(
-                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.dtype),
+                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.dtype,
+                                  self.kv_layout, tp),
                 out_shardings=(kv_sharding, kv_sharding) if kv_sharding is not None else None,
             )
         return self._init_kv_cache()

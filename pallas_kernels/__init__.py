@@ -6,10 +6,13 @@ platform and `backend` ("auto" | "pallas" | "reference").
 
 from pallas_kernels.kv_cache_update.ops import update_kv_cache
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
-from pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention
+from pallas_kernels.kv_layout import KVLayout
+from pallas_kernels.ragged_paged_attention.ops import kv_cache_layout, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 __all__ = [
+    "KVLayout",
+    "kv_cache_layout",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "update_kv_cache",

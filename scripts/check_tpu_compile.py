@@ -4,7 +4,7 @@ Compiles `pallas_kernels.ragged_paged_attention(backend="auto")` for compile-onl
 (libtpu: `make install-test` puts it in .venv/accel/tpu; run with
 `PYTHONPATH=.venv/accel/tpu JAX_PLATFORMS=cpu`) and prints, per case, whether the Mosaic kernel
 is in the compiled HLO, the compile time, and the HBM bytes XLA:TPU gives the arguments
-against their logical size (tile padding of the cache's (Hkv, D) minor dims shows there).
+against their size in the lanes layout (1.0x: XLA keeps [S, C] pages unpadded).
 Nothing runs on a TPU: no speed figure comes out of this.
 
     PYTHONPATH=.venv/accel/tpu JAX_PLATFORMS=cpu python scripts/check_tpu_compile.py [--chips v5e,v6e]
@@ -27,6 +27,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
 T, R, MAX_PAGES, NUM_PAGES = 64, 8, 16, 64
 HEADS = [(h * g, h, d) for h in (1, 2, 3, 4, 8, 16) for g in (1, 3, 4, 8) for d in (64, 128, 256)]
@@ -36,17 +37,19 @@ def compile_case(device, dtype, heads, page_size, window, cap):
     hq, hkv, d = heads
     sh = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
     S = functools.partial(jax.ShapeDtypeStruct, sharding=sh)
-    page = S((NUM_PAGES, page_size, hkv, d), dtype)
+    lanes = lanes_width(hkv, d)  # the lanes layout the engine allocates on TPU
+    page = S((NUM_PAGES, page_size, lanes), dtype)
     args = (S((T, hq, d), dtype), page, page, S((R,), jnp.int32), S((R, MAX_PAGES), jnp.int32),
             S((R + 1,), jnp.int32), S((1,), jnp.int32))
-    fn = functools.partial(pk.ragged_paged_attention, sm_scale=d**-0.5, sliding_window=window, soft_cap=cap)
+    fn = functools.partial(pk.ragged_paged_attention, sm_scale=d**-0.5, num_kv_heads=hkv, sliding_window=window,
+                           soft_cap=cap)
     t0 = time.perf_counter()
     with jax.default_device(device):
         compiled = jax.jit(fn).lower(*args).compile()
     seconds = time.perf_counter() - t0
     kernel = "ragged_paged_attention_tpu" in compiled.as_text()
     item = jnp.dtype(dtype).itemsize
-    logical = 2 * NUM_PAGES * page_size * hkv * d * item + T * hq * d * item + 4 * (R + R * MAX_PAGES + R + 2)
+    logical = 2 * NUM_PAGES * page_size * lanes * item + T * hq * d * item + 4 * (R + R * MAX_PAGES + R + 2)
     hbm = compiled.memory_analysis().argument_size_in_bytes
     return kernel, seconds, hbm, logical
 

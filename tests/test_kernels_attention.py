@@ -14,6 +14,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels as pk
+from pallas_kernels.kv_layout import lanes_width, to_lanes
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.testing import make_case
@@ -21,12 +22,22 @@ from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 # On an NVIDIA GPU the Triton kernel runs natively (scripts/check_kernels_gpu.py), else interpreted.
 ON_GPU = jax.default_backend() == "gpu"
+
+
+def lanes(pages):
+    """[P, S, Hkv, D] pages in the lanes layout the TPU kernel reads ([P, S, C])."""
+    return to_lanes(pages, lanes_width(pages.shape[2], pages.shape[3]))
+
+
+def _tpu_on_lanes(q, k_pages, v_pages, *rest, **kw):
+    # The TPU interpreter simulates DMAs/semaphores and flags out-of-bounds accesses.
+    return ragged_paged_attention_tpu(q, lanes(k_pages), lanes(v_pages), *rest, num_kv_heads=k_pages.shape[2],
+                                      interpret=pltpu.InterpretParams(), block_q=16, chunk_pages=2, **kw)
+
+
 KERNELS = {
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=not ON_GPU),
-    # The TPU interpreter simulates DMAs/semaphores and flags out-of-bounds accesses.
-    "tpu": functools.partial(
-        ragged_paged_attention_tpu, interpret=pltpu.InterpretParams(), block_q=16, chunk_pages=2
-    ),
+    "tpu": _tpu_on_lanes,
 }
 
 CASES = {
@@ -108,8 +119,15 @@ def test_public_op_pallas_interpret_matches_reference():
     )
     want = ragged_paged_attention_reference(*args, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=1e-5, rtol=1e-5)
-    got = pk.ragged_paged_attention(*args, sm_scale=0.125, backend="pallas_tpu", interpret=True)
+    q, k, v, *rest = args
+    with pytest.raises(ValueError, match="reads the lanes layout"):
+        pk.ragged_paged_attention(*args, sm_scale=0.125, backend="pallas_tpu", interpret=True)
+    got = pk.ragged_paged_attention(q, lanes(k), lanes(v), *rest, sm_scale=0.125, num_kv_heads=k.shape[2],
+                                    backend="pallas_tpu", interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    ref_lanes = pk.ragged_paged_attention(q, lanes(k), lanes(v), *rest, sm_scale=0.125, num_kv_heads=k.shape[2],
+                                          backend="reference")  # the reference reads both layouts
+    np.testing.assert_allclose(np.asarray(ref_lanes), np.asarray(want), atol=1e-6, rtol=1e-6)
 
 
 def test_dispatch_rules():
@@ -126,4 +144,16 @@ def test_dispatch_rules():
             with pytest.raises(ValueError, match="interpret=True"):
                 resolve_backend(backend, False)
     assert supports(8, 128) and supports(3, 64) and not supports(4, 96) and not supports(4, 512)
+    assert not supports(2, 192)  # 192-lane heads straddle 128-lane tiles in the lanes layout
     assert supports(3, 64, jnp.bfloat16) and supports(8, 128, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (16, 1, 64), (6, 3, 128), (4, 2, 256)],
+                         ids=["smollm_3x64_padded", "mqa_64", "3x128", "2x256"])
+def test_tpu_kernel_lane_windows(heads, dtype, atol):
+    """The lanes layout: two 64-wide heads share a 128-lane tile (a third one sits alone in a
+    padded tile), 128- and 256-wide heads take whole tiles."""
+    hq, hkv, d = heads
+    case = make_case(**CASES["mixed"], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=17)
+    _check("tpu", case, dtype=dtype, atol=atol)

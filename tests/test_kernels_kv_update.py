@@ -56,3 +56,21 @@ def test_public_op_pallas_interpret():
     got = pk.update_kv_cache(*args, backend="pallas", interpret=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g[1:]), np.asarray(w[1:]))
+
+
+def test_lanes_layout_rows_are_the_heads_rows_side_by_side():
+    """[P, S, C] pages get each token's heads in C lanes (padding lanes stay zero)."""
+    from pallas_kernels.kv_layout import lanes_width, to_heads, to_lanes
+
+    k_new, v_new, k_pages, v_pages, slots = _inputs(jnp.float32, seed=2)
+    want = update_kv_cache_reference(k_new, v_new, k_pages, v_pages, slots)
+    width = lanes_width(3, 64)  # 192 lanes of heads, padded to 256
+    assert width == 256
+    lanes = [to_lanes(p, width) for p in (k_pages, v_pages)]
+    got = pk.update_kv_cache(k_new, v_new, *lanes, slots)
+    for g, w in zip(got, want):
+        assert g.shape == (9, 16, 256)
+        np.testing.assert_array_equal(np.asarray(to_heads(g, 3, 64)[1:]), np.asarray(w[1:]))
+        assert not np.asarray(g[1:, :, 192:]).any()
+    with pytest.raises(ValueError, match="C=256"):
+        pk.update_kv_cache(k_new, v_new, lanes[0][..., :192], lanes[1][..., :192], slots)

@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
 from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
+from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.lowering import lower_for_cuda, lower_for_tpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
@@ -18,11 +19,12 @@ S = jax.ShapeDtypeStruct
 T, R, MAX_PAGES, PAGES, PAGE = 128, 16, 32, 256, 16
 
 
-def _attn_args(dtype, hq, hkv, d):
+def _attn_args(dtype, hq, hkv, d, layout="heads"):
+    page = (PAGES, PAGE, lanes_width(hkv, d)) if layout == "lanes" else (PAGES, PAGE, hkv, d)
     return (
         S((T, hq, d), dtype),
-        S((PAGES, PAGE, hkv, d), dtype),
-        S((PAGES, PAGE, hkv, d), dtype),
+        S(page, dtype),
+        S(page, dtype),
         S((R,), jnp.int32),
         S((R, MAX_PAGES), jnp.int32),
         S((R + 1,), jnp.int32),
@@ -51,8 +53,8 @@ def test_gpu_attention_lowers_for_cuda(dtype, heads, opts):
 @pytest.mark.parametrize("heads", [(8, 2, 128), (32, 8, 128), (8, 4, 64)])
 @pytest.mark.parametrize("opts", OPTIONS, ids=["plain", "window_cap"])
 def test_tpu_attention_lowers_for_tpu(dtype, heads, opts):
-    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, **opts)
-    text = lower_for_tpu(fn, *_attn_args(dtype, *heads))
+    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=0.125, num_kv_heads=heads[1], **opts)
+    text = lower_for_tpu(fn, *_attn_args(dtype, *heads, layout="lanes"))
     assert "tpu_custom_call" in text
 
 
@@ -67,11 +69,12 @@ def test_auto_lowers_each_targets_kernel():
     reference (no custom call) for CPU, from the same traced program."""
     import pallas_kernels as pk
 
-    fn = functools.partial(pk.ragged_paged_attention, sm_scale=0.125)
+    fn = functools.partial(pk.ragged_paged_attention, sm_scale=0.125, num_kv_heads=3)
     args = _attn_args(jnp.bfloat16, 9, 3, 64)
     assert "ragged_paged_attention_gpu" in lower_for_cuda(fn, *args)
-    tpu = lower_for_tpu(fn, *args)
+    tpu = lower_for_tpu(fn, *_attn_args(jnp.bfloat16, 9, 3, 64, layout="lanes"))  # the TPU cache layout
     assert "tpu_custom_call" in tpu and "ragged_paged_attention_gpu" not in tpu
+    assert "tpu_custom_call" not in lower_for_tpu(fn, *args)  # heads pages: the reference reads them
     cpu = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
     assert "tpu_custom_call" not in cpu and "ragged_paged_attention_gpu" not in cpu
     update = lower_for_cuda(pk.update_kv_cache, *_update_args(jnp.bfloat16, 3, 64))

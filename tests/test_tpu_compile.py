@@ -16,6 +16,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
+from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
 T, R, MAX_PAGES, PAGES, PAGE = 64, 8, 16, 128, 16
@@ -46,9 +47,10 @@ def compiled_hlo(fn, args, device) -> str:
         return jax.jit(fn).lower(*sds).compile().as_text()
 
 
-def attention_args(dtype, hq, hkv, d):
+def attention_args(dtype, hq, hkv, d, layout="lanes"):
+    """Pages in the layout the engine allocates on TPU for these heads (`kv_cache_layout`)."""
     S = jax.ShapeDtypeStruct
-    page = S((PAGES, PAGE, hkv, d), dtype)
+    page = S((PAGES, PAGE, lanes_width(hkv, d)) if layout == "lanes" else (PAGES, PAGE, hkv, d), dtype)
     return (S((T, hq, d), dtype), page, page, S((R,), jnp.int32), S((R, MAX_PAGES), jnp.int32),
             S((R + 1,), jnp.int32), S((1,), jnp.int32))
 
@@ -69,25 +71,29 @@ KERNEL_CASES = [  # (dtype, (Hq, Hkv, D)) the Mosaic kernel compiles for
 def test_auto_compiles_the_mosaic_kernel_for_tpu(topology, dtype, heads):
     hq, hkv, d = heads
     assert attention_implementation("tpu", hkv, d, dtype)[0] == "pallas"
-    hlo = compiled_hlo(ATTENTION, attention_args(dtype, *heads), tpu_device(topology))
+    assert pk.kv_cache_layout("tpu", hkv, d, dtype) == "lanes"
+    fn = functools.partial(ATTENTION, num_kv_heads=hkv)
+    hlo = compiled_hlo(fn, attention_args(dtype, *heads), tpu_device(topology))
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
 
 
 def test_window_and_soft_cap_compile_in_bf16():
-    fn = functools.partial(ATTENTION, sliding_window=128, soft_cap=30.0)
+    fn = functools.partial(ATTENTION, num_kv_heads=3, sliding_window=128, soft_cap=30.0)
     assert KERNEL in compiled_hlo(fn, attention_args(jnp.bfloat16, 9, 3, 64), tpu_device("v5e:2x2"))
 
 
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
     assert impl == "reference" and "D=96" in why
-    hlo = compiled_hlo(ATTENTION, attention_args(jnp.bfloat16, 4, 2, 96), tpu_device("v5e:2x2"))
+    assert pk.kv_cache_layout("tpu", 2, 96, jnp.bfloat16) == "heads"
+    hlo = compiled_hlo(ATTENTION, attention_args(jnp.bfloat16, 4, 2, 96, "heads"), tpu_device("v5e:2x2"))
     assert "ragged_paged_attention_tpu" not in hlo
 
 
 def test_auto_on_the_host_cpu_is_the_reference():
     assert attention_implementation("cpu", 3, 64, jnp.float32)[0] == "reference"
-    hlo = compiled_hlo(ATTENTION, attention_args(jnp.float32, 9, 3, 64), jax.devices("cpu")[0])
+    assert pk.kv_cache_layout("cpu", 3, 64, jnp.float32) == "heads"
+    hlo = compiled_hlo(ATTENTION, attention_args(jnp.float32, 9, 3, 64, "heads"), jax.devices("cpu")[0])
     assert KERNEL not in hlo and "ragged_paged_attention_tpu" not in hlo and "triton" not in hlo
 
 
@@ -100,38 +106,20 @@ def test_auto_kv_update_compiles_the_kernel_for_tpu(dtype):
     assert KERNEL in hlo and "update_kv_cache_tpu" in hlo
 
 
-def test_smollm2_backbone_compiles_with_both_kernels_in_bf16(smollm):
-    """The real model's layer scan in bf16, compiled for a v5e: attention and the KV-cache
-    update run as Mosaic kernels (abstract params: nothing is copied to any device)."""
-    import dataclasses
-
-    import numpy as np
-
-    from jaxserve.models.metadata import AttentionMetadata
-    from jaxserve.runner import ModelRunner
-    from jaxserve.step_programs import backbone_jit
-
-    bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), smollm.params)
-    runner = ModelRunner(dataclasses.replace(smollm, params=bf16, dtype="bfloat16"), num_pages=64, page_size=16,
-                         max_pages_per_seq=16)
+def test_lanes_kv_update_is_xla_scatter_in_place():
+    """A [S, C] page's rows are not tile aligned for a one-row DMA: the lanes layout's update
+    is XLA's scatter, on the donated cache, with no copy of it."""
+    S = jax.ShapeDtypeStruct
+    page = S((PAGES, PAGE, lanes_width(3, 64)), jnp.bfloat16)
+    args = (S((T, 3, 64), jnp.bfloat16), S((T, 3, 64), jnp.bfloat16), page, page, S((T,), jnp.int32))
     device = tpu_device("v5e:2x2")
     sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
-
-    def sds(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    def i32(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-
-    t, r = 32, 8
-    md = AttentionMetadata(slot_mapping=i32(t), cu_q_lens=i32(r + 1), kv_lens=i32(r), block_tables=i32(r, 16),
-                           num_seqs=i32(1))
+    sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     with jax.default_device(device):
-        compiled = backbone_jit.lower(runner.graphdef, "auto", None, jax.tree.map(sds, runner.state),
-                                       jax.tree.map(sds, runner.kv_cache), i32(t), i32(t), md, i32(r)).compile()
+        compiled = jax.jit(pk.update_kv_cache, donate_argnums=(2, 3)).lower(*sds).compile()
     hlo = compiled.as_text()
-    assert "ragged_paged_attention_tpu" in hlo and "update_kv_cache_tpu" in hlo
-    assert compiled.memory_analysis().argument_size_in_bytes < 2 * 2**30  # params + cache, bf16
+    assert "update_kv_cache_tpu" not in hlo and "scatter" in hlo
+    assert compiled.memory_analysis().temp_size_in_bytes < PAGES * PAGE * 256 * 2 // 8
 
 
 # ---------------------------------------------------------------------- the whole serving step
@@ -158,8 +146,8 @@ def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
     backbone = report.shapes[0]
     assert backbone.attention == "pallas" and report.attention[0] == "pallas"
     assert report.fits and report.max_num_pages >= STEP_SETTINGS["num_pages"], report.verdict()
-    if model == "llama-3-8b":  # the cache is read in place: no relayout copy of it
-        assert backbone.cache_copies == 0
+    assert report.fingerprint["kv_layout"] == "lanes"
+    assert backbone.cache_copies == 0  # the cache is read and written in place: no relayout copy
 
 
 def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():

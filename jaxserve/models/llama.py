@@ -97,7 +97,7 @@ class LlamaForCausalLM(nnx.Module):
         self,
         token_ids: jax.Array,  # [T] int32
         positions: jax.Array,  # [T] int32
-        kv_cache: tuple[jax.Array, jax.Array],  # 2 x [L, P, S, Hkv, D]
+        kv_cache: tuple[jax.Array, jax.Array],  # 2 x [L, P, S, Hkv, D] or 2 x [L, P, S, C] (lanes)
         md: AttentionMetadata,
         logits_indices: jax.Array,  # [R] int32
         *,
@@ -107,7 +107,8 @@ class LlamaForCausalLM(nnx.Module):
         """Returns the final-normed hidden states of rows `logits_indices` ([R, E]) and the cache."""
         cfg = self.config
         k_cache, v_cache = kv_cache
-        L, P, S, Hkv, D = k_cache.shape
+        L, P, S, *row = k_cache.shape
+        Hkv, D = cfg.num_kv_heads, cfg.head_dim
         T = token_ids.shape[0]
         Hq = cfg.num_heads
         dtype = self.embed[...].dtype
@@ -117,10 +118,10 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, D/2]
         sm_scale = float(D) ** -0.5
 
-        # The attention sees all layers' pages as one [L*P, S, Hkv, D] pool: layer l's pages are
+        # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are
         # offset by l*P, so no per-layer slice of the cache is ever copied.
-        k_flat = k_cache.reshape(L * P, S, Hkv, D)
-        v_flat = v_cache.reshape(L * P, S, Hkv, D)
+        k_flat = k_cache.reshape(L * P, S, *row)
+        v_flat = v_cache.reshape(L * P, S, *row)
         layer_params = {k: v[...] for k, v in self.layers.items()}
 
         def layer(carry, xs):
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nnx.Module):
             k_flat, v_flat = kv_update_fn(k, v, k_flat, v_flat, md.slot_mapping + page_offset * S)
             attn = attention_fn(
                 q, k_flat, v_flat, md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
-                md.num_seqs, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
+                md.num_seqs, sm_scale=sm_scale, num_kv_heads=Hkv, sliding_window=cfg.sliding_window,
             )  # [T, Hq, D]
             h = h + attn.reshape(T, Hq * D).astype(dtype) @ lp["o_proj"]
             x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
@@ -159,7 +160,7 @@ class LlamaForCausalLM(nnx.Module):
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
         h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps)
-        kv_cache = (k_flat.reshape(L, P, S, Hkv, D), v_flat.reshape(L, P, S, Hkv, D))
+        kv_cache = (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
         return h_last, kv_cache
 
     def compute_logits(self, h: jax.Array) -> jax.Array:
@@ -168,12 +169,26 @@ class LlamaForCausalLM(nnx.Module):
         return (h @ head).astype(jnp.float32)
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """Zeroed K and V caches, each [L, num_pages, page_size, Hkv, D]."""
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
+                   tp: int = 1) -> tuple[int, ...]:
+    """One of the K/V caches: [L, P, S, Hkv, D] (heads layout) or [L, P, S, C] (lanes layout;
+    under tensor parallelism C holds `tp` rank rows of their own padded width)."""
+    if layout == "lanes":
+        from pallas_kernels.kv_layout import lanes_width
+
+        return (cfg.num_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
+    return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
+                  tp: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Zeroed K and V caches (see `kv_cache_shape`)."""
+    shape = kv_cache_shape(cfg, num_pages, page_size, layout, tp)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
-    """Bytes one page costs across all layers, K and V together."""
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout: str = "heads", tp: int = 1) -> int:
+    """Bytes one page costs across all layers and devices, K and V together (padding lanes
+    of the lanes layout included)."""
+    shape = kv_cache_shape(cfg, 1, page_size, layout, tp)
+    return 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize

@@ -7,15 +7,19 @@ import jax
 from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
+from pallas_kernels.kv_layout import lanes_width, to_lanes
 
 
 def _validate(k_new, v_new, k_pages, v_pages, slot_mapping) -> None:
-    check_shape("k_pages", k_pages, (None, None, None, None), "[num_pages, page_size, Hkv, D]")
-    check_shape("v_pages", v_pages, tuple(k_pages.shape), "like k_pages")
-    _, _, num_kv_heads, head_dim = k_pages.shape
-    check_shape("k_new", k_new, (None, num_kv_heads, head_dim), "[T, Hkv, D]")
-    num_tokens = k_new.shape[0]
+    check_shape("k_new", k_new, (None, None, None), "[T, Hkv, D]")
+    num_tokens, num_kv_heads, head_dim = k_new.shape
     check_shape("v_new", v_new, (num_tokens, num_kv_heads, head_dim), "[T, Hkv, D]")
+    if k_pages.ndim == 3:  # lanes layout
+        width = lanes_width(num_kv_heads, head_dim)
+        check_shape("k_pages", k_pages, (None, None, width), f"[num_pages, page_size, C={width}] (lanes layout)")
+    else:
+        check_shape("k_pages", k_pages, (None, None, num_kv_heads, head_dim), "[num_pages, page_size, Hkv, D]")
+    check_shape("v_pages", v_pages, tuple(k_pages.shape), "like k_pages")
     check_shape("slot_mapping", slot_mapping, (num_tokens,), "[T]")
     check_int32("slot_mapping", slot_mapping)
     for name, x in (("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -27,8 +31,8 @@ def _validate(k_new, v_new, k_pages, v_pages, slot_mapping) -> None:
 def update_kv_cache(
     k_new: jax.Array,  # [T, Hkv, D]
     v_new: jax.Array,  # [T, Hkv, D]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D] or [num_pages, page_size, C]
+    v_pages: jax.Array,  # like k_pages
     slot_mapping: jax.Array,  # [T] int32
     *,
     backend: str = "auto",
@@ -36,21 +40,30 @@ def update_kv_cache(
 ) -> tuple[jax.Array, jax.Array]:
     """Write the step's new K/V rows into their slots (page * page_size + offset).
 
-    Padding tokens must point at slots of the null page 0. Same backends as attention.
+    `k_pages` in either layout (`pallas_kernels.kv_layout`): `[P, S, Hkv, D]`, or `[P, S, C]`
+    (the new rows are then laid out in C lanes first). Padding tokens must point at slots of
+    the null page 0. Same backends as attention (the GPU kernel writes the heads layout).
     """
     _validate(k_new, v_new, k_pages, v_pages, slot_mapping)
+    head_dim = k_new.shape[2]
+    lanes = k_pages.ndim == 3
+    if lanes:
+        k_new, v_new = to_lanes(k_new, k_pages.shape[2]), to_lanes(v_new, k_pages.shape[2])
     args = (k_new, v_new, k_pages, v_pages, slot_mapping)
-    head_dim = k_pages.shape[3]
-    gpu_ok = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    gpu_ok = not lanes and head_dim >= 16 and head_dim & (head_dim - 1) == 0
     if backend == "auto" and not interpret:  # the target platform's kernel (see _dispatch)
         from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
         from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
 
-        return by_target_platform(args, reference=update_kv_cache_reference, tpu=update_kv_cache_tpu,
+        # Lanes pages take XLA's scatter on TPU too: a single-row DMA into a page is not
+        # tile aligned there (S is the second-minor, tiled, dimension of a [S, C] page).
+        return by_target_platform(args, reference=update_kv_cache_reference,
+                                  tpu=None if lanes else update_kv_cache_tpu,
                                   gpu=update_kv_cache_gpu if gpu_ok else None)
     impl = resolve_backend(backend, interpret)
     if impl == "gpu" and not gpu_ok:
-        raise ValueError(f"the gpu KV-update kernel needs a power-of-two D, got {head_dim}")
+        raise ValueError(f"the gpu KV-update kernel needs the heads layout and a power-of-two D, got D={head_dim}"
+                         + (" in the lanes layout" if lanes else ""))
     if impl == "reference":
         return update_kv_cache_reference(*args)
     if impl == "tpu":

@@ -1,7 +1,7 @@
 """KV-cache update for TPUs: one HBM->HBM DMA per token row, cache aliased in place.
 
 The slot mapping is scalar-prefetched into SMEM; a program owns `block_t` tokens, starts
-one async copy per token ([Hkv, D] into `[page, offset]`) and then waits for all of them,
+one async copy per token (its row, `[Hkv, D]` or `[C]`, into `[page, offset]`) and then waits for all of them,
 so the copies overlap. Both caches stay in HBM (memory space ANY) and are aliased input ->
 output: only the written rows move.
 """
@@ -60,10 +60,10 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
 def update_kv_cache_tpu(
-    k_new: jax.Array,  # [T, Hkv, D]
-    v_new: jax.Array,  # [T, Hkv, D]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k_new: jax.Array,  # [T, *row]: [T, C] in the lanes layout the engine uses on TPU
+    v_new: jax.Array,  # [T, *row]
+    k_pages: jax.Array,  # [num_pages, page_size, *row]
+    v_pages: jax.Array,  # [num_pages, page_size, *row]
     slot_mapping: jax.Array,  # [T] int32
     *,
     block_t: int = 64,

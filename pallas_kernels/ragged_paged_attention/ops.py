@@ -8,20 +8,30 @@ import jax
 
 from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels.kv_layout import KVLayout, lanes_width, layout_of
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 
 def _validate(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap
-) -> None:
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap, num_kv_heads
+) -> int:
+    """Checks every argument; returns the number of KV heads."""
     check_shape("q", q, (None, None, None), "[T, Hq, D]")
     num_tokens, num_q_heads, head_dim = q.shape
-    check_shape("k_pages", k_pages, (None, None, None, head_dim), "[num_pages, page_size, Hkv, D]")
+    if k_pages.ndim == 3:  # lanes layout: the head count is not in the shape
+        if num_kv_heads is None:
+            raise ValueError("num_kv_heads is required with lanes-layout pages [num_pages, page_size, C]")
+        width = lanes_width(num_kv_heads, head_dim)
+        check_shape("k_pages", k_pages, (None, None, width), f"[num_pages, page_size, C={width}] (lanes layout)")
+    else:
+        check_shape("k_pages", k_pages, (None, None, None, head_dim), "[num_pages, page_size, Hkv, D]")
+        if num_kv_heads is not None and num_kv_heads != k_pages.shape[2]:
+            raise ValueError(f"num_kv_heads {num_kv_heads} differs from k_pages' {k_pages.shape[2]} heads")
+        num_kv_heads = k_pages.shape[2]
     check_shape("v_pages", v_pages, tuple(k_pages.shape), "like k_pages")
-    num_kv_heads = k_pages.shape[2]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q heads ({num_q_heads}) must be a multiple of k_pages heads ({num_kv_heads})"
+            f"q heads ({num_q_heads}) must be a multiple of the KV heads ({num_kv_heads})"
         )
     check_shape("kv_lens", kv_lens, (None,), "[R]")
     num_rows = kv_lens.shape[0]
@@ -43,18 +53,20 @@ def _validate(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
+    return num_kv_heads
 
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D], or [num_pages, page_size, C] (lanes)
+    v_pages: jax.Array,  # like k_pages
     kv_lens: jax.Array,  # [R] int32
     block_tables: jax.Array,  # [R, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [R+1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     backend: str = "auto",
@@ -62,6 +74,9 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged batch over the paged cache (docs/architecture.md contract).
 
+    Pages in either layout of `pallas_kernels.kv_layout`; the TPU kernel reads the lanes
+    layout, the GPU kernel the heads layout, the reference both. `num_kv_heads` is required
+    with lanes pages.
     backend: "auto" (the kernel of the platform compiled for, TPU or GPU, where it supports
     the layout, else the reference: see `attention_implementation`), "pallas" (the host
     platform's kernel; on CPU only with interpret=True), "reference", or
@@ -69,54 +84,72 @@ def ragged_paged_attention(
     interpret: run the kernel in Pallas interpret mode (CPU); for the TPU kernel it may be a
     `pltpu.InterpretParams()`. "pallas" raises when the kernel does not support the layout.
     """
-    _validate(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap
-    )
+    num_kv_heads = _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window,
+                             soft_cap, num_kv_heads)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    layout = layout_of(k_pages)
+    head_dim = q.shape[2]
     if backend == "auto" and not interpret:
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
-        layout = (k_pages.shape[2], k_pages.shape[3], k_pages.dtype)
+        fits = functools.partial(_kernel_supports, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 dtype=k_pages.dtype, layout=layout)
         return by_target_platform(
             args,
-            reference=functools.partial(ragged_paged_attention_reference, **kw),
-            tpu=functools.partial(ragged_paged_attention_tpu, **kw) if _kernel_supports("tpu", *layout) else None,
-            gpu=functools.partial(ragged_paged_attention_gpu, **kw) if _kernel_supports("gpu", *layout) else None,
+            reference=functools.partial(ragged_paged_attention_reference, num_kv_heads=num_kv_heads, **kw),
+            tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw) if fits("tpu") else None,
+            gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
         )
     impl = resolve_backend(backend, interpret)
-    num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    if impl != "reference" and layout != _KERNEL_LAYOUT[impl]:
+        raise ValueError(f"the {impl} kernel reads the {_KERNEL_LAYOUT[impl]} layout; got {layout}-layout pages")
     # Interpret mode has no tiling limits; the check guards the compiled kernels only.
-    compiled = not interpret
-    if impl != "reference" and compiled and not _kernel_supports(impl, num_kv_heads, head_dim, k_pages.dtype):
+    if impl != "reference" and not interpret and not _kernel_supports(impl, num_kv_heads, head_dim, k_pages.dtype,
+                                                                       layout):
         raise ValueError(f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
                          f"in {k_pages.dtype}; use backend='auto' or 'reference'")
     if impl == "reference":
-        return ragged_paged_attention_reference(*args, **kw)
+        return ragged_paged_attention_reference(*args, num_kv_heads=num_kv_heads, **kw)
     if impl == "tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
-        return ragged_paged_attention_tpu(*args, **kw, interpret=interpret)
+        return ragged_paged_attention_tpu(*args, num_kv_heads=num_kv_heads, **kw, interpret=interpret)
     from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
     return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret))
 
 
 def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype) -> tuple[str, str]:
-    """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for this
-    cache layout: ("pallas" | "reference", why)."""
+    """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for a cache in
+    that platform's layout (`kv_cache_layout`): ("pallas" | "reference", why)."""
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
-    if not _kernel_supports(impl, num_kv_heads, head_dim, dtype):
+    if not _kernel_supports(impl, num_kv_heads, head_dim, dtype, _KERNEL_LAYOUT[impl]):
         return "reference", (f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
                              f"in {jax.numpy.dtype(dtype).name}")
     return "pallas", f"the {impl} kernel"
 
 
-def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype) -> bool:
-    """Shapes each kernel handles (Triton: power-of-two D; Mosaic: see tpu.supports)."""
+def kv_cache_layout(platform: str, num_kv_heads: int, head_dim: int, dtype, backend: str = "auto") -> KVLayout:
+    """The page layout a cache on `platform` is allocated in: lanes where the TPU kernel
+    reads it, heads everywhere else (the reference reads both)."""
+    if backend != "reference" and platform == "tpu" and _kernel_supports("tpu", num_kv_heads, head_dim, dtype,
+                                                                         "lanes"):
+        return "lanes"
+    return "heads"
+
+
+_KERNEL_LAYOUT = {"tpu": "lanes", "gpu": "heads"}
+
+
+def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype, layout: KVLayout) -> bool:
+    """Shapes each kernel handles (Triton: power-of-two D, heads layout; Mosaic: lanes layout,
+    see tpu.supports)."""
+    if layout != _KERNEL_LAYOUT[impl]:
+        return False
     if impl == "gpu":
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0
     from pallas_kernels.ragged_paged_attention.tpu import supports

@@ -79,8 +79,8 @@ def _online_softmax_attention(
     row_pos: jax.Array,  # [NB, Bq] int32, query position in its sequence
     row_valid: jax.Array,  # [NB, Bq] bool
     row_tables: jax.Array,  # [NB, M'] int32, block-table row of each block's sequence
-    k_pages: jax.Array,  # [P, ps, Hkv, D]
-    v_pages: jax.Array,  # [P, ps, Hkv, D]
+    k_pages: jax.Array,  # [P, ps, Hkv, D] or [P, ps, C]
+    v_pages: jax.Array,  # like k_pages
     start_chunk: jax.Array,  # [] int32
     end_chunk: jax.Array,  # [] int32
     chunk_pages: int,
@@ -106,8 +106,10 @@ def _online_softmax_attention(
     def body(c, carry):
         m, denom, acc = carry  # stat_shape, stat_shape, stat_shape + (D,)
         pages = jax.lax.dynamic_slice_in_dim(row_tables, c * chunk_pages, chunk_pages, axis=1)
-        k = _gather_pages(k_pages, pages).reshape(nb, chunk, hkv, d).astype(jnp.float32)
-        v = _gather_pages(v_pages, pages).reshape(nb, chunk, hkv, d).astype(jnp.float32)
+        # [NB, S, Hkv, D]; a lanes-layout row drops its padding lanes here, per chunk.
+        k = _gather_pages(k_pages, pages).reshape(nb, chunk, -1)[..., : hkv * d].reshape(nb, chunk, hkv, d)
+        v = _gather_pages(v_pages, pages).reshape(nb, chunk, -1)[..., : hkv * d].reshape(nb, chunk, hkv, d)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S]
         mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
         if sliding_window is not None:
@@ -144,14 +146,15 @@ def _online_softmax_attention(
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D], or [num_pages, page_size, C] (lanes)
+    v_pages: jax.Array,  # like k_pages
     kv_lens: jax.Array,  # [R] int32
     block_tables: jax.Array,  # [R, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [R+1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
@@ -163,9 +166,14 @@ def ragged_paged_attention_reference(
     cache positions `k <= p` (and `p - k < sliding_window`). Logits are `q.k * sm_scale`,
     then `soft_cap * tanh(logits / soft_cap)`. Rows past `cu_q_lens[num_seqs]` give zeros.
     `block_q` / `chunk_pages` are static tuning knobs (defaults picked from T, R, page size).
+    `num_kv_heads` is needed with lanes-layout pages (their rows may be padded).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    page_size = k_pages.shape[1]
+    if k_pages.ndim == 4:
+        num_kv_heads = k_pages.shape[2]
+    elif num_kv_heads is None:
+        raise ValueError("num_kv_heads is required with lanes-layout pages [P, S, C]")
     num_rows, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     if block_q is None:

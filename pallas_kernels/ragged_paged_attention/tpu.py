@@ -9,12 +9,15 @@ flight while the current one is used), and runs an online softmax per KV head in
 scratch. Rows of the block that belong to the sequence are then written into the output
 block with a masked select; rows of no sequence (padding) keep the zeros written first.
 
-Each page is copied whole, in the cache's own layout `[ps, Hkv, D]`, into a VMEM buffer
-`[2, Cp, ps, Hkv, D]`; head h of the chunk is then the load `buf[slot, :, :, h, :]`
-(`[Cp, ps, D]`, one row of each (Hkv, D) tile), which Mosaic implements for 32- and 16-bit
-data alike, unlike a strided load of 16-bit rows or a DMA that slices a 16-bit tiled
-dimension. Selects that broadcast a row mask across lanes run in f32 (Mosaic cannot
-broadcast across lanes of packed 16-bit rows when the head group is odd).
+The cache is in the lanes layout (`pallas_kernels.kv_layout`): a page is `[ps, C]`, the
+token's heads side by side in C lanes. Each page is copied whole into a VMEM buffer
+`[2, Cp, ps, C]`; KV head h is then the aligned lane window that holds it
+(`buf[slot, :, :, w:w+W]`, W = max(D, 128)), a plain tile-aligned load for 32- and 16-bit
+data alike. With D < 128 the window also holds other heads: the query arrives placed in
+its KV head's lanes of a W-lane row (zeros elsewhere), so q.k sums only its own head's
+lanes, and of the W output lanes the wrapper keeps the head's own. Selects that broadcast a
+row mask across lanes run in f32 (Mosaic cannot broadcast across lanes of packed 16-bit
+rows when the head group is odd).
 
 Only chunks a sequence's rows can see are visited (its window start to its last position
 in the block), and only pages inside the block table are fetched (indices are clamped), so
@@ -31,14 +34,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_layout import LANE, head_window, lanes_supported, lanes_width
+
 _MASKED = -1e30
 
 
 def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
     """Whether the kernel compiles for this cache layout on a real TPU: any KV head count,
-    f32 or bf16, D in {64, 128, 192, 256} (checked with libtpu by scripts/check_tpu_compile.py)."""
+    f32 or bf16, D in {64, 128, 256} (checked with libtpu by scripts/check_tpu_compile.py)."""
     del num_kv_heads, dtype
-    return head_dim % 64 == 0 and head_dim <= 256
+    return head_dim in (64, 128, 256)
 
 
 
@@ -49,27 +54,28 @@ def _kernel(
     cu_q_lens_ref,  # [R+1] int32
     num_seqs_ref,  # [1] int32
     # inputs
-    q_ref,  # [Bq, Hq, D] VMEM block of the token axis
-    k_hbm,  # [P, ps, Hkv, D] HBM
+    q_ref,  # [Bq, Hq, W] VMEM block of the token axis, each head in its KV head's lanes
+    k_hbm,  # [P, ps, C] HBM
     v_hbm,
     # output
-    o_ref,  # [Bq, Hq, D]
+    o_ref,  # [Bq, Hq, W]
     # scratch
-    k_buf,  # [2, Cp, ps, Hkv, D] VMEM (double-buffered chunks of whole pages)
+    k_buf,  # [2, Cp, ps, C] VMEM (double-buffered chunks of whole pages)
     v_buf,
     sems,  # DMA semaphores [2, 2] (buffer slot, k/v)
     m_ref,  # [Hkv, Bq * G, 1] f32
     l_ref,  # [Hkv, Bq * G, 1] f32
-    acc_ref,  # [Hkv, Bq * G, D] f32
+    acc_ref,  # [Hkv, Bq * G, W] f32
     *,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     max_pages: int,
     num_kv_heads: int,
+    head_dim: int,
 ):
-    block_q, num_q_heads, head_dim = q_ref.shape
-    _, chunk_pages, page_size, _, _ = k_buf.shape
+    block_q, num_q_heads, width = q_ref.shape
+    _, chunk_pages, page_size, _ = k_buf.shape
     group = num_q_heads // num_kv_heads
     rows = block_q * group
     chunk = chunk_pages * page_size
@@ -130,10 +136,11 @@ def _kernel(
                 if q.dtype.itemsize < 4 and group % (4 // q.dtype.itemsize):
                     # Packed rows cannot fold an odd head group into sublanes: go via f32.
                     q = q.astype(jnp.float32)
-                q = q.reshape(rows, head_dim)  # [BM, D], row = token * G + head
-                # Head h of every slot of the chunk: [Cp, ps, D] -> [S, D].
-                k = k_buf[slot, :, :, h, :].reshape(chunk, head_dim)
-                v = v_buf[slot, :, :, h, :].reshape(chunk, head_dim)
+                q = q.reshape(rows, width)  # [BM, W], row = token * G + head
+                # The lane window of head h in every slot of the chunk: [Cp, ps, W] -> [S, W].
+                w0, _, _ = head_window(h, head_dim)
+                k = k_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
+                v = v_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
                 if q.dtype != k.dtype:
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
@@ -156,8 +163,8 @@ def _kernel(
         jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, jnp.int32(0))
         for h in range(num_kv_heads):
             denom = l_ref[h]
-            out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # [BM, D]
-            out = jnp.where(in_seq, out, 0.0).reshape(block_q, group, head_dim)
+            out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # [BM, W]
+            out = jnp.where(in_seq, out, 0.0).reshape(block_q, group, width)
             keep = in_seq.reshape(block_q, group, 1)
             cur = o_ref[:, h * group : (h + 1) * group, :]
             # The select runs in f32: Mosaic cannot broadcast a mask across lanes of packed
@@ -178,19 +185,37 @@ def _kernel(
 _KV_BUFFER_BYTES = 4 * 2**20
 
 
-def _default_chunk_pages(page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+def _default_chunk_pages(page_size: int, lanes: int, dtype) -> int:
     """Pages per chunk: 128 tokens where the double buffers fit `_KV_BUFFER_BYTES`, fewer for
-    wide layouts. VMEM tiles pad the (Hkv, D) minor dims to (8 * packing, 128)."""
-    item = jnp.dtype(dtype).itemsize
-    sublanes = 8 * (4 // item)
-    page_bytes = page_size * (-(-num_kv_heads // sublanes) * sublanes) * (-(-head_dim // 128) * 128) * item
+    wide rows (a page is `[ps, C]`, C a multiple of 128: no tile padding)."""
+    page_bytes = page_size * lanes * jnp.dtype(dtype).itemsize
     fit = _KV_BUFFER_BYTES // (4 * page_bytes)  # 2 slots x K and V
     return max(1, min(128 // page_size, fit))
+
+
+def _head_lanes(x: jax.Array, group: int, head_dim: int) -> jax.Array:
+    """q [T, Hq, D] -> [T, Hq, 128]: each query head at its KV head's offset in the lane
+    window, zeros elsewhere (D < 128 only)."""
+    t, hq, d = x.shape
+    per = LANE // d
+    slot = (jnp.arange(hq) // group) % per  # [Hq] position of the head's KV head in its window
+    sel = slot[:, None] == jnp.arange(per)[None, :]  # [Hq, per]
+    return jnp.where(sel[None, :, :, None], x[:, :, None, :], 0).reshape(t, hq, per * d)
+
+
+def _own_lanes(x: jax.Array, group: int, head_dim: int) -> jax.Array:
+    """[T, Hq, 128] kernel output -> [T, Hq, D]: each head's own lanes (D < 128 only)."""
+    t, hq, w = x.shape
+    per = w // head_dim
+    slot = (jnp.arange(hq) // group) % per
+    sel = slot[:, None] == jnp.arange(per)[None, :]
+    return jnp.where(sel[None, :, :, None], x.reshape(t, hq, per, head_dim), 0).sum(2, dtype=x.dtype)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
+        "num_kv_heads",
         "sm_scale",
         "sliding_window",
         "soft_cap",
@@ -201,13 +226,14 @@ def _default_chunk_pages(page_size: int, num_kv_heads: int, head_dim: int, dtype
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k_pages: jax.Array,  # [num_pages, page_size, C] (lanes layout)
+    v_pages: jax.Array,  # [num_pages, page_size, C]
     kv_lens: jax.Array,  # [R] int32
     block_tables: jax.Array,  # [R, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [R+1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
+    num_kv_heads: int,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -215,21 +241,27 @@ def ragged_paged_attention_tpu(
     chunk_pages: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, Hq, D]
-    """Mosaic (Pallas TPU) ragged paged attention; same contract as the reference.
+    """Mosaic (Pallas TPU) ragged paged attention over the lanes layout; same contract as
+    the reference (which reads either layout).
 
     `interpret` may be True (generic interpreter) or a `pltpu.InterpretParams()` (TPU
     interpreter that simulates DMAs/semaphores and checks out-of-bounds accesses).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, lanes = k_pages.shape
     _, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
+    if lanes != lanes_width(num_kv_heads, head_dim) or not lanes_supported(head_dim):
+        raise ValueError(f"k_pages rows of {lanes} lanes do not hold {num_kv_heads} heads of D={head_dim} "
+                         "in the lanes layout")
+    _, width, _ = head_window(0, head_dim)
     if chunk_pages is None:
-        chunk_pages = _default_chunk_pages(page_size, num_kv_heads, head_dim, k_pages.dtype)
+        chunk_pages = _default_chunk_pages(page_size, lanes, k_pages.dtype)
     chunk_pages = min(chunk_pages, max_pages)
     block_q = min(block_q, max(8, 1 << (num_tokens - 1).bit_length()))
     padded_tokens = math.ceil(num_tokens / block_q) * block_q
-    q_p = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    q_w = _head_lanes(q, group, head_dim) if width != head_dim else q  # [T, Hq, W]
+    q_p = jnp.pad(q_w, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
     rows = block_q * group
 
     kernel = functools.partial(
@@ -239,10 +271,11 @@ def ragged_paged_attention_tpu(
         soft_cap=soft_cap,
         max_pages=max_pages,
         num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
     )
-    q_spec = pl.BlockSpec((block_q, num_q_heads, head_dim), lambda j, *_: (j, 0, 0))
+    q_spec = pl.BlockSpec((block_q, num_q_heads, width), lambda j, *_: (j, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
-    buf_shape = (2, chunk_pages, page_size, num_kv_heads, head_dim)
+    buf_shape = (2, chunk_pages, page_size, lanes)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -256,12 +289,12 @@ def ragged_paged_attention_tpu(
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-                pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows, width), jnp.float32),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
         # 32 MiB of scoped VMEM (the default is 16 on v5e): every TPU since v4 has at least
-        # that, and the widest layouts (16 KV heads of D=256 in f32) need it.
+        # that, and the widest rows (16 KV heads of D=256 in f32) need it.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=32 * 2**20),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
@@ -274,4 +307,5 @@ def ragged_paged_attention_tpu(
         k_pages,
         v_pages,
     )
-    return out[:num_tokens]
+    out = out[:num_tokens]
+    return _own_lanes(out, group, head_dim) if width != head_dim else out
