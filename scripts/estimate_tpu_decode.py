@@ -1,0 +1,73 @@
+"""ESTIMATES, not measurements: lower-bound decode step times on TPU chips from bytes read.
+
+No TPU runs here, so no speed is claimed. For a decode step of B sequences at a context of
+`ctx` tokens, every chip must at least read its share of the weights once and the K/V of the
+live pages once (the lanes layout, padding lanes included); at the chip's HBM bandwidth
+(Pallas' `tpu_info`) that gives a floor on the step time and a ceiling on tokens/s. Real
+steps are slower (kernel efficiency, the logits, collectives under TP, host overhead).
+
+    PYTHONPATH=.venv/accel/tpu JAX_PLATFORMS=cpu python scripts/estimate_tpu_decode.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxserve.loading import load_model_config  # noqa: E402
+from jaxserve.models.config import ModelConfig  # noqa: E402
+from jaxserve.models.llama import expected_param_shapes  # noqa: E402
+from jaxserve.parallel import tp_model_config  # noqa: E402
+from jaxserve.targets import tpu_info  # noqa: E402
+from pallas_kernels.kv_layout import lanes_width  # noqa: E402
+
+LLAMA_8B = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "llama3_8b_config.json")
+BF16 = 2
+
+
+def weight_bytes_per_chip(cfg: ModelConfig, tp: int) -> int:
+    """bf16 weights one chip reads per step (sharded layers and vocab; norms replicated)."""
+    shapes = expected_param_shapes(tp_model_config(cfg, tp))
+    total = sum(math.prod(s) for s in _leaves(shapes)) * BF16
+    return total // tp
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def kv_bytes_per_chip(cfg: ModelConfig, tp: int, batch: int, ctx: int, page: int = 16) -> int:
+    rank = tp_model_config(cfg, tp)
+    lanes = lanes_width(rank.num_kv_heads // tp, rank.head_dim)
+    pages = batch * math.ceil(ctx / page)
+    return 2 * rank.num_layers * pages * page * lanes * BF16  # K and V
+
+
+def main() -> None:
+    models = {"SmolLM2-135M": load_model_config(None), "Llama-3-8B shape": load_model_config(LLAMA_8B)}
+    print("ESTIMATE (lower bound from HBM bytes; no TPU measured): decode step, bf16, lanes-layout cache")
+    print(f"{'chip':5} {'model':17} {'TP':>2} {'B':>3} {'ctx':>5} {'weights MB':>10} {'K/V MB':>8} "
+          f"{'floor ms':>8} {'<= tok/s':>9}")
+    for chip in ("v5e", "v6e"):
+        bw = tpu_info(chip).mem_bw_bytes_per_second * tpu_info(chip).num_cores
+        for name, cfg in models.items():
+            for tp in ((1,) if name.startswith("Smol") else (1, 4)):
+                w = weight_bytes_per_chip(cfg, tp)
+                for batch in (1, 8, 64):
+                    for ctx in (256, 1024, 4096):
+                        kv = kv_bytes_per_chip(cfg, tp, batch, ctx)
+                        floor = (w + kv) / bw
+                        print(f"{chip:5} {name:17} {tp:2d} {batch:3d} {ctx:5d} {w / 1e6:10.0f} {kv / 1e6:8.1f} "
+                              f"{floor * 1e3:8.3f} {batch / floor:9.0f}")
+        print(f"  ({chip}: {bw / 1e9:.0f} GB/s HBM per chip, from Pallas tpu_info)")
+
+
+if __name__ == "__main__":
+    main()
