@@ -4,9 +4,9 @@ Grid: one program per block of `block_q` consecutive tokens of the flat batch (b
 aligned to the token axis, not to sequences, so the q/out BlockSpecs stay tile aligned).
 A program walks the sequences that overlap its block; for each it walks that sequence's
 KV chunks (`chunk_pages` pages) through the scalar-prefetched block table, copying pages
-from HBM into a double-buffered VMEM scratch with manual async DMAs (the next chunk is in
-flight while the current one is used), and runs an online softmax per KV head in f32 VMEM
-scratch. Rows of the block that belong to the sequence are then written into the output
+from HBM into a double-buffered VMEM scratch with manual async DMAs (the next chunk, or the
+next sequence's first chunk, is in flight while the current one is used), and runs an
+online softmax per KV head in f32 VMEM scratch. Rows of the block that belong to the sequence are then written into the output
 block with a masked select; rows of no sequence (padding) keep the zeros written first.
 
 The cache is in the lanes layout (`pallas_kernels.kv_layout`): a page is `[ps, C]`, the
@@ -98,31 +98,44 @@ def _kernel(
                 copies.append(pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[slot, kv]))
         return copies
 
-    def seq_body(seq):
+    def in_block(s):  # sequence s is real and has rows in this block
+        return (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs)] < blk_end)
+
+    def kv_chunks(seq):
+        """(q_start, q_end, ctx, first chunk, end chunk) of a sequence in this block."""
         q_start = cu_q_lens_ref[seq]
         q_end = cu_q_lens_ref[seq + 1]
-        q_len = q_end - q_start
-        kv_len = kv_lens_ref[seq]
-        ctx = kv_len - q_len  # position of the sequence's first query
-        in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [BM, 1]
-        row_pos = ctx + row_tok - q_start  # [BM, 1]
+        ctx = kv_lens_ref[seq] - (q_end - q_start)  # position of the sequence's first query
         hi = ctx + jnp.minimum(q_end, blk_end) - q_start  # last visible key + 1
         lo_chunk = jnp.int32(0)
         if sliding_window is not None:
             first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
             lo_chunk = jnp.maximum(first_pos - sliding_window + 1, 0) // chunk
-        hi_chunk = (hi + chunk - 1) // chunk
+        return q_start, q_end, ctx, lo_chunk, (hi + chunk - 1) // chunk
+
+    def seq_body(carry):
+        seq, first_slot = carry  # the sequence's first chunk is already in flight into first_slot
+        q_start, q_end, ctx, lo_chunk, hi_chunk = kv_chunks(seq)
+        in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [BM, 1]
+        row_pos = ctx + row_tok - q_start  # [BM, 1]
+        has_next = in_block(seq + 1)
+        next_seq = jnp.minimum(seq + 1, num_seqs - 1)  # clamped: read only when has_next
 
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        for cp in chunk_copies(seq, lo_chunk, 0):
-            cp.start()
 
         def chunk_body(c, slot):
             @pl.when(c + 1 < hi_chunk)
             def _():
                 for cp in chunk_copies(seq, c + 1, 1 - slot):
+                    cp.start()
+
+            # The last chunk: the next sequence's first one goes in flight meanwhile, so a
+            # block of decodes (one chunk each) does not wait on every sequence's first DMA.
+            @pl.when((c + 1 == hi_chunk) & has_next)
+            def _():
+                for cp in chunk_copies(next_seq, kv_chunks(next_seq)[3], 1 - slot):
                     cp.start()
 
             for cp in chunk_copies(seq, c, slot):
@@ -160,7 +173,7 @@ def _kernel(
                 acc_ref[h] = alpha * acc_ref[h] + pv
             return 1 - slot
 
-        jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, jnp.int32(0))
+        end_slot = jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, first_slot)
         for h in range(num_kv_heads):
             denom = l_ref[h]
             out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # [BM, W]
@@ -171,13 +184,14 @@ def _kernel(
             # 16-bit rows when the head group is odd.
             merged = jnp.where(keep, out, cur.astype(jnp.float32))
             o_ref[:, h * group : (h + 1) * group, :] = merged.astype(cur.dtype)
-        return seq + 1
+        return seq + 1, end_slot
 
-    jax.lax.while_loop(
-        lambda s: (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs)] < blk_end),
-        seq_body,
-        first_seq,
-    )
+    @pl.when(in_block(first_seq))
+    def _():
+        for cp in chunk_copies(first_seq, kv_chunks(first_seq)[3], 0):
+            cp.start()
+
+    jax.lax.while_loop(lambda carry: in_block(carry[0]), seq_body, (first_seq, jnp.int32(0)))
 
 
 # VMEM for the K and V double buffers together; the rest of the scoped VMEM (16 MiB by
