@@ -21,7 +21,7 @@ from jaxserve.loading import load_model_config  # noqa: E402
 from jaxserve.models.config import ModelConfig  # noqa: E402
 from jaxserve.models.llama import expected_param_shapes  # noqa: E402
 from jaxserve.parallel import tp_model_config  # noqa: E402
-from jaxserve.targets import tpu_info  # noqa: E402
+from jaxserve.targets import Target, tpu_info  # noqa: E402
 from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
 LLAMA_8B = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "llama3_8b_config.json")
@@ -29,8 +29,11 @@ BF16 = 2
 
 
 def weight_bytes_per_chip(cfg: ModelConfig, tp: int) -> int:
-    """bf16 weights one chip reads per step (sharded layers and vocab; norms replicated)."""
+    """bf16 weights one chip reads per step (sharded layers and vocab; norms counted as
+    sharded too, a rounding error). An untied embedding table is only gathered from: left out."""
     shapes = expected_param_shapes(tp_model_config(cfg, tp))
+    if "lm_head" in shapes:
+        shapes = {k: v for k, v in shapes.items() if k != "embed"}
     total = sum(math.prod(s) for s in _leaves(shapes)) * BF16
     return total // tp
 
@@ -54,9 +57,10 @@ def main() -> None:
     models = {"SmolLM2-135M": load_model_config(None), "Llama-3-8B shape": load_model_config(LLAMA_8B)}
     print("ESTIMATE (lower bound from HBM bytes; no TPU measured): decode step, bf16, lanes-layout cache")
     print(f"{'chip':5} {'model':17} {'TP':>2} {'B':>3} {'ctx':>5} {'weights MB':>10} {'K/V MB':>8} "
-          f"{'floor ms':>8} {'<= tok/s':>9}")
+          f"{'floor ms':>8} {'<= tok/s':>9}  fits one chip's HBM")
     for chip in ("v5e", "v6e"):
         bw = tpu_info(chip).mem_bw_bytes_per_second * tpu_info(chip).num_cores
+        hbm = Target("tpu", chip, 1).hbm_bytes()
         for name, cfg in models.items():
             for tp in ((1,) if name.startswith("Smol") else (1, 4)):
                 w = weight_bytes_per_chip(cfg, tp)
@@ -64,8 +68,9 @@ def main() -> None:
                     for ctx in (256, 1024, 4096):
                         kv = kv_bytes_per_chip(cfg, tp, batch, ctx)
                         floor = (w + kv) / bw
+                        fits = "yes" if w + kv < hbm else "no (needs more chips)"
                         print(f"{chip:5} {name:17} {tp:2d} {batch:3d} {ctx:5d} {w / 1e6:10.0f} {kv / 1e6:8.1f} "
-                              f"{floor * 1e3:8.3f} {batch / floor:9.0f}")
+                              f"{floor * 1e3:8.3f} {batch / floor:9.0f}  {fits}")
         print(f"  ({chip}: {bw / 1e9:.0f} GB/s HBM per chip, from Pallas tpu_info)")
 
 
