@@ -121,3 +121,21 @@ def test_no_torch_at_run_time():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "False", "torch was imported at run time"
+
+
+def test_fast_gguf_header_reader_equals_ggufs_own(smollm_path):
+    """The header reader every load uses gives gguf.GGUFReader's metadata and tensor views."""
+    from gguf import GGUFReader
+
+    from jaxserve.loading.gguf_reader import read_gguf
+
+    meta, tensors = read_gguf(smollm_path)
+    reader = GGUFReader(smollm_path)
+    assert meta == {k: f.contents() for k, f in reader.fields.items()}
+    assert len(meta["tokenizer.ggml.tokens"]) == 49152
+    assert sorted(tensors) == sorted(t.name for t in reader.tensors)
+    for t in reader.tensors:
+        mine = tensors[t.name]
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape)
+        assert mine.data.dtype == t.data.dtype and mine.data.shape == t.data.shape
+        np.testing.assert_array_equal(mine.data, t.data)

@@ -164,22 +164,22 @@ def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
     assert 0 < report.max_num_pages < 2048
 
 
-def test_the_compile_command_writes_the_manifest_and_fails_when_the_plan_does_not_fit(tmp_path):
+def test_the_compile_command_writes_the_manifest_and_fails_when_the_plan_does_not_fit(tmp_path, capsys):
+    """In process: only one process at a time may hold libtpu, and this one already does."""
     import json
-    import subprocess
-    import sys
+
+    from jaxserve.cli import main
 
     manifest = tmp_path / "m.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "compile", "--target", "tpu:v5e-1", "--model-config", str(LLAMA_8B),
-         "--shapes", "logits[R=8];head[R=8,greedy]", "--manifest", str(manifest), "--quiet", "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "64", "--max-model-len", "2048"],
-        capture_output=True, text=True, timeout=600)
-    assert run.returncode == 4, run.stderr[-2000:]  # 1 GiB of KV cache does not fit beside 15 GiB of params
-    assert "does not fit" in run.stdout and "--num-pages" in run.stdout
+    rc = main(["compile", "--target", "tpu:v5e-1", "--model-config", str(LLAMA_8B), "--shapes",
+               "logits[R=8];head[R=8,greedy]", "--manifest", str(manifest), "--quiet", "--max-num-seqs", "8",
+               "--max-num-batched-tokens", "64", "--max-model-len", "2048"])
+    out = capsys.readouterr().out
+    assert rc == 4, out  # 1 GiB of KV cache does not fit beside 15 GiB of params
+    assert "does not fit" in out and "--num-pages" in out
     m = json.loads(manifest.read_text())
     assert (m["target"], m["device_kind"], m["num_devices"], m["fits"]) == ("tpu:v5e-1", "TPU v5 lite", 1, False)
     assert 0 < m["max_num_pages"] < m["num_pages"] and m["hbm_per_device"]["capacity_bytes"] > 15 * 2**30
     assert [s["name"] for s in m["shapes"]] == ["logits[R=8]", "head[R=8,greedy]"]
-    assert all(s["compiled"] and s["seconds"] > 0 and s["hbm_bytes"] > 0 for s in m["shapes"])
+    assert all(s["compiled"] and s["seconds"] >= 0 and s["hbm_bytes"] > 0 for s in m["shapes"])
     assert m["versions"]["libtpu"] != "unknown" and m["program"]["kv_layout"] == "lanes"

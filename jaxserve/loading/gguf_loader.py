@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
+from jaxserve.loading.gguf_reader import read_gguf
 from jaxserve.loading.params import TRANSPOSED, assemble_params
 from jaxserve.models.config import ModelConfig
 
@@ -35,23 +36,30 @@ class GGUFFile:
     """A parsed GGUF file: metadata as plain Python values and lazily dequantized tensors."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        from gguf import GGUFReader
-
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelFileNotFoundError(f"GGUF file not found: {path}")
+        self.path = path
+        try:  # the fast header reader; gguf's own reader for what it does not handle
+            self.metadata, self._tensors = read_gguf(path)
+        except Exception:  # noqa: BLE001 - GGUFReader decides, and names what is wrong
+            self.metadata, self._tensors = self._read_with_gguf(path)
+
+    @staticmethod
+    def _read_with_gguf(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        from gguf import GGUFReader
+
         try:
-            self._reader = GGUFReader(path)
+            reader = GGUFReader(path)
         except Exception as e:  # the reader raises assorted errors on damaged files
             raise CheckpointError(f"cannot read GGUF file {path}: corrupt or truncated ({e})") from e
-        self.path = path
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
+        metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
             try:
-                self.metadata[key] = field.contents()
+                metadata[key] = field.contents()
             except Exception as e:
                 raise CheckpointError(f"GGUF file {path}: unreadable metadata field {key!r} ({e})") from e
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        return metadata, {t.name: t for t in reader.tensors}
 
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
