@@ -7,7 +7,9 @@ KV chunks (`chunk_pages` pages) through the scalar-prefetched block table, copyi
 from HBM into a double-buffered VMEM scratch with manual async DMAs (the next chunk, or the
 next sequence's first chunk, is in flight while the current one is used), and runs an
 online softmax per KV head in f32 VMEM scratch. Rows of the block that belong to the sequence are then written into the output
-block with a masked select; rows of no sequence (padding) keep the zeros written first.
+block with a masked select; rows of no sequence (padding) keep the zeros written first. A
+sequence whose rows in the block fit one aligned 8-token sub-block (every decode) computes
+those 8 * G rows only, not all block_q * G.
 
 The cache is in the lanes layout (`pallas_kernels.kv_layout`): a page is `[ps, C]`, the
 token's heads side by side in C lanes. Each page is copied whole into a VMEM buffer
@@ -37,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kv_layout import LANE, head_window, lanes_supported, lanes_width
 
 _MASKED = -1e30
+_SUB = 8  # tokens: the row granularity of a sequence's work within a token block
 
 
 def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
@@ -77,7 +80,6 @@ def _kernel(
     block_q, num_q_heads, width = q_ref.shape
     _, chunk_pages, page_size, _ = k_buf.shape
     group = num_q_heads // num_kv_heads
-    rows = block_q * group
     chunk = chunk_pages * page_size
     blk_start = pl.program_id(0) * block_q
     blk_end = blk_start + block_q
@@ -88,7 +90,6 @@ def _kernel(
     first_seq = jax.lax.while_loop(
         lambda s: (s < num_seqs) & (cu_q_lens_ref[s + 1] <= blk_start), lambda s: s + 1, 0
     )
-    row_tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [BM, 1]
 
     def chunk_copies(seq, c, slot):
         copies = []
@@ -113,13 +114,20 @@ def _kernel(
             lo_chunk = jnp.maximum(first_pos - sliding_window + 1, 0) // chunk
         return q_start, q_end, ctx, lo_chunk, (hi + chunk - 1) // chunk
 
-    def seq_body(carry):
-        seq, first_slot = carry  # the sequence's first chunk is already in flight into first_slot
+    def attend(seq, first_slot, tok0, ntok: int):
+        """The sequence's attention for the `ntok` block tokens from `tok0` (a multiple of
+        8): rows `[tok0 * G, (tok0 + ntok) * G)` of the block. Returns the buffer slot the
+        next sequence's first chunk went to."""
+        nrows = ntok * group
+        r0 = pl.multiple_of(tok0 * group, 8) if isinstance(tok0, jax.Array) else tok0 * group
+        t0 = pl.multiple_of(tok0, 8) if isinstance(tok0, jax.Array) else tok0
         q_start, q_end, ctx, lo_chunk, hi_chunk = kv_chunks(seq)
-        in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [BM, 1]
-        row_pos = ctx + row_tok - q_start  # [BM, 1]
+        row_tok = blk_start + t0 + jax.lax.broadcasted_iota(jnp.int32, (nrows, 1), 0) // group  # [N, 1]
+        in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [N, 1]
+        row_pos = ctx + row_tok - q_start  # [N, 1]
         has_next = in_block(seq + 1)
         next_seq = jnp.minimum(seq + 1, num_seqs - 1)  # clamped: read only when has_next
+        rows_of = pl.ds(r0, nrows)
 
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -140,16 +148,16 @@ def _kernel(
 
             for cp in chunk_copies(seq, c, slot):
                 cp.wait()
-            k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
-            mask = in_seq & (k_pos <= row_pos)  # [BM, S]
+            k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (nrows, chunk), 1)
+            mask = in_seq & (k_pos <= row_pos)  # [N, S]
             if sliding_window is not None:
                 mask &= row_pos - k_pos < sliding_window
             for h in range(num_kv_heads):
-                q = q_ref[:, h * group : (h + 1) * group, :]  # [Bq, G, D]
+                q = q_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :]  # [ntok, G, W]
                 if q.dtype.itemsize < 4 and group % (4 // q.dtype.itemsize):
                     # Packed rows cannot fold an odd head group into sublanes: go via f32.
                     q = q.astype(jnp.float32)
-                q = q.reshape(rows, width)  # [BM, W], row = token * G + head
+                q = q.reshape(nrows, width)  # [N, W], row = token * G + head
                 # The lane window of head h in every slot of the chunk: [Cp, ps, W] -> [S, W].
                 w0, _, _ = head_window(h, head_dim)
                 k = k_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
@@ -158,32 +166,48 @@ def _kernel(
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
                     q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )  # [BM, S]
+                )  # [N, S]
                 s = s * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(mask, s, _MASKED)
-                m_prev = m_ref[h]  # [BM, 1]
+                m_prev = m_ref[h, rows_of, :]  # [N, 1]
                 m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [BM, S]
+                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [N, S]
                 alpha = jnp.exp(m_prev - m_new)
-                m_ref[h] = m_new
-                l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
+                m_ref[h, rows_of, :] = m_new
+                l_ref[h, rows_of, :] = alpha * l_ref[h, rows_of, :] + p.sum(axis=1, keepdims=True)
                 pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                acc_ref[h] = alpha * acc_ref[h] + pv
+                acc_ref[h, rows_of, :] = alpha * acc_ref[h, rows_of, :] + pv
             return 1 - slot
 
         end_slot = jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, first_slot)
         for h in range(num_kv_heads):
-            denom = l_ref[h]
-            out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # [BM, W]
-            out = jnp.where(in_seq, out, 0.0).reshape(block_q, group, width)
-            keep = in_seq.reshape(block_q, group, 1)
-            cur = o_ref[:, h * group : (h + 1) * group, :]
+            denom = l_ref[h, rows_of, :]
+            out = acc_ref[h, rows_of, :] / jnp.where(denom == 0.0, 1.0, denom)  # [N, W]
+            out = jnp.where(in_seq, out, 0.0).reshape(ntok, group, width)
+            keep = in_seq.reshape(ntok, group, 1)
+            cur = o_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :]
             # The select runs in f32: Mosaic cannot broadcast a mask across lanes of packed
             # 16-bit rows when the head group is odd.
             merged = jnp.where(keep, out, cur.astype(jnp.float32))
-            o_ref[:, h * group : (h + 1) * group, :] = merged.astype(cur.dtype)
+            o_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :] = merged.astype(cur.dtype)
+        return end_slot
+
+    def seq_body(carry):
+        seq, first_slot = carry  # the sequence's first chunk is already in flight into first_slot
+        if block_q <= _SUB:
+            return seq + 1, attend(seq, first_slot, 0, block_q)
+        # A sequence whose rows in this block lie in one aligned 8-token sub-block (every
+        # decode) computes only those 8 * G rows, not the block's block_q * G.
+        t_lo = jnp.maximum(cu_q_lens_ref[seq], blk_start) - blk_start
+        t_hi = jnp.minimum(cu_q_lens_ref[seq + 1], blk_end) - blk_start
+        sub = t_lo // _SUB
+        end_slot = jax.lax.cond(
+            sub == (t_hi - 1) // _SUB,
+            lambda: attend(seq, first_slot, sub * _SUB, _SUB),
+            lambda: attend(seq, first_slot, 0, block_q),
+        )
         return seq + 1, end_slot
 
     @pl.when(in_block(first_seq))
