@@ -238,6 +238,10 @@ class CompileReport:
             f"{_gb(self.total_bytes)} of {cap}",
             self.verdict(),
         ]
+        copying = [s.name for s in self.shapes if s.cache_copies]
+        if copying:
+            lines.append(f"warning: {', '.join(copying)} copy the KV cache every step (a relayout XLA inserted; "
+                         f"the cache layout is {self.fingerprint['kv_layout']})")
         return "\n".join(lines)
 
 

@@ -173,8 +173,8 @@ class EngineConfig:
                 platform: str | None = None) -> ResolvedConfig:
         """The settings derived from the model, computed once. `kv_model_config` is the
         per-device model config under tensor parallelism (it sizes a KV page); `platform`
-        the one compiled for (default: this host's backend), which picks `auto` dtype and
-        the smallest token bucket."""
+        the one compiled for (default: this host's backend), which picks `auto` dtype, the
+        smallest token bucket and the KV page layout."""
         from jaxserve.compile_plan import CompilePlan
         from jaxserve.models.llama import kv_cache_bytes_per_page
         from pallas_kernels import kv_cache_layout
@@ -184,8 +184,7 @@ class EngineConfig:
         itemsize = np.float32 if dtype == "float32" else np.float16
         kv_config = kv_model_config or model_config
         tp = self.tensor_parallel_size
-        kv_layout = kv_cache_layout(platform or jax.default_backend(), kv_config.num_kv_heads // tp,
-                                    kv_config.head_dim, itemsize, self.attention_backend)
+        kv_layout = kv_cache_layout(platform or jax.default_backend())
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:

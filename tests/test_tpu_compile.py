@@ -71,7 +71,7 @@ KERNEL_CASES = [  # (dtype, (Hq, Hkv, D)) the Mosaic kernel compiles for
 def test_auto_compiles_the_mosaic_kernel_for_tpu(topology, dtype, heads):
     hq, hkv, d = heads
     assert attention_implementation("tpu", hkv, d, dtype)[0] == "pallas"
-    assert pk.kv_cache_layout("tpu", hkv, d, dtype) == "lanes"
+    assert pk.kv_cache_layout("tpu") == "lanes"
     fn = functools.partial(ATTENTION, num_kv_heads=hkv)
     hlo = compiled_hlo(fn, attention_args(dtype, *heads), tpu_device(topology))
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
@@ -85,14 +85,14 @@ def test_window_and_soft_cap_compile_in_bf16():
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
     assert impl == "reference" and "D=96" in why
-    assert pk.kv_cache_layout("tpu", 2, 96, jnp.bfloat16) == "heads"
-    hlo = compiled_hlo(ATTENTION, attention_args(jnp.bfloat16, 4, 2, 96, "heads"), tpu_device("v5e:2x2"))
+    fn = functools.partial(ATTENTION, num_kv_heads=2)  # the reference reads D=96 heads in 256 lanes
+    hlo = compiled_hlo(fn, attention_args(jnp.bfloat16, 4, 2, 96), tpu_device("v5e:2x2"))
     assert "ragged_paged_attention_tpu" not in hlo
 
 
 def test_auto_on_the_host_cpu_is_the_reference():
     assert attention_implementation("cpu", 3, 64, jnp.float32)[0] == "reference"
-    assert pk.kv_cache_layout("cpu", 3, 64, jnp.float32) == "heads"
+    assert pk.kv_cache_layout("cpu") == "heads"
     hlo = compiled_hlo(ATTENTION, attention_args(jnp.float32, 9, 3, 64, "heads"), jax.devices("cpu")[0])
     assert KERNEL not in hlo and "ragged_paged_attention_tpu" not in hlo and "triton" not in hlo
 

@@ -133,13 +133,11 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
     return "pallas", f"the {impl} kernel"
 
 
-def kv_cache_layout(platform: str, num_kv_heads: int, head_dim: int, dtype, backend: str = "auto") -> KVLayout:
-    """The page layout a cache on `platform` is allocated in: lanes where the TPU kernel
-    reads it, heads everywhere else (the reference reads both)."""
-    if backend != "reference" and platform == "tpu" and _kernel_supports("tpu", num_kv_heads, head_dim, dtype,
-                                                                         "lanes"):
-        return "lanes"
-    return "heads"
+def kv_cache_layout(platform: str) -> KVLayout:
+    """The page layout a cache on `platform` is allocated in: lanes on TPU, where XLA keeps
+    `[S, C]` pages row-major and unpadded so neither the Mosaic kernel nor the reference (the
+    fallback, which reads any D in that layout) pays a relayout copy; heads elsewhere."""
+    return "lanes" if platform == "tpu" else "heads"
 
 
 _KERNEL_LAYOUT = {"tpu": "lanes", "gpu": "heads"}
