@@ -16,6 +16,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
+from jaxserve.targets import Target
 from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
@@ -183,3 +184,18 @@ def test_the_compile_command_writes_the_manifest_and_fails_when_the_plan_does_no
     assert [s["name"] for s in m["shapes"]] == ["logits[R=8]", "head[R=8,greedy]"]
     assert all(s["compiled"] and s["seconds"] >= 0 and s["hbm_bytes"] > 0 for s in m["shapes"])
     assert m["versions"]["libtpu"] != "unknown" and m["program"]["kv_layout"] == "lanes"
+
+
+def test_the_reference_fallback_fits_the_default_config_without_cache_sized_temporaries():
+    """SmolLM2's default engine config on one v5e with attention_backend='reference', at the
+    largest token bucket: temporaries bounded by a KV chunk per query block, no cache copy
+    (the reference once needed 7.9 GB of temporaries at T=16 and ran out of HBM at T=512)."""
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    report = compile_for_target(load_model_config(None), EngineConfig(attention_backend="reference"),
+                                Target.parse("tpu:v5e-1"), shapes=["backbone[T=512]"])
+    backbone = report.shapes[0]
+    assert backbone.compiled and backbone.attention == "reference" and report.fits
+    assert backbone.cache_copies == 0 and backbone.temp_bytes < report.kv_cache_bytes / 64

@@ -68,7 +68,12 @@ def _token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
 
 
 def _gather_pages(pages_arr: jax.Array, pages: jax.Array) -> jax.Array:
-    """pages_arr[pages] as rows of a 2-D view: XLA:CPU copies whole pages (~2x faster)."""
+    """pages_arr[pages]. Heads-layout pages are gathered as rows of a 2-D view: XLA:CPU
+    copies whole pages that way (~2x faster). Lanes-layout pages ([P, S, C], the TPU's) are
+    gathered as they are: a 2-D view of them is not a bitcast in XLA:TPU's tiled layout, and
+    would relayout the whole pool every layer."""
+    if pages_arr.ndim == 3:
+        return pages_arr.at[pages].get(mode="promise_in_bounds")  # [..., S, C]
     flat = pages_arr.reshape(pages_arr.shape[0], -1)  # [P, ps*Hkv*D]
     # Block tables only hold valid page ids (0 = null page), so skip the clamping.
     return flat.at[pages].get(mode="promise_in_bounds")  # [..., ps*Hkv*D]
