@@ -391,7 +391,8 @@ def check_manifest(manifest: dict[str, Any], *, platform: str, num_devices: int,
                 problems.append(f"the {k} differs")
             else:
                 problems.append(f"{k} {theirs.get(k)!r} (compiled) vs {fingerprint.get(k)!r} (here)")
-    missing = [s["name"] for s in manifest.get("shapes", []) if not s.get("file")]
+    files = {s["name"] for s in manifest.get("shapes", []) if s.get("file")}
+    missing = [name for name in fingerprint.get("shapes", []) if name not in files]
     if missing:
         problems.append(f"{len(missing)} planned shapes have no executable (first: {missing[0]})")
     if problems:

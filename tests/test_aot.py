@@ -130,3 +130,13 @@ def test_target_names(text, name):
 def test_bad_targets_are_named(text, message):
     with pytest.raises(ValueError, match=message):
         Target.parse(text)
+
+
+def test_a_directory_missing_planned_executables_is_refused(compiled_dir, smollm, tmp_path):
+    copy = tmp_path / "partial"
+    shutil.copytree(compiled_dir, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["shapes"] = [s for s in m["shapes"] if s["name"] != "head[R=2,full]"]  # as `--shapes` would leave it
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CompiledMismatchError, match=r"1 planned shapes have no executable \(first: head\[R=2,full\]\)"):
+        Engine(EngineConfig(compiled_dir=str(copy), **SETTINGS), loaded=smollm)
