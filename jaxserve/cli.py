@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--manifest", default=None, help="write the JSON manifest here")
     k.add_argument("--out", default=None, help="write the manifest and serialized executables to this "
                    "directory (for `jaxserve serve --compiled`)")
-    k.add_argument("--shapes", default=None, help="compile only these planned shapes (names as printed, ';'-separated)")
+    k.add_argument("--shapes", default=None, help="compile only these planned shapes (names as printed, "
+                   "';'-separated); the verdict then covers only their temporaries")
     k.add_argument("--quiet", action="store_true")
     add_engine_args(k)
     k.set_defaults(func=cmd_compile)
