@@ -43,12 +43,6 @@ def head_window(h: int, head_dim: int) -> tuple[int, int, int]:
     return start, LANE, h * head_dim - start
 
 
-def page_shape(layout: KVLayout, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    if layout == "lanes":
-        return (page_size, lanes_width(num_kv_heads, head_dim))
-    return (page_size, num_kv_heads, head_dim)
-
-
 def layout_of(pages: jax.Array) -> KVLayout:
     """`[P, S, C]` is the lanes layout, `[P, S, Hkv, D]` the heads layout."""
     return "lanes" if pages.ndim == 3 else "heads"

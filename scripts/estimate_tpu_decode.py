@@ -17,6 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # noqa: E402
+
 from jaxserve.loading import load_model_config  # noqa: E402
 from jaxserve.models.config import ModelConfig  # noqa: E402
 from jaxserve.models.llama import expected_param_shapes  # noqa: E402
@@ -34,16 +36,8 @@ def weight_bytes_per_chip(cfg: ModelConfig, tp: int) -> int:
     shapes = expected_param_shapes(tp_model_config(cfg, tp))
     if "lm_head" in shapes:
         shapes = {k: v for k, v in shapes.items() if k != "embed"}
-    total = sum(math.prod(s) for s in _leaves(shapes)) * BF16
-    return total // tp
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    else:
-        yield tree
+    leaves = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    return sum(math.prod(s) for s in leaves) * BF16 // tp
 
 
 def kv_bytes_per_chip(cfg: ModelConfig, tp: int, batch: int, ctx: int, page: int = 16) -> int:

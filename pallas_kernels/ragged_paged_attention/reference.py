@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_layout import to_heads
+
 _MASKED = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of NaNs
 
 
@@ -112,9 +114,8 @@ def _online_softmax_attention(
         m, denom, acc = carry  # stat_shape, stat_shape, stat_shape + (D,)
         pages = jax.lax.dynamic_slice_in_dim(row_tables, c * chunk_pages, chunk_pages, axis=1)
         # [NB, S, Hkv, D]; a lanes-layout row drops its padding lanes here, per chunk.
-        k = _gather_pages(k_pages, pages).reshape(nb, chunk, -1)[..., : hkv * d].reshape(nb, chunk, hkv, d)
-        v = _gather_pages(v_pages, pages).reshape(nb, chunk, -1)[..., : hkv * d].reshape(nb, chunk, hkv, d)
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        k = to_heads(_gather_pages(k_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
+        v = to_heads(_gather_pages(v_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S]
         mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
         if sliding_window is not None:

@@ -231,13 +231,18 @@ def _default_chunk_pages(page_size: int, lanes: int, dtype) -> int:
     return max(1, min(128 // page_size, fit))
 
 
+def _lane_slot_mask(num_q_heads: int, group: int, per: int) -> jax.Array:
+    """[Hq, per]: which of its lane window's `per` head slots each query head's KV head has."""
+    slot = (jnp.arange(num_q_heads) // group) % per
+    return slot[:, None] == jnp.arange(per)[None, :]
+
+
 def _head_lanes(x: jax.Array, group: int, head_dim: int) -> jax.Array:
     """q [T, Hq, D] -> [T, Hq, 128]: each query head at its KV head's offset in the lane
     window, zeros elsewhere (D < 128 only)."""
     t, hq, d = x.shape
     per = LANE // d
-    slot = (jnp.arange(hq) // group) % per  # [Hq] position of the head's KV head in its window
-    sel = slot[:, None] == jnp.arange(per)[None, :]  # [Hq, per]
+    sel = _lane_slot_mask(hq, group, per)
     return jnp.where(sel[None, :, :, None], x[:, :, None, :], 0).reshape(t, hq, per * d)
 
 
@@ -245,8 +250,7 @@ def _own_lanes(x: jax.Array, group: int, head_dim: int) -> jax.Array:
     """[T, Hq, 128] kernel output -> [T, Hq, D]: each head's own lanes (D < 128 only)."""
     t, hq, w = x.shape
     per = w // head_dim
-    slot = (jnp.arange(hq) // group) % per
-    sel = slot[:, None] == jnp.arange(per)[None, :]
+    sel = _lane_slot_mask(hq, group, per)
     return jnp.where(sel[None, :, :, None], x.reshape(t, hq, per, head_dim), 0).sum(2, dtype=x.dtype)
 
 
