@@ -54,10 +54,10 @@ def _args(case, dtype=jnp.float32):
     return [jnp.asarray(a, dtype) if a.dtype == np.float32 else jnp.asarray(a) for a in case.args()]
 
 
-def _check(kernel, case, *, dtype=jnp.float32, atol=1e-5, **kw):
+def _check(kernel, case, *, dtype=jnp.float32, atol=1e-5, tuning=None, **kw):
     args = _args(case, dtype)
     sm_scale = case.q.shape[-1] ** -0.5
-    got = KERNELS[kernel](*args, sm_scale=sm_scale, **kw)
+    got = KERNELS[kernel](*args, sm_scale=sm_scale, **kw, **(tuning or {}))
     assert got.shape == case.q.shape and got.dtype == dtype
     f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
     want = ragged_paged_attention_reference(*f32, sm_scale=sm_scale, **kw)
@@ -107,6 +107,47 @@ def test_gpu_kernel_odd_group_smollm_heads():
     """SmolLM2-135M heads (Hq=9, Hkv=3): G=3 is padded to 4 rows per token inside."""
     case = make_case(**CASES["mixed"], num_q_heads=9, num_kv_heads=3, head_dim=64, seed=11)
     _check("gpu", case)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_nan_in_unused_slots_does_not_leak(kernel):
+    """Slots past kv_len, the rest of a sequence's last page and the null page hold NaN."""
+    case = make_case(**CASES["mixed"], head_dim=64, seed=15, unused_fill=np.nan)
+    assert np.isnan(case.k_pages).any()
+    _check(kernel, case)
+
+
+def test_reference_ignores_nan_in_unused_slots():
+    case = make_case(**CASES["mixed"], head_dim=32, seed=16, unused_fill=np.nan)
+    got = ragged_paged_attention_reference(*_args(case), sm_scale=0.25)
+    assert np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 256])
+def test_gpu_kernel_head_dims(head_dim):
+    """Non-power-of-two heads run as power-of-two column pieces (80 = 64 + 16, 96 = 64 + 32)."""
+    case = make_case(**CASES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=head_dim)
+    _check("gpu", case)
+
+
+@pytest.mark.parametrize("max_splits", [1, 2, 3])
+def test_gpu_kernel_kv_splits(max_splits):
+    """Split-KV partials (several key blocks per split, uneven last split) and the unsplit path
+    of a decode batch, with a window so splits start past zero."""
+    case = make_case(seqs=[(1, 200), (1, 37), (2, 130)], num_tokens=8, num_rows=4, head_dim=32, seed=17)
+    tuning = dict(max_splits=max_splits, block_k=16)
+    _check("gpu", case, tuning=tuning)
+    _check("gpu", case, tuning=tuning, sliding_window=70)
+
+
+def test_gpu_block_schedule_is_flat():
+    """Grid slots map to (sequence, block) pairs of the real query blocks only."""
+    from pallas_kernels.ragged_paged_attention.gpu import block_schedule
+
+    cu = jnp.array([0, 5, 6, 6 + 9, 15, 15], jnp.int32)  # q_lens 5, 1, 9 and two padding rows
+    seq, idx, total = block_schedule(cu, jnp.array([3], jnp.int32), num_blocks=10, block_q=4)
+    assert int(total) == 2 + 1 + 3
+    assert seq[:6].tolist() == [0, 0, 1, 2, 2, 2] and idx.tolist() == [0, 1, 0, 0, 1, 2, -1, -1, -1, -1]
 
 
 def test_public_op_pallas_interpret_matches_reference():

@@ -1,16 +1,26 @@
 """Ragged paged attention for NVIDIA GPUs: a Triton kernel written in Pallas.
 
-Grid (sequence r, query block j, KV head h). A program takes `block_q` query tokens of one
-sequence with all `G` query heads of KV head `h` as the rows of one matrix
-([block_q * Gp, D], Gp = G padded to a power of two, as Triton needs), walks that sequence's
-block table inside the kernel `block_k` keys at a time (keys are gathered slot by slot, so
-`block_k` does not depend on the page size), and keeps the online softmax in f32 registers.
-Programs whose block lies past the sequence's query length, or whose sequence is padding,
-exit at once; rows they would own keep the zeros of the aliased output buffer.
+Grid (query block b, KV split s, KV head h), flat over query blocks: block b is the j-th
+`block_q`-token block of sequence r, a map the wrapper computes from `cu_q_lens` (a batch of
+T tokens from at most R sequences has at most ceil(T / block_q) + min(R, T) blocks, so the
+grid no longer grows with R x T). A program takes that block's tokens with all `G` query
+heads of KV head h as the rows of one matrix ([block_q * Gp, D], Gp = G padded to a power of
+two, as Triton needs), walks the sequence's block table inside the kernel `block_k` keys at a
+time (keys are gathered slot by slot, so `block_k` does not depend on the page size) and keeps
+the online softmax in f32 registers.
 
-Only the keys a block can see are visited: from the start of its sliding window (if any)
-to its last query position, so decode rows never read padded pages and causal prefill
-blocks stop at their diagonal.
+Split-KV (flash-decoding): decode batches have too few blocks to fill the GPU (B * Hkv
+programs; 8 at B=1 on 132 SMs), so the keys a block sees are cut into `num_splits` ranges,
+each its own program writing an unnormalised partial and its log-sum-exp; a combine outside
+the kernel (one XLA fusion) merges them. How many splits a batch uses is data: enough to give
+~`_TARGET_PROGRAMS` programs for the blocks it really has, at most the static `max_splits`;
+the other programs exit at once. Prefill-sized batches have blocks enough and run unsplit.
+
+Masking: only the keys a block can see are visited (from its sliding window's start, if any,
+to its last query position), and K/V rows at or past `kv_len` are never loaded (masked loads
+give zeros: an unused slot holding NaN cannot leak through 0 * NaN). Head dims that are not a
+power of two (80, 96, ...) are cut into power-of-two column pieces (80 = 64 + 16), each its own
+dot, so no padded column is read.
 """
 
 from __future__ import annotations
@@ -24,95 +34,174 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _MASKED = -1e30
+# Programs a split decode batch aims for: a few per SM on a 132-SM H100/H200.
+_TARGET_PROGRAMS = 512
+# Split partials are f32 [splits, Hkv, rows, D]: splits x tokens is kept under this.
+_SPLIT_TOKEN_BUDGET = 4096
+_MAX_SPLITS = 32
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) power-of-two column pieces of a head, each >= 16 (a Triton dot's K)."""
+    if head_dim % 16:
+        raise ValueError(f"GPU kernel needs head_dim to be a multiple of 16, got {head_dim}")
+    pieces, off = [], 0
+    for bit in reversed(range(head_dim.bit_length())):
+        width = 1 << bit
+        if head_dim - off >= width >= 16:
+            pieces.append((off, width))
+            off += width
+    return tuple(pieces)
+
+
+def supports(head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim % 16 == 0 and head_dim <= 256
+
+
 def _kernel(
+    block_seq_ref,  # [NB] int32: the sequence of query block b
+    block_idx_ref,  # [NB] int32: its index within the sequence's chunk; -1 past the last block
+    num_splits_ref,  # [1] int32: splits this batch uses (<= max_splits)
     kv_lens_ref,  # [R] int32
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
-    num_seqs_ref,  # [1] int32
     q_ref,  # [Hkv, (T + Bq) * Gp, D]
     k_ref,  # [P * ps * Hkv, D]: one row per (slot, kv head)
     v_ref,  # [P * ps * Hkv, D]
-    o_init_ref,  # aliased with o_ref (zeros): untouched rows stay zero
-    o_ref,  # [Hkv, (T + Bq) * Gp, D]
-    *,
+    *refs,  # aliased initial outputs, then the outputs themselves
     block_q: int,
     group_padded: int,
     block_k: int,
     page_size: int,
     max_pages: int,
     num_kv_heads: int,
+    pieces: tuple[tuple[int, int], ...],
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    split: bool,
 ):
-    del o_init_ref
-    r, j, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q_start = cu_q_lens_ref[r]
-    q_len = cu_q_lens_ref[r + 1] - q_start
-    kv_len = kv_lens_ref[r]
-    first = j * block_q  # first query of this block, within the sequence's chunk
-    block_rows = block_q * group_padded
+    # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
+    # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
+    o_ref, lse_ref = (refs[1], None) if not split else (refs[1], refs[2])
+    b, s, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r = block_seq_ref[b]
+    j = block_idx_ref[b]
+    num_splits = num_splits_ref[0]
 
-    @pl.when((r < num_seqs_ref[0]) & (first < q_len))
+    @pl.when((j >= 0) & (s < num_splits))
     def _():
+        q_start = cu_q_lens_ref[r]
+        q_len = cu_q_lens_ref[r + 1] - q_start
+        kv_len = kv_lens_ref[r]
+        first = j * block_q  # first query of this block, within the sequence's chunk
+        block_rows = block_q * group_padded
         row0 = (q_start + first) * group_padded
-        q = q_ref[h, pl.ds(row0, block_rows), :]  # [BM, D]
+        qs = [q_ref[h, pl.ds(row0, block_rows), pl.ds(off, w)] for off, w in pieces]  # [BM, w] each
         tok = first + jnp.arange(block_rows, dtype=jnp.int32) // group_padded  # [BM]
         row_valid = tok < q_len
         row_pos = kv_len - q_len + tok  # [BM]
-        # Keys this block can see: [lo, hi).
+        # Keys this block can see: [lo, hi), then this program's share of them.
         hi = kv_len - q_len + jnp.minimum(first + block_q, q_len)
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.maximum(kv_len - q_len + first - sliding_window + 1, 0)
             lo = (lo // block_k) * block_k
-        num_iters = (hi - lo + block_k - 1) // block_k
-        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        blocks = (hi - lo + block_k - 1) // block_k
+        per_split = (blocks + num_splits - 1) // num_splits
+        start = lo + s * per_split * block_k
+        num_iters = jnp.clip((hi - start + block_k - 1) // block_k, 0, per_split)
+        precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
         def body(i, carry):
-            m, denom, acc = carry  # [BM], [BM], [BM, D] f32
-            k_pos = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+            m, denom, accs = carry  # [BM], [BM], [BM, w] f32 per piece
+            k_pos = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+            live = k_pos < kv_len  # slots past kv_len may hold anything, even NaN
             page_idx = jnp.minimum(k_pos // page_size, max_pages - 1)
             pages = tables_ref[r * max_pages + page_idx]  # [BK]
             rows = (pages * page_size + k_pos % page_size) * num_kv_heads + h  # [BK]
-            k = k_ref[rows, :]  # [BK, D]
-            v = v_ref[rows, :]  # [BK, D]
-            s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [BM, BK] f32
+            ks, vs = [], []
+            for off, w in pieces:
+                at = (rows[:, None], off + jnp.arange(w, dtype=jnp.int32)[None, :])
+                mask = jnp.broadcast_to(live[:, None], (block_k, w))
+                ks.append(plgpu.load(k_ref.at[at], mask=mask, other=0.0))  # [BK, w]
+                vs.append(plgpu.load(v_ref.at[at], mask=mask, other=0.0))
+            s_ = sum(plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks))
+            s_ = s_ * sm_scale  # [BM, BK] f32
             if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            mask = k_pos[None, :] <= row_pos[:, None]
+                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
+            mask = (k_pos[None, :] <= row_pos[:, None]) & live[None, :]
             if sliding_window is not None:
                 mask &= row_pos[:, None] - k_pos[None, :] < sliding_window
-            s = jnp.where(mask, s, _MASKED)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [BM, BK]
+            s_ = jnp.where(mask, s_, _MASKED)
+            m_new = jnp.maximum(m, s_.max(axis=1))
+            p = jnp.where(mask, jnp.exp(s_ - m_new[:, None]), 0.0)  # [BM, BK]
             alpha = jnp.exp(m - m_new)
-            pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [BM, D] f32
-            return m_new, alpha * denom + p.sum(axis=1), alpha[:, None] * acc + pv
+            pv = [plgpu.dot(p.astype(v.dtype), v, precision=precision) for v in vs]  # [BM, w] f32
+            accs = tuple(alpha[:, None] * a + x for a, x in zip(accs, pv))
+            return m_new, alpha * denom + p.sum(axis=1), accs
 
-        head_dim = q.shape[-1]
         m0 = jnp.full((block_rows,), _MASKED, jnp.float32)
         l0 = jnp.zeros((block_rows,), jnp.float32)
-        acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
-        _, denom, acc = jax.lax.fori_loop(0, num_iters, body, (m0, l0, acc0))
-        out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
-        plgpu.store(
-            o_ref.at[h, pl.ds(row0, block_rows), :],
-            out.astype(o_ref.dtype),
-            mask=row_valid[:, None],
-        )
+        acc0 = tuple(jnp.zeros((block_rows, w), jnp.float32) for _, w in pieces)
+        m, denom, accs = jax.lax.fori_loop(0, num_iters, body, (m0, l0, acc0))
+        inv = 1.0 / jnp.where(denom == 0.0, 1.0, denom)
+        if split:
+            lse = jnp.where(denom == 0.0, -jnp.inf, m + jnp.log(jnp.where(denom == 0.0, 1.0, denom)))
+            plgpu.store(lse_ref.at[s, h, pl.ds(row0, block_rows)], lse, mask=row_valid)
+        for (off, w), acc in zip(pieces, accs):
+            out = acc * inv[:, None]
+            mask = jnp.broadcast_to(row_valid[:, None], (block_rows, w))
+            dst = o_ref.at[s, h, pl.ds(row0, block_rows), pl.ds(off, w)] if split else \
+                o_ref.at[h, pl.ds(row0, block_rows), pl.ds(off, w)]
+            plgpu.store(dst, out.astype(dst.dtype), mask=mask)
 
 
 def default_block_q(num_tokens: int, num_seqs_max: int, group_padded: int) -> int:
     """Query tokens per program: 16 rows for decode-like batches, 64 rows otherwise."""
-    rows = 16 if num_tokens <= 2 * num_seqs_max else 64
+    rows = 16 if _decode_like(num_tokens, num_seqs_max) else 64
     return max(1, rows // group_padded)
+
+
+def default_max_splits(num_tokens: int, num_seqs_max: int) -> int:
+    """KV splits the kernel may use: up to 32 for decode-like batches (bounded so the f32
+    partials stay small), 1 (no partials, no combine) for prefill-like ones."""
+    if not _decode_like(num_tokens, num_seqs_max):
+        return 1
+    return max(1, min(_MAX_SPLITS, 1 << (max(1, _SPLIT_TOKEN_BUDGET // num_tokens).bit_length() - 1)))
+
+
+def _decode_like(num_tokens: int, num_seqs_max: int) -> bool:
+    return num_tokens <= 2 * num_seqs_max
+
+
+def block_schedule(cu_q_lens: jax.Array, num_seqs: jax.Array, num_blocks: int, block_q: int,
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sequence, block index or -1, number of real blocks) of each of `num_blocks` grid slots."""
+    num_rows = cu_q_lens.shape[0] - 1
+    real = jnp.arange(num_rows) < num_seqs[0]
+    q_lens = jnp.where(real, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [R]
+    per_seq = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(per_seq)  # [R]
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), num_rows - 1).astype(jnp.int32)
+    idx = b - (ends[seq] - per_seq[seq])
+    total = ends[-1]
+    return seq, jnp.where(b < total, idx, -1).astype(jnp.int32), total.astype(jnp.int32)
+
+
+def _combine(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge split partials: [S, Hkv, rows, D] f32 and [S, Hkv, rows] -> [Hkv, rows, D] f32.
+    Rows no split wrote (padding) come out zero."""
+    top = lse.max(axis=0)  # [Hkv, rows]
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # -inf (empty split) -> 0
+    total = w.sum(axis=0)
+    out = jnp.where(w[..., None] > 0.0, w[..., None] * o_part, 0.0).sum(axis=0)
+    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
 @functools.partial(
@@ -123,6 +212,7 @@ def default_block_q(num_tokens: int, num_seqs_max: int, group_padded: int) -> in
         "soft_cap",
         "block_q",
         "block_k",
+        "max_splits",
         "num_warps",
         "num_stages",
         "interpret",
@@ -141,8 +231,9 @@ def ragged_paged_attention_gpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
-    block_k: int = 64,
-    num_warps: int = 4,
+    block_k: int | None = None,
+    max_splits: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
@@ -152,12 +243,21 @@ def ragged_paged_attention_gpu(
     num_rows, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     group_padded = _next_pow2(group)
-    if head_dim != _next_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"GPU kernel needs a power-of-two head_dim >= 16, got {head_dim}")
+    if not supports(head_dim):
+        raise ValueError(f"GPU kernel needs head_dim in [16, 256], a multiple of 16; got {head_dim}")
+    pieces = head_dim_pieces(head_dim)
     if block_q is None:
         block_q = default_block_q(num_tokens, num_rows, group_padded)
     if block_q * group_padded < 16 or block_q != _next_pow2(block_q):
         raise ValueError(f"block_q={block_q} must be a power of two with block_q*Gp >= 16")
+    block_rows = block_q * group_padded
+    block_k = block_k or (32 if head_dim > 128 or block_rows > 64 else 64)
+    num_warps = num_warps or (8 if head_dim > 128 or block_rows >= 64 else 4)
+    max_splits = max_splits or default_max_splits(num_tokens, num_rows)
+    num_blocks = math.ceil(num_tokens / block_q) + min(num_rows, num_tokens)
+    block_seq, block_idx, real_blocks = block_schedule(cu_q_lens.astype(jnp.int32), num_seqs, num_blocks, block_q)
+    wanted = (_TARGET_PROGRAMS + real_blocks * num_kv_heads - 1) // jnp.maximum(real_blocks * num_kv_heads, 1)
+    num_splits = jnp.clip(wanted, 1, max_splits).astype(jnp.int32).reshape(1)
 
     # [T, Hq, D] -> [Hkv, (T + Bq) * Gp, D]: rows of one KV head contiguous, token-major.
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -165,7 +265,17 @@ def ragged_paged_attention_gpu(
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     k_rows = k_pages.reshape(num_pages * page_size * num_kv_heads, head_dim)
     v_rows = v_pages.reshape(num_pages * page_size * num_kv_heads, head_dim)
-    o_init = jnp.zeros(qg.shape, q.dtype)
+    split = max_splits > 1
+    if split:
+        lse_shape = (max_splits, num_kv_heads, qg.shape[1])
+        init = jnp.full(lse_shape, -jnp.inf, jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((max_splits, *qg.shape), jnp.float32),
+                     jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+        aliases = {9: 1}
+    else:
+        init = jnp.zeros(qg.shape, q.dtype)  # rows no program writes (padding) stay zero
+        out_shape = (jax.ShapeDtypeStruct(qg.shape, q.dtype),)
+        aliases = {9: 0}
 
     kernel = functools.partial(
         _kernel,
@@ -175,28 +285,33 @@ def ragged_paged_attention_gpu(
         page_size=page_size,
         max_pages=max_pages,
         num_kv_heads=num_kv_heads,
+        pieces=pieces,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        split=split,
     )
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        grid=(num_rows, math.ceil(num_tokens / block_q), num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        input_output_aliases={7: 0},
+        grid=(num_blocks, max_splits, num_kv_heads),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(
+        block_seq,
+        block_idx,
+        num_splits,
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
         qg,
         k_rows,
         v_rows,
-        o_init,
-    )  # [Hkv, (T + Bq) * Gp, D]
+        init,
+    )
+    out = _combine(*outs).astype(q.dtype) if split else outs[0]  # [Hkv, (T + Bq) * Gp, D]
     out = out.reshape(num_kv_heads, num_tokens + block_q, group_padded, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_q_heads, head_dim)

@@ -144,12 +144,14 @@ _KERNEL_LAYOUT = {"tpu": "lanes", "gpu": "heads"}
 
 
 def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype, layout: KVLayout) -> bool:
-    """Shapes each kernel handles (Triton: power-of-two D, heads layout; Mosaic: lanes layout,
-    see tpu.supports)."""
+    """Shapes each kernel handles (Triton: heads layout, D a multiple of 16 up to 256, see
+    gpu.supports; Mosaic: lanes layout, see tpu.supports)."""
     if layout != _KERNEL_LAYOUT[impl]:
         return False
     if impl == "gpu":
-        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        from pallas_kernels.ragged_paged_attention.gpu import supports as gpu_supports
+
+        return gpu_supports(head_dim)
     from pallas_kernels.ragged_paged_attention.tpu import supports
 
     return supports(num_kv_heads, head_dim, dtype)

@@ -117,6 +117,9 @@ def _online_softmax_attention(
         k = to_heads(_gather_pages(k_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
         v = to_heads(_gather_pages(v_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S]
+        # Slots no row of the block can see (past its kv_len) may hold anything, NaN
+        # included; p is 0 there, but 0 * NaN is not, so V is zeroed too.
+        v = jnp.where((k_pos[None, :] <= row_pos.max(axis=1)[:, None])[:, :, None, None], v, 0.0)
         mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
         if sliding_window is not None:
             mask &= row_pos[:, :, None] - k_pos[None, None, :] < sliding_window

@@ -49,11 +49,13 @@ def make_case(
     dtype: type = np.float32,
     seed: int = 0,
     shuffle_pages: bool = True,
+    unused_fill: float | None = None,
 ) -> RaggedCase:
     """Random ragged batch; pages are handed out in random (non-contiguous) order.
 
     Everything that must be ignored (padding query rows, the null page, slots past a
-    sequence's kv_len) is filled with large values so a masking bug shows up loudly.
+    sequence's kv_len) is filled with large values so a masking bug shows up loudly;
+    `unused_fill` (NaN, say) fills the unused KV slots instead.
     """
     rng = np.random.default_rng(seed)
     n = len(seqs)
@@ -70,6 +72,8 @@ def make_case(
         rng.shuffle(ids)
     k_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)) * 30
     v_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)) * 30
+    if unused_fill is not None:
+        k_pages[:] = v_pages[:] = unused_fill
     tables = np.zeros((num_rows, max_pages_per_seq), np.int32)
     next_id = 0
     for i, (_, kl) in enumerate(seqs):

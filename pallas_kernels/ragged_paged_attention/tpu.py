@@ -125,6 +125,7 @@ def _kernel(
         row_tok = blk_start + t0 + jax.lax.broadcasted_iota(jnp.int32, (nrows, 1), 0) // group  # [N, 1]
         in_seq = (row_tok >= q_start) & (row_tok < q_end)  # [N, 1]
         row_pos = ctx + row_tok - q_start  # [N, 1]
+        kv_len = ctx + q_end - q_start
         has_next = in_block(seq + 1)
         next_seq = jnp.minimum(seq + 1, num_seqs - 1)  # clamped: read only when has_next
         rows_of = pl.ds(r0, nrows)
@@ -152,6 +153,8 @@ def _kernel(
             mask = in_seq & (k_pos <= row_pos)  # [N, S]
             if sliding_window is not None:
                 mask &= row_pos - k_pos < sliding_window
+            # Slots past the context may hold anything (NaN too): p is 0 there, 0 * NaN is not.
+            live = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, width), 0) < kv_len  # [S, W]
             for h in range(num_kv_heads):
                 q = q_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :]  # [ntok, G, W]
                 if q.dtype.itemsize < 4 and group % (4 // q.dtype.itemsize):
@@ -162,6 +165,7 @@ def _kernel(
                 w0, _, _ = head_window(h, head_dim)
                 k = k_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
                 v = v_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
+                v = jnp.where(live, v, jnp.zeros_like(v))
                 if q.dtype != k.dtype:
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
