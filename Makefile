@@ -19,6 +19,11 @@ TORCH := torch==2.13.0
 # installed jax asks for in its `tpu` extra.
 ACCEL_TPU := $(VENV)/accel/tpu
 LIBTPU_REQ = $$($(PY) -c "import importlib.metadata as m; print(next(r.split(';')[0] for r in m.requires('jax') if r.startswith('libtpu')))")
+# The CUDA plugin at the installed jax's version and ptxas (the only part of the CUDA toolkit
+# a compile needs) for compile-only GPU tests, likewise in their own folder (~0.6 GB).
+ACCEL_CUDA := $(VENV)/accel/cuda
+JAX_VERSION = $$($(PY) -c "import jax; print(jax.__version__)")
+NVCC := nvidia-cuda-nvcc-cu12==12.9.86
 
 .PHONY: install install-test serve test lint clean
 
@@ -39,6 +44,8 @@ $(TEST_STAMP): pyproject.toml $(VENV)/.stamp-run-cpu
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e '.[test]'
 	$(PIP) install --quiet --no-deps --upgrade --target $(ACCEL_TPU) "$(LIBTPU_REQ)"
+	$(PIP) install --quiet --no-deps --upgrade --target $(ACCEL_CUDA) "jax-cuda12-plugin==$(JAX_VERSION)" \
+		"jax-cuda12-pjrt==$(JAX_VERSION)" "$(NVCC)"
 	touch $@
 
 install: $(RUN_STAMP)

@@ -40,7 +40,9 @@ from jaxserve.targets import Target, software_versions
 from jaxserve.warmup import ShapeRecord, WarmupReport
 
 MANIFEST = "manifest.json"
-_KERNEL_MARKERS = {"tpu": "ragged_paged_attention_tpu", "gpu": "ragged_paged_attention_gpu"}
+# A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.
+_KERNEL_MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
+                   "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
 
 
 # ---------------------------------------------------------------------- the program
@@ -221,9 +223,10 @@ class CompileReport:
         }
 
     def table(self) -> str:
+        plugins = "".join(f", {k} {v}" for k, v in self.versions.items() if k not in ("jax", "jaxlib"))
         lines = [f"target {self.target.name} ({self.target.num_devices} x {self.device_kind}); jax "
-                 f"{self.versions.get('jax')}" + (f", libtpu {self.versions['libtpu']}" if "libtpu" in self.versions
-                                                  else ""),
+                 f"{self.versions.get('jax')}{plugins}",
+                 f"capacity per device: {_gb(self.capacity_bytes)} ({self.target.capacity_note()})",
                  f"attention: {self.attention[0]} ({self.attention[1]})",
                  f"{'shape':28} {'compiled':>8} {'s':>6} {'attention':>10} {'HBM/device':>11} {'temps':>10} "
                  f"{'KV copies':>9}"]
@@ -289,8 +292,8 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         attention = copies = None
         if key.kind == "backbone":
             hlo = first.as_text()
-            marker = _KERNEL_MARKERS.get(target.platform)
-            attention = "pallas" if marker and marker in hlo else "reference"
+            markers = _KERNEL_MARKERS.get(target.platform)
+            attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
             copies = cache_copies(hlo, page_dims, layer_elements)
         hbm, temp = _memory(exe)
         file = _serialize(out_dir, key, exe) if out_dir is not None else None

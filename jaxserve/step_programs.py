@@ -107,7 +107,11 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
 
 def _logits(graphdef, mesh, state, h_last, *, num_rows):
     model = nnx.merge(graphdef, state)
-    logits = model.compute_logits(h_last[:num_rows])  # [R, V]
+    # The slice is materialised before the head's matmul: XLA:GPU (jax 0.10.2) fails to
+    # compile a one-row slice fused into a GEMM with a transposed (tied) embedding ("Reshape
+    # input and output shapes must be the same, got 1x16 -> 16x8"). It costs an [R, E] copy.
+    h = jax.lax.optimization_barrier(h_last[:num_rows])  # [R, E]
+    logits = model.compute_logits(h)  # [R, V]
     if mesh is not None:  # the sampler receives replicated logits, as its warmup assumed
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
     return logits

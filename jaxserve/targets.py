@@ -1,9 +1,10 @@
 """Compile targets: the devices `jaxserve compile` plans for, attached or not.
 
-`tpu:v5e-4` is four v5e chips as libtpu describes them (compile-only devices: XLA:TPU and
-Mosaic run here, nothing executes); `cpu` / `cpu-N` is this host's CPU devices, whose
+`tpu:v5e-4` is four v5e chips as libtpu describes them, `gpu:h200x8` eight H200s as the CUDA
+plugin describes them from `gpu_specs` (compile-only devices: XLA:TPU with Mosaic, XLA:GPU
+with Triton run here, nothing executes); `cpu` / `cpu-N` is this host's CPU devices, whose
 executables can be served (`jaxserve serve --compiled`). A target knows its devices and the
-HBM XLA lets a program use on each.
+HBM a program may use on each.
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ import jax.numpy as jnp
 # TPU generations libtpu describes with one device per chip, and their topology axes.
 _TPU_CHIPS = {"v5e": 2, "v6e": 2, "v5p": 3}
 _GIB = 2**30
+# JAX preallocates this share of a GPU's memory for its allocator (XLA_PYTHON_CLIENT_MEM_FRACTION
+# on the serving host changes it); programs and the KV cache must fit in it.
+GPU_MEMORY_FRACTION = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    platform: str  # "tpu" | "cpu"
-    chip: str  # "v5e", "v6e", "v5p"; "host" for the CPU
+    platform: str  # "tpu" | "gpu" | "cpu"
+    chip: str  # "v5e", "v6e", "v5p"; "h100", "h200"; "host" for the CPU
     num_devices: int
 
     @property
     def name(self) -> str:
         if self.platform == "cpu":
             return "cpu" if self.num_devices == 1 else f"cpu-{self.num_devices}"
+        if self.platform == "gpu":
+            return f"gpu:{self.chip}" if self.num_devices == 1 else f"gpu:{self.chip}x{self.num_devices}"
         return f"{self.platform}:{self.chip}-{self.num_devices}"
 
     @property
@@ -40,14 +46,25 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """`tpu:<chip>-<chips>` (chips a power of two), `cpu` or `cpu-<devices>`."""
+        """`tpu:<chip>-<chips>` (chips a power of two), `gpu:<part>[x<gpus>]` (one host of 1-8
+        GPUs), `cpu` or `cpu-<devices>`."""
         m = re.fullmatch(r"cpu(?:-(\d+))?", text)
         if m:
             return cls("cpu", "host", int(m.group(1) or 1))
+        m = re.fullmatch(r"gpu:([a-z]+\d+)(?:x(\d+))?", text)
+        if m:
+            from jaxserve.gpu_specs import GPUS
+
+            part, n = m.group(1), int(m.group(2) or 1)
+            if part not in GPUS:
+                raise ValueError(f"unknown GPU {part!r} in {text!r}: one of {', '.join(GPUS)}")
+            if not 1 <= n <= 8:
+                raise ValueError(f"target {text!r}: one host of 1 to 8 GPUs, got {n}")
+            return cls("gpu", part, n)
         m = re.fullmatch(r"tpu:(v\d+[a-z]?)-(\d+)", text)
         if not m:
-            raise ValueError(f"unknown target {text!r}: expected tpu:<chip>-<chips> (e.g. tpu:v5e-4, tpu:v6e-8) "
-                             "or cpu[-<devices>]")
+            raise ValueError(f"unknown target {text!r}: expected tpu:<chip>-<chips> (e.g. tpu:v5e-4, tpu:v6e-8), "
+                             "gpu:<part>[x<gpus>] (e.g. gpu:h200, gpu:h100x8) or cpu[-<devices>]")
         chip, n = m.group(1), int(m.group(2))
         if chip not in _TPU_CHIPS:
             raise ValueError(f"unknown TPU chip {chip!r} in {text!r}: one of {', '.join(_TPU_CHIPS)}")
@@ -62,15 +79,33 @@ class Target:
                 raise ValueError(f"target {self.name} needs {self.num_devices} CPU devices; this process has "
                                  f"{len(devices)}")
             return devices[: self.num_devices]
+        if self.platform == "gpu":
+            return list(_gpu_devices(self.chip, self.num_devices))
         return list(_tpu_devices(self.chip, self.num_devices))
 
     def hbm_bytes(self) -> int | None:
-        """Memory XLA lets one program use on each device (None: host memory, unbounded here)."""
+        """Memory a program may use on each device (None: host memory, unbounded here): on TPU
+        the limit XLA enforces, on GPU the share JAX's allocator preallocates."""
+        if self.platform == "gpu":
+            return int(self.nominal_hbm_bytes() * GPU_MEMORY_FRACTION)
         if self.platform != "tpu":
             return None
         return _usable_hbm(self.chip)
 
+    def capacity_note(self) -> str:
+        """Where `hbm_bytes` comes from, for reports."""
+        if self.platform == "gpu":
+            return (f"{GPU_MEMORY_FRACTION:.0%} of {self.nominal_hbm_bytes() / _GIB:.1f} GiB, JAX's default "
+                    "GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+        if self.platform == "tpu":
+            return "the HBM XLA:TPU allows a program"
+        return "host memory"
+
     def nominal_hbm_bytes(self) -> int | None:
+        if self.platform == "gpu":
+            from jaxserve.gpu_specs import GPUS
+
+            return GPUS[self.chip].memory_bytes
         if self.platform != "tpu":
             return None
         return _nominal_hbm(self.chip)
@@ -86,12 +121,31 @@ def software_versions(platform: str) -> dict[str, str]:
     import jaxlib
 
     out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
-    if platform == "tpu":
+    plugins = {"tpu": ("libtpu",), "gpu": ("jax-cuda12-plugin", "jax-cuda12-pjrt")}.get(platform, ())
+    for name in plugins:
         try:
-            out["libtpu"] = importlib.metadata.version("libtpu")
+            out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            out["libtpu"] = "unknown"
+            out[name] = "unknown"
     return out
+
+
+@functools.cache
+def _gpu_devices(part: str, n: int) -> tuple[Any, ...]:
+    """`n` compile-only GPUs of one host, described by `gpu_specs` (needs the CUDA plugin; the
+    process must run with JAX_PLATFORMS=cpu, or the plugin looks for a driver and fails)."""
+    from jax.experimental import topologies
+
+    from jaxserve.gpu_specs import GPUS, target_config
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(GPUS[part]),
+                                                topology=f"1x1x{n}")
+    except Exception as e:  # noqa: BLE001 - name what is missing
+        raise RuntimeError(f"compile-only {part} GPUs need the CUDA plugin (pip install 'jax[cuda12]', or "
+                           f"jax-cuda12-plugin + jax-cuda12-pjrt + nvidia-cuda-nvcc-cu12 at jax's version) and "
+                           f"JAX_PLATFORMS=cpu: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    return tuple(topology.devices)
 
 
 def _topology(chip: str, n: int) -> tuple[str, tuple[int, int, int]]:

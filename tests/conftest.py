@@ -2,7 +2,9 @@
 
 Also the test environment: JAX runs on the host CPU (JAX_PLATFORMS=cpu, also for the
 servers tests start), and the libtpu that `make install-test` puts in .venv/accel/tpu is
-importable, so compile-only TPU targets work without libtpu in the run environment.
+importable, so compile-only TPU targets work without libtpu in the run environment; likewise
+the CUDA plugin and ptxas in .venv/accel/cuda for compile-only GPU targets (this process
+only: JAX_PLATFORMS=cpu keeps the plugin from looking for a driver).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ _ACCEL_TPU = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "accel" / "
 if _ACCEL_TPU.is_dir() and str(_ACCEL_TPU) not in sys.path:
     sys.path.append(str(_ACCEL_TPU))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(_ACCEL_TPU)) if p)
+_ACCEL_CUDA = _ACCEL_TPU.parent / "cuda"
+if _ACCEL_CUDA.is_dir() and str(_ACCEL_CUDA) not in sys.path:
+    sys.path.append(str(_ACCEL_CUDA))
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ _SUB = 8  # tokens: the row granularity of a sequence's work within a token bloc
 
 def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
     """Whether the kernel compiles for this cache layout on a real TPU: any KV head count,
-    f32 or bf16, D in {64, 128, 256} (checked with libtpu by scripts/check_tpu_compile.py)."""
+    f32 or bf16, D in {64, 128, 256} (checked with libtpu by scripts/check_kernel_compile.py)."""
     del num_kv_heads, dtype
     return head_dim in (64, 128, 256)
 
