@@ -158,3 +158,19 @@ def test_the_compile_command_writes_gpu_executables_that_a_cpu_server_refuses(tm
     assert all((out / s["file"]).stat().st_size > 0 for s in m["shapes"])
     with pytest.raises(CompiledMismatchError, match="gpu:h100 .compiled. vs 1 cpu device"):
         Engine(EngineConfig(compiled_dir=str(out), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048))
+
+
+def test_a_70b_model_needs_eight_h100s():
+    """A Llama-3-70B shape in bf16: 141 GB of params do not fit one H100's 59 GiB; over eight
+    (TP=8, KV heads split one per GPU) they do, with room for a cache."""
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    mc = load_model_config(str(LLAMA_8B.parent / "llama3_70b_config.json"))
+    settings = EngineConfig(**{**STEP_SETTINGS, "num_pages": 4096})
+    one = compile_for_target(mc, settings, Target.parse("gpu:h100"), shapes=["logits[R=8]"])
+    assert not one.fits and one.params_bytes > 130 * 2**30 and "use more chips" in one.verdict()
+    eight = compile_for_target(mc, settings, Target.parse("gpu:h100x8"), shapes=["logits[R=8]"])
+    assert eight.fits and 16 * 2**30 < eight.params_bytes < 18 * 2**30, eight.verdict()
+    assert eight.max_num_pages > 4096

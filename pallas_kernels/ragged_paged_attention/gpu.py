@@ -1,9 +1,9 @@
 """Ragged paged attention for NVIDIA GPUs: a Triton kernel written in Pallas.
 
-Grid (query block b, KV split s, KV head h), flat over query blocks: block b is the j-th
-`block_q`-token block of sequence r, a map the wrapper computes from `cu_q_lens` (a batch of
-T tokens from at most R sequences has at most ceil(T / block_q) + min(R, T) blocks, so the
-grid no longer grows with R x T). A program takes that block's tokens with all `G` query
+Grid (work item p, KV head h), flat over the batch's real work: item p is split s of query
+block b, and block b is the j-th `block_q`-token block of sequence r, a map the wrapper
+computes from `cu_q_lens` (a batch of T tokens from at most R sequences has at most
+ceil(T / block_q) + min(R, T) blocks, so the grid no longer grows with R x T). A program takes that block's tokens with all `G` query
 heads of KV head h as the rows of one matrix ([block_q * Gp, D], Gp = G padded to a power of
 two, as Triton needs), walks the sequence's block table inside the kernel `block_k` keys at a
 time (keys are gathered slot by slot, so `block_k` does not depend on the page size) and keeps
@@ -11,10 +11,11 @@ the online softmax in f32 registers.
 
 Split-KV (flash-decoding): decode batches have too few blocks to fill the GPU (B * Hkv
 programs; 8 at B=1 on 132 SMs), so the keys a block sees are cut into `num_splits` ranges,
-each its own program writing an unnormalised partial and its log-sum-exp; a combine outside
-the kernel (one XLA fusion) merges them. How many splits a batch uses is data: enough to give
-~`_TARGET_PROGRAMS` programs for the blocks it really has, at most the static `max_splits`;
-the other programs exit at once. Prefill-sized batches have blocks enough and run unsplit.
+each its own program writing a partial and its log-sum-exp; a combine outside the kernel
+(one XLA fusion) merges them. How many splits a batch uses is data: enough to give
+~`_TARGET_PROGRAMS` programs for the blocks it really has, at most the static `max_splits`.
+Blocks x splits then stays under `_TARGET_PROGRAMS / Hkv + blocks`, which sizes the grid, so
+few programs launch only to exit. Prefill-sized batches have blocks enough and run unsplit.
 
 Masking: only the keys a block can see are visited (from its sliding window's start, if any,
 to its last query position), and K/V rows at or past `kv_len` are never loaded (masked loads
@@ -74,6 +75,7 @@ def _kernel(
     v_ref,  # [P * ps * Hkv, D]
     *refs,  # aliased initial outputs, then the outputs themselves
     block_q: int,
+    num_blocks: int,
     group_padded: int,
     block_k: int,
     page_size: int,
@@ -88,12 +90,14 @@ def _kernel(
     # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
     # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
     o_ref, lse_ref = (refs[1], None) if not split else (refs[1], refs[2])
-    b, s, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    r = block_seq_ref[b]
-    j = block_idx_ref[b]
+    item, h = pl.program_id(0), pl.program_id(1)
     num_splits = num_splits_ref[0]
+    b, s = item // num_splits, item % num_splits
+    b_safe = jnp.minimum(b, num_blocks - 1)
+    r = block_seq_ref[b_safe]
+    j = jnp.where(b < num_blocks, block_idx_ref[b_safe], -1)
 
-    @pl.when((j >= 0) & (s < num_splits))
+    @pl.when(j >= 0)
     def _():
         q_start = cu_q_lens_ref[r]
         q_len = cu_q_lens_ref[r + 1] - q_start
@@ -258,6 +262,8 @@ def ragged_paged_attention_gpu(
     block_seq, block_idx, real_blocks = block_schedule(cu_q_lens.astype(jnp.int32), num_seqs, num_blocks, block_q)
     wanted = (_TARGET_PROGRAMS + real_blocks * num_kv_heads - 1) // jnp.maximum(real_blocks * num_kv_heads, 1)
     num_splits = jnp.clip(wanted, 1, max_splits).astype(jnp.int32).reshape(1)
+    # Work items: blocks x splits <= ceil(target / Hkv) + blocks whenever more than one split runs.
+    num_items = num_blocks + (-(-_TARGET_PROGRAMS // num_kv_heads) if max_splits > 1 else 0)
 
     # [T, Hq, D] -> [Hkv, (T + Bq) * Gp, D]: rows of one KV head contiguous, token-major.
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -280,6 +286,7 @@ def ragged_paged_attention_gpu(
     kernel = functools.partial(
         _kernel,
         block_q=block_q,
+        num_blocks=num_blocks,
         group_padded=group_padded,
         block_k=block_k,
         page_size=page_size,
@@ -293,7 +300,7 @@ def ragged_paged_attention_gpu(
     )
     outs = pl.pallas_call(
         kernel,
-        grid=(num_blocks, max_splits, num_kv_heads),
+        grid=(num_items, num_kv_heads),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
