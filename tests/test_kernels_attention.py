@@ -140,6 +140,13 @@ def test_gpu_kernel_kv_splits(max_splits):
     _check("gpu", case, tuning=tuning, sliding_window=70)
 
 
+def test_gpu_kernel_default_splits_near_the_work_item_bound():
+    """Ten decodes x 2 KV heads take ceil(512 / 20) = 26 splits: 260 (block, split) items of a
+    grid sized ceil(T / Bq) + R + 512 / Hkv = 270, all of which must run."""
+    case = make_case(seqs=[(1, 40 + 9 * i) for i in range(10)], num_tokens=16, num_rows=12, head_dim=32, seed=18)
+    _check("gpu", case, tuning=dict(block_k=16))
+
+
 def test_gpu_block_schedule_is_flat():
     """Grid slots map to (sequence, block) pairs of the real query blocks only."""
     from pallas_kernels.ragged_paged_attention.gpu import block_schedule
