@@ -13,6 +13,7 @@ built for this very program (versions, devices, model and engine settings).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -301,7 +302,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
 
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
     results = []
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with _no_cache_writes(not target.attached), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for r in pool.map(one, keys):
             results.append(r)
             if progress:
@@ -321,6 +322,22 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         with open(os.path.join(out_dir, MANIFEST), "w") as f:
             json.dump(report.to_json(), f, indent=1)
     return report
+
+
+@contextlib.contextmanager
+def _no_cache_writes(active: bool):
+    """Executables of compile-only devices cannot be loaded back from the persistent cache
+    (there is no client for their devices), so they are kept out of it: a process that has the
+    cache enabled (a server, a test session) would otherwise fill it with unloadable entries."""
+    if not active:
+        yield
+        return
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 _COPY = re.compile(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(")

@@ -262,8 +262,9 @@ def ragged_paged_attention_gpu(
     block_seq, block_idx, real_blocks = block_schedule(cu_q_lens.astype(jnp.int32), num_seqs, num_blocks, block_q)
     wanted = (_TARGET_PROGRAMS + real_blocks * num_kv_heads - 1) // jnp.maximum(real_blocks * num_kv_heads, 1)
     num_splits = jnp.clip(wanted, 1, max_splits).astype(jnp.int32).reshape(1)
-    # Work items: blocks x splits <= ceil(target / Hkv) + blocks whenever more than one split runs.
-    num_items = num_blocks + (-(-_TARGET_PROGRAMS // num_kv_heads) if max_splits > 1 else 0)
+    # Work items: blocks x splits, at most blocks x max_splits, and at most
+    # ceil(target / Hkv) + blocks whenever more than one split runs.
+    num_items = min(num_blocks * max_splits, num_blocks + -(-_TARGET_PROGRAMS // num_kv_heads))
 
     # [T, Hq, D] -> [Hkv, (T + Bq) * Gp, D]: rows of one KV head contiguous, token-major.
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
