@@ -33,7 +33,8 @@ GPUS: dict[str, GpuSpec] = {
                     233_472, 232_448),
 }
 
-# The CUDA toolkit / cuDNN the jax CUDA 12 wheels are built against (jax 0.10.x).
+# Toolkit and cuDNN versions the description claims: CUDA 12.9 (the ptxas `make install-test`
+# installs) and cuDNN 9.10 (within the plugin's requirement, >= 9.8 and < 10).
 _RUNTIME = (12, 9, 0)
 _DNN = (9, 10, 0)
 
