@@ -3,11 +3,11 @@
 Grid (work item p, KV head h), flat over the batch's real work: item p is split s of query
 block b, and block b is the j-th `block_q`-token block of sequence r, a map the wrapper
 computes from `cu_q_lens` (a batch of T tokens from at most R sequences has at most
-ceil(T / block_q) + min(R, T) blocks, so the grid no longer grows with R x T). A program takes that block's tokens with all `G` query
-heads of KV head h as the rows of one matrix ([block_q * Gp, D], Gp = G padded to a power of
-two, as Triton needs), walks the sequence's block table inside the kernel `block_k` keys at a
-time (keys are gathered slot by slot, so `block_k` does not depend on the page size) and keeps
-the online softmax in f32 registers.
+ceil(T / block_q) + min(R, T) blocks, so the grid no longer grows with R x T). A program takes
+that block's tokens with all `G` query heads of KV head h as the rows of one matrix
+([block_q * Gp, D], Gp = G padded to a power of two, as Triton needs), walks the sequence's
+block table inside the kernel `block_k` keys at a time (keys are gathered slot by slot, so
+`block_k` does not depend on the page size) and keeps the online softmax in f32 registers.
 
 Split-KV (flash-decoding): decode batches have too few blocks to fill the GPU (B * Hkv
 programs; 8 at B=1 on 132 SMs), so the keys a block sees are cut into `num_splits` ranges,
