@@ -99,11 +99,12 @@ def test_window_and_soft_cap_compile_for_an_h100():
     assert TRITON in compiled_hlo(fn, attention_args(jnp.bfloat16, 9, 3, 64, 16), gpu_device("h100"))
 
 
-def test_auto_kv_update_compiles_the_kernel_for_gpu():
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_auto_kv_update_compiles_the_kernel_for_gpu(head_dim):
     S = jax.ShapeDtypeStruct
-    page = S((PAGES, PAGE, 3, 64), jnp.bfloat16)
-    args = (S((64, 3, 64), jnp.bfloat16), S((64, 3, 64), jnp.bfloat16), page, page, S((64,), jnp.int32))
-    hlo = compiled_hlo(pk.update_kv_cache, args, gpu_device())
+    page = S((PAGES, PAGE, 3, head_dim), jnp.bfloat16)
+    new = S((64, 3, head_dim), jnp.bfloat16)
+    hlo = compiled_hlo(pk.update_kv_cache, (new, new, page, page, S((64,), jnp.int32)), gpu_device())
     assert TRITON in hlo and "update_kv_cache_gpu" in hlo
 
 

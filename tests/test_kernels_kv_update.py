@@ -50,6 +50,13 @@ def test_matches_scatter(kernel, dtype):
         np.testing.assert_array_equal(np.asarray(g[1:], np.float32), np.asarray(w[1:], np.float32))
 
 
+def test_gpu_kernel_head_dim_80_in_column_pieces():
+    args = _inputs(jnp.bfloat16, hkv=2, d=80, seed=2)
+    want = update_kv_cache_reference(*args)
+    for g, w in zip(KERNELS["gpu"](*args), want):
+        np.testing.assert_array_equal(np.asarray(g[1:], np.float32), np.asarray(w[1:], np.float32))
+
+
 def test_public_op_pallas_interpret():
     args = _inputs(jnp.float32, seed=1)
     want = update_kv_cache_reference(*args)

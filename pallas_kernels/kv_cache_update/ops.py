@@ -8,6 +8,7 @@ from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
 from pallas_kernels.kv_layout import lanes_width, to_lanes
+from pallas_kernels.ragged_paged_attention.gpu import supports as gpu_supports
 
 
 def _validate(k_new, v_new, k_pages, v_pages, slot_mapping) -> None:
@@ -50,7 +51,7 @@ def update_kv_cache(
     if lanes:
         k_new, v_new = to_lanes(k_new, k_pages.shape[2]), to_lanes(v_new, k_pages.shape[2])
     args = (k_new, v_new, k_pages, v_pages, slot_mapping)
-    gpu_ok = not lanes and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    gpu_ok = not lanes and gpu_supports(head_dim)
     if backend == "auto" and not interpret:  # the target platform's kernel (see _dispatch)
         from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
         from pallas_kernels.kv_cache_update.tpu import update_kv_cache_tpu
@@ -62,7 +63,8 @@ def update_kv_cache(
                                   gpu=update_kv_cache_gpu if gpu_ok else None)
     impl = resolve_backend(backend, interpret)
     if impl == "gpu" and not gpu_ok:
-        raise ValueError(f"the gpu KV-update kernel needs the heads layout and a power-of-two D, got D={head_dim}"
+        raise ValueError(f"the gpu KV-update kernel needs the heads layout and D a multiple of 16 up to 256, "
+                         f"got D={head_dim}"
                          + (" in the lanes layout" if lanes else ""))
     if impl == "reference":
         return update_kv_cache_reference(*args)
