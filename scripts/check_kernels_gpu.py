@@ -1,4 +1,4 @@
-"""Hardware check of the GPU kernels on one NVIDIA GPU (estimated ~5 minutes on an H200). Exits 1
+"""Hardware check of the GPU kernels on one NVIDIA GPU (estimated ~5 minutes on an H200). Exits 1 when a
 check fails; every figure it prints is measured on the device it runs on.
 
 1. Correctness, asserted: the Triton attention against the pure-jnp reference (f32 inside)
