@@ -128,6 +128,7 @@ class ShapeResult:
     hbm_bytes: int | None  # per device: arguments + outputs - aliased + temporaries
     temp_bytes: int | None
     cache_copies: int | None = None  # backbone: copies of >= one layer's KV pages (relayouts)
+    weight_copies: int | None = None  # backbone: layer-weight slices copied out of the stacked params
     error: str | None = None
     file: str | None = None  # serialized executable, relative to the output directory
 
@@ -230,11 +231,12 @@ class CompileReport:
                  f"capacity per device: {_gb(self.capacity_bytes)} ({self.target.capacity_note()})",
                  f"attention: {self.attention[0]} ({self.attention[1]})",
                  f"{'shape':28} {'compiled':>8} {'s':>6} {'attention':>10} {'HBM/device':>11} {'temps':>10} "
-                 f"{'KV copies':>9}"]
+                 f"{'KV copies':>9} {'W copies':>8}"]
         for s in self.shapes:
             copies = "-" if s.cache_copies is None else str(s.cache_copies)
+            weights = "-" if s.weight_copies is None else str(s.weight_copies)
             lines.append(f"{s.name:28} {'yes' if s.compiled else 'NO':>8} {s.seconds:6.1f} {s.attention or '-':>10} "
-                         f"{_gb(s.hbm_bytes):>11} {_gb(s.temp_bytes):>10} {copies:>9}")
+                         f"{_gb(s.hbm_bytes):>11} {_gb(s.temp_bytes):>10} {copies:>9} {weights:>8}")
         cap = _gb(self.capacity_bytes) if self.capacity_bytes is not None else "host memory"
         lines += [
             f"HBM per device: params {_gb(self.params_bytes)} + KV cache {_gb(self.kv_cache_bytes)} "
@@ -246,6 +248,10 @@ class CompileReport:
         if copying:
             lines.append(f"warning: {', '.join(copying)} copy the KV cache every step (a relayout XLA inserted; "
                          f"the cache layout is {self.fingerprint['kv_layout']})")
+        weights = max((s.weight_copies or 0 for s in self.shapes), default=0)
+        if weights:
+            lines.append(f"note: the backbones copy up to {weights} weight slices per layer out of the stacked "
+                         "params every step (XLA's layer scan), extra weight traffic a decode step pays")
         return "\n".join(lines)
 
 
@@ -277,6 +283,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
     kv = programs.kv_cache[0]
     rank_kv = kv.sharding.shard_shape(kv.shape)  # [L, P, S, Hkv, D] or [L, P, S, C] on one device
     page_dims, layer_elements = tuple(rank_kv[2:]), math.prod(rank_kv) // kv.shape[0]
+    layer_weight_dims = _layer_weight_dims(programs.state, kv.shape[0])
     if out_dir is not None:
         os.makedirs(os.path.join(out_dir, "executables"), exist_ok=True)
 
@@ -296,9 +303,13 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             markers = _KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
             copies = cache_copies(hlo, page_dims, layer_elements)
+            weights = weight_copies(hlo, layer_weight_dims)
+        else:
+            weights = None
         hbm, temp = _memory(exe)
         file = _serialize(out_dir, key, exe) if out_dir is not None else None
-        return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, file=file)
+        return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, weights,
+                           file=file)
 
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
     results = []
@@ -352,6 +363,25 @@ def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int
         dims = tuple(int(d) for d in m.group(1).split(",") if d)
         n += dims[-len(page_dims):] == tuple(page_dims) and math.prod(dims) >= min_elements
     return n
+
+
+_SLICE_COPY = re.compile(r"ROOT %[\w.\-]+ = \w+\[1,([\d,]+)\]\S* copy\(%dynamic[-_]slice")
+
+
+def weight_copies(hlo: str, layer_weight_dims: set[tuple[int, ...]]) -> int:
+    """Fusions in optimized HLO that copy one layer's slice of a stacked weight ([1, ...] of a
+    per-device layer-weight shape) out of the params: each runs once per layer per step."""
+    return sum(tuple(int(d) for d in m.group(1).split(",")) in layer_weight_dims for m in _SLICE_COPY.finditer(hlo))
+
+
+def _layer_weight_dims(state, num_layers: int) -> set[tuple[int, ...]]:
+    """Per-device shapes of one layer's slice of each stacked [L, ...] matrix parameter."""
+    dims = set()
+    for x in jax.tree.leaves(state):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        if len(shape) >= 3 and shape[0] == num_layers:
+            dims.add(tuple(shape[1:]))
+    return dims
 
 
 def _memory(exe) -> tuple[int | None, int | None]:

@@ -149,6 +149,7 @@ def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
     assert report.fits and report.max_num_pages >= STEP_SETTINGS["num_pages"], report.verdict()
     assert report.fingerprint["kv_layout"] == "lanes"
     assert backbone.cache_copies == 0  # the cache is read and written in place: no relayout copy
+    assert backbone.weight_copies == 0  # layer weights are read in place from the stacked params
 
 
 def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
