@@ -42,8 +42,8 @@ from jaxserve.warmup import ShapeRecord, WarmupReport
 
 MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.
-_KERNEL_MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
-                   "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
+KERNEL_MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
+                  "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
 
 
 # ---------------------------------------------------------------------- the program
@@ -108,12 +108,13 @@ def _is_shape(x) -> bool:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of an abstract tree (each leaf's shard)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(x, "sharding", None)  # a numpy constant (RoPE) has none
-        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
-    return total
+    return sum(math.prod(_shard_shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _shard_shape(x) -> tuple[int, ...]:
+    """The shape one device holds of an abstract leaf (a numpy constant, RoPE's, has no sharding)."""
+    sharding = getattr(x, "sharding", None)
+    return tuple(sharding.shard_shape(x.shape)) if sharding is not None else tuple(x.shape)
 
 
 # ---------------------------------------------------------------------- the report
@@ -300,7 +301,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         attention = copies = None
         if key.kind == "backbone":
             hlo = first.as_text()
-            markers = _KERNEL_MARKERS.get(target.platform)
+            markers = KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
             copies = cache_copies(hlo, page_dims, layer_elements)
             weights = weight_copies(hlo, layer_weight_dims)
@@ -313,7 +314,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
 
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
     results = []
-    with _no_cache_writes(not target.attached), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with no_cache_writes(not target.attached), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for r in pool.map(one, keys):
             results.append(r)
             if progress:
@@ -336,7 +337,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
 
 
 @contextlib.contextmanager
-def _no_cache_writes(active: bool):
+def no_cache_writes(active: bool = True):
     """Executables of compile-only devices cannot be loaded back from the persistent cache
     (there is no client for their devices), so they are kept out of it: a process that has the
     cache enabled (a server, a test session) would otherwise fill it with unloadable entries."""
@@ -376,12 +377,8 @@ def weight_copies(hlo: str, layer_weight_dims: set[tuple[int, ...]]) -> int:
 
 def _layer_weight_dims(state, num_layers: int) -> set[tuple[int, ...]]:
     """Per-device shapes of one layer's slice of each stacked [L, ...] matrix parameter."""
-    dims = set()
-    for x in jax.tree.leaves(state):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        if len(shape) >= 3 and shape[0] == num_layers:
-            dims.add(tuple(shape[1:]))
-    return dims
+    shapes = (_shard_shape(x) for x in jax.tree.leaves(state))
+    return {s[1:] for s in shapes if len(s) >= 3 and s[0] == num_layers}
 
 
 def _memory(exe) -> tuple[int | None, int | None]:

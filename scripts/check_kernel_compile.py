@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from jaxserve.aot import KERNEL_MARKERS  # noqa: E402
 from jaxserve.targets import Target  # noqa: E402
 from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
@@ -37,8 +38,6 @@ T, T_DECODE, R, MAX_PAGES, NUM_PAGES = 64, 16, 8, 16, 64
 HEADS = [(h * g, h, d) for h in (1, 2, 3, 4, 8, 16) for g in (1, 3, 4, 8) for d in (64, 128, 256)]
 # Head dims that are not a power of two (the GPU kernel cuts them into column pieces).
 ODD_HEADS = [(h * g, h, d) for h in (1, 2, 8) for g in (1, 4) for d in (80, 96)]
-MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
-           "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
 
 
 def compile_case(target: Target, device, dtype, heads, page_size, window, cap):
@@ -62,7 +61,7 @@ def compile_case(target: Target, device, dtype, heads, page_size, window, cap):
         compiled = jax.jit(fn).lower(queries, page, page, *meta).compile()
     seconds = time.perf_counter() - t0
     hlo = compiled.as_text()
-    custom_call, name = MARKERS[target.platform]
+    custom_call, name = KERNEL_MARKERS[target.platform]
     kernel = custom_call in hlo and hlo.count(name) >= len(token_counts)
     item = jnp.dtype(dtype).itemsize
     logical = 2 * NUM_PAGES * page_size * page_shape[-1] * (hkv if layout == "heads" else 1) * item
@@ -71,7 +70,7 @@ def compile_case(target: Target, device, dtype, heads, page_size, window, cap):
     return kernel, seconds, hbm, logical
 
 
-def cases_for(platform: str):
+def cases():
     heads = HEADS + ODD_HEADS
     cases = [(dt, h, 16, None, None) for dt, h in itertools.product((jnp.bfloat16, jnp.float32), heads)]
     cases += [(jnp.bfloat16, (32, 8, 128), ps, None, None) for ps in (32, 64, 128)]
@@ -90,7 +89,7 @@ def main() -> None:
     for name in args.targets.split(","):
         target = Target.parse(name + "-1" if name.startswith("tpu:") else name)
         device = target.devices()[0]
-        for dtype, heads, ps, window, cap in cases_for(target.platform):
+        for dtype, heads, ps, window, cap in cases():
             opts = "window+cap" if window else "-"
             layout = "/".join(map(str, heads))
             try:

@@ -25,6 +25,16 @@ if _ACCEL_CUDA.is_dir() and str(_ACCEL_CUDA) not in sys.path:
     sys.path.append(str(_ACCEL_CUDA))
 
 
+@pytest.fixture(scope="module")
+def no_persistent_cache_writes():
+    """For modules that compile for compile-only TPU/GPU devices: their executables cannot be
+    loaded back from the persistent cache (no client for those devices), so none is written."""
+    from jaxserve.aot import no_cache_writes
+
+    with no_cache_writes():
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
     from jaxserve.loading.loader import embedded_model_path

@@ -25,13 +25,7 @@ TRITON = "__gpu$xla.gpu.triton"  # a Pallas Triton kernel in compiled HLO (XLA's
 R, MAX_PAGES, PAGES, PAGE = 8, 16, 128, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache_writes():
-    """Compile-only GPU executables have no client to load into: keep them out of the cache."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")
 
 
 @functools.cache

@@ -24,15 +24,7 @@ T, R, MAX_PAGES, PAGES, PAGE = 64, 8, 16, 128, 16
 KERNEL = "tpu_custom_call"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache_writes():
-    """Compile-only TPU executables cannot be loaded back from the persistent cache (there
-    is no TPU client): keep them out of it. (Whether the cache is used at all is decided
-    once per process, so writes are stopped by the minimum compile time instead.)"""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")
 
 
 @functools.cache

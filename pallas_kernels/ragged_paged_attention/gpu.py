@@ -89,7 +89,7 @@ def _kernel(
 ):
     # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
     # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
-    o_ref, lse_ref = (refs[1], None) if not split else (refs[1], refs[2])
+    o_ref, lse_ref = refs[1], (refs[2] if split else None)
     item, h = pl.program_id(0), pl.program_id(1)
     num_splits = num_splits_ref[0]
     b, s = item // num_splits, item % num_splits
