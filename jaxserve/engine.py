@@ -28,7 +28,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.input_batch import MAX_STOP_TOKEN_IDS, STOP_ID_WIDTH
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.output_processor import OutputProcessor, child_ids
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
@@ -177,11 +177,13 @@ class Engine:
         prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
         """Validates and queues a request; returns its id. Raises ValueError on bad input.
 
         An `n > 1` request becomes `n` sequences; sequence i of a seeded request uses seed
-        `seed + i`, and all but the first wait for the first to compute the shared prompt."""
+        `seed + i`, and all but the first wait for the first to compute the shared prompt.
+        `output_kind` DELTA makes its outputs carry only each step's delta (streaming)."""
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None or prompt == "":
@@ -194,7 +196,7 @@ class Engine:
         if rid in self.outputs or any(self.scheduler.get_request(c) is not None for c in seq_ids):
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
-        self.outputs.add_request(rid, prompt, ids, params, now)
+        self.outputs.add_request(rid, prompt, ids, params, now, output_kind)
         for i, cid in enumerate(seq_ids):
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**32))
             seq_params = dataclasses.replace(params, seed=seed) if params.n > 1 or params.seed is None else params

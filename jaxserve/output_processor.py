@@ -19,7 +19,14 @@ import time
 from collections.abc import Iterable, Sequence
 
 from jaxserve.detokenizer import IncrementalDetokenizer, Tokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, Usage
+from jaxserve.outputs import (
+    CompletionOutput,
+    OutputKind,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
 from scheduler import FinishReason, RequestUpdate, SamplingParams
 
 
@@ -36,6 +43,9 @@ class _Parent:
     num_unfinished: int
     num_cached_tokens: int = 0
     error: str | None = None
+    kind: OutputKind = OutputKind.CUMULATIVE
+    num_completion_tokens: int = 0
+    prompt_sent: bool = False  # DELTA: the prompt's ids went out with the first output
 
 
 @dataclasses.dataclass
@@ -73,12 +83,13 @@ class OutputProcessor:
         return list(self._parents)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> list[str]:
+                    params: SamplingParams, arrival_time: float,
+                    kind: OutputKind = OutputKind.CUMULATIVE) -> list[str]:
         """Registers a request; returns its sequences' scheduler ids."""
         with_lp = params.logprobs is not None
         parent = _Parent(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(arrival_time),
                          [CompletionOutput(index=i, logprobs=[] if with_lp else None) for i in range(params.n)],
-                         params.n)
+                         params.n, kind=kind)
         self._parents[request_id] = parent
         ids = child_ids(request_id, params.n)
         for i, cid in enumerate(ids):
@@ -130,16 +141,21 @@ class OutputProcessor:
         if up.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         parent.num_cached_tokens = max(parent.num_cached_tokens, up.num_cached_tokens)
-        comp.token_ids.extend(up.new_token_ids)
+        cumulative = parent.kind is OutputKind.CUMULATIVE
+        parent.num_completion_tokens += len(up.new_token_ids)
+        if cumulative:
+            comp.token_ids.extend(up.new_token_ids)
         comp.delta_token_ids.extend(up.new_token_ids)
         if lp is not None and comp.logprobs is not None:
-            comp.logprobs.append(lp)
+            if cumulative:
+                comp.logprobs.append(lp)
             comp.delta_logprobs.append(lp)
         finish_reason, stop_reason = up.finish_reason, up.stop_reason
         stop_str = None
         if child.detok is not None:
             text, stop_str = self._detokenize(child.detok, up, parent.params)
-            comp.text += text
+            if cumulative:
+                comp.text += text
             comp.delta_text += text
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
@@ -186,14 +202,15 @@ class OutputProcessor:
         if finished:
             parent.metrics.finished_time = now
             self._parents.pop(parent.request_id, None)
-        completion = sum(len(c.token_ids) for c in parent.completions)
+        with_prompt = parent.kind is OutputKind.CUMULATIVE or not parent.prompt_sent
+        parent.prompt_sent = True
         return RequestOutput(
             request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt=parent.prompt if with_prompt else None,
+            prompt_token_ids=list(parent.prompt_token_ids) if with_prompt else [],
             outputs=[_copy_completion(c) for c in parent.completions],
             finished=finished,
-            usage=Usage(len(parent.prompt_token_ids), completion, parent.num_cached_tokens),
+            usage=Usage(len(parent.prompt_token_ids), parent.num_completion_tokens, parent.num_cached_tokens),
             metrics=dataclasses.replace(parent.metrics),
             error=parent.error,
         )

@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class OutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's `RequestOutputKind`).
+
+    CUMULATIVE: the whole text, token ids and logprobs so far plus this step's delta (the
+    batch API). DELTA: only this step's delta; cumulative fields stay empty and the prompt's
+    ids come with the first output only. A streaming front uses DELTA, so no step copies a
+    request's whole output (which would cost O(L^2) over a request of L tokens).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
 
 
 @dataclasses.dataclass(frozen=True)

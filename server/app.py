@@ -2,15 +2,23 @@
 
 Life cycle: `start()` binds the port with health NOT_SERVING, `load()` builds the engine and
 compiles every shape on a worker thread, then health turns SERVING. `drain()` (SIGTERM) turns
-health NOT_SERVING, refuses new requests with UNAVAILABLE, waits for in-flight requests up to
-the shutdown timeout, aborts the rest and stops.
+health NOT_SERVING, refuses new requests with UNAVAILABLE, waits for open streams (whose
+output may not be fully read yet) up to the shutdown timeout, aborts the rest and stops. If
+the engine thread stops on an error, health turns NOT_SERVING, every open stream ends at
+once with UNAVAILABLE, and `serve()` returns a non-zero exit code after the drain.
+
+A Generate call, in order: the interceptor checks the key (before the body is parsed); the
+handler checks sizes and sampling fields, tokenizes on the front-end pool, reserves the
+request's work with `Admission` (server-wide and per tenant), then hands it to the engine
+thread under a tenant-scoped id, and streams merged deltas from its `StreamBuffer`, each write
+bounded by `stream_idle_timeout`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
+import ipaddress
 import logging
 import os
 import time
@@ -22,34 +30,56 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import EngineConfig
-from jaxserve.outputs import RequestOutput
+from scheduler import SamplingParams
+from server.admission import Admission, AdmissionRefused, request_work
+from server.auth import AuthInterceptor
 from server.convert import (
     MAX_REQUEST_ID_CHARS,
     check_input,
     output_to_proto,
     sampling_params_from_proto,
 )
-from server.engine_loop import Aborted, EngineFailed, EngineLoop, apply_chat_template
+from server.engine_loop import EngineDead, EngineLoop, new_error_id
+from server.frontend import FrontendBusy, FrontendPool
 from server.metrics import ServerMetrics
 from server.proto import jaxserve_pb2 as pb
 from server.proto import jaxserve_pb2_grpc as pb_grpc
+from server.streams import Aborted, EngineFailed, StreamBuffer
+from server.tenants import Authenticator, Tenant
 
 logger = logging.getLogger("jaxserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
-VERSION = "0.1.0"
+VERSION = "0.2.0"
+EXIT_ENGINE_FAILED = 1  # serve()'s exit code when the engine thread stopped on an error
+EXIT_SECOND_SIGNAL = 130  # a second SIGTERM / SIGINT: exit at once, no drain
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port
+    metrics_host: str = "127.0.0.1"  # the metrics endpoint is for the operator, not for tenants
     metrics_port: int = 8001  # 0: pick a free port; -1: no metrics endpoint
-    api_key: str | None = None
+    api_key: str | None = None  # one key (tenant "default"); or `tenants` for several
+    tenants: tuple[tuple[Tenant, str], ...] = ()  # (tenant, key) pairs: --api-keys FILE
+    shared_prefix_cache: bool = False  # tenants share cached prefixes (and learn of each other's)
+    priority_range: tuple[int, int] = (0, 100)  # client priorities are clamped into it
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # set: clients must present a certificate (mTLS)
     max_queued_requests: int = 256  # requests allowed to wait beyond max_num_seqs
+    max_queued_tokens: int | None = None  # work in flight (prompt + n x max_tokens); None: 4 x KV cache
+    stream_idle_timeout: float = 60.0  # a stream whose client reads nothing for this long is aborted
+    max_concurrent_streams: int = 128  # per HTTP/2 connection
+    keepalive_time: float = 60.0  # seconds between server pings on an idle connection
+    keepalive_timeout: float = 20.0  # a ping not acknowledged in this long closes the connection
+    max_connection_idle: float | None = None  # close connections with no call for this long
+    max_connection_age: float | None = None  # close connections older than this (load rebalancing)
+    max_connection_age_grace: float = 30.0  # time calls get to finish once a connection is closed
+    max_open_calls: int = 64  # health / reflection calls open at once (they need no key)
+    frontend_threads: int = 2  # tokenization / chat-template workers
+    max_pending_tokenizations: int = 64  # tokenization jobs queued or running; more: RESOURCE_EXHAUSTED
     shutdown_timeout: float = 30.0
     max_prompt_chars: int | None = None  # None: 32 x max_model_len
     max_message_bytes: int = 4 * 2**20
@@ -57,54 +87,54 @@ class ServerOptions:
     warmup: bool = True
     require_warm_cache: bool = False  # refuse to start when any planned shape missed the cache
 
+    def grpc_options(self) -> list[tuple[str, int]]:
+        ms = lambda s: int(s * 1000)  # noqa: E731
+        opts = [
+            # gRPC itself refuses (RESOURCE_EXHAUSTED) only far past the limit; up to there the
+            # handlers answer INVALID_ARGUMENT naming the oversized field (`_check_size`).
+            ("grpc.max_receive_message_length", 4 * self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout)),
+            ("grpc.keepalive_permit_without_calls", 1),  # clients may keep idle connections alive
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # faster pings: GOAWAY
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+        if self.max_connection_idle is not None:
+            opts.append(("grpc.max_connection_idle_ms", ms(self.max_connection_idle)))
+        if self.max_connection_age is not None:
+            opts.append(("grpc.max_connection_age_ms", ms(self.max_connection_age)))
+            opts.append(("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace)))
+        return opts
+
 
 class ServerState:
     LOADING, SERVING, DRAINING, STOPPED = "loading", "serving", "draining", "stopped"
 
 
-class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer KEY` (or `x-api-key: KEY`) metadata.
-    Health checks and reflection stay open so load balancers can probe."""
-
-    OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-    def __init__(self, key: str):
-        self._key = key.encode()
-
-    def _ok(self, metadata: Any) -> bool:
-        for k, v in metadata or ():
-            if isinstance(v, bytes):
-                continue
-            if k == "authorization" and v.startswith("Bearer "):
-                v = v[len("Bearer "):]
-            elif k != "x-api-key":
-                continue
-            if hmac.compare_digest(v.encode(), self._key):
-                return True
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(self.OPEN) or self._ok(details.invocation_metadata):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
-
-        kind = ("unary_unary" if not handler.request_streaming and not handler.response_streaming else
-                "unary_stream" if handler.response_streaming and not handler.request_streaming else
-                "stream_unary" if not handler.response_streaming else "stream_stream")
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
 
 
 class JaxServeServer(pb_grpc.JaxServeServicer):
     def __init__(self, engine_config: EngineConfig, options: ServerOptions | None = None, *, engine: Any = None):
         self.engine_config = engine_config
-        self.options = options or ServerOptions()
+        self.options = o = options or ServerOptions()
+        if o.api_key and o.tenants:
+            raise ValueError("give one API key or a tenants file, not both")
+        self.auth = Authenticator(list(o.tenants)) if o.tenants else (
+            Authenticator.single_key(o.api_key) if o.api_key else Authenticator())
         self.engine = engine
         self.loop_runner: EngineLoop | None = None
+        self.frontend: FrontendPool | None = None
+        self.admission: Admission | None = None
         self.state = ServerState.LOADING
         self.metrics = ServerMetrics(snapshot=self._snapshot)
         self.health = health.aio.HealthServicer()
@@ -112,8 +142,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
-        self.num_in_flight = 0
-        self.max_queued_requests = self.options.max_queued_requests
+        self.num_streams = 0  # open Generate streams (drain waits for these)
+        self._buffers: set[StreamBuffer] = set()
+        self.max_queued_requests = o.max_queued_requests
         self._started = time.monotonic()
         self._log_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
@@ -121,19 +152,15 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self.stopped = asyncio.Event()
+        self.engine_failed = asyncio.Event()  # the engine thread stopped on an error
+        self.exit_code = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> int:
         """Binds the ports; health is NOT_SERVING until `load()` finishes. Returns the port."""
         o = self.options
-        interceptors = [_ApiKeyInterceptor(o.api_key)] if o.api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            # gRPC itself refuses (RESOURCE_EXHAUSTED) only far past the limit; up to there the
-            # handlers answer INVALID_ARGUMENT naming the oversized field (`_check_size`).
-            ("grpc.max_receive_message_length", 4 * o.max_message_bytes),
-            ("grpc.max_send_message_length", o.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
+        self.interceptor = AuthInterceptor(self.auth, o.max_open_calls, on_denied=self.metrics.auth_failures.inc)
+        self.server = grpc.aio.server(interceptors=[self.interceptor], options=o.grpc_options())
         pb_grpc.add_JaxServeServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -159,10 +186,16 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         await self.server.start()
         if o.metrics_port >= 0:
             from prometheus_client import start_http_server
-            self._metrics_http, _ = start_http_server(o.metrics_port, addr=o.host, registry=self.metrics.registry)
+            self._metrics_http, _ = start_http_server(o.metrics_port, addr=o.metrics_host,
+                                                      registry=self.metrics.registry)
             self.metrics_port = self._metrics_http.server_port
         logger.info("listening on %s:%d (%s)%s", o.host, self.port, "TLS" if o.tls_cert_file else "insecure",
-                    f", metrics on http://{o.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
+                    f", metrics on http://{o.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "")
+        if self.auth.required and not o.tls_cert_file and not _is_loopback(o.host):
+            logger.warning("API keys are accepted over plaintext on %s: anyone on the path can read them; "
+                           "serve TLS (--tls-cert-file / --tls-key-file) or bind 127.0.0.1 behind a TLS proxy", o.host)
+        if o.metrics_port >= 0 and not _is_loopback(o.metrics_host):
+            logger.warning("the metrics endpoint on %s has no authentication", o.metrics_host)
         return self.port
 
     async def load(self) -> None:
@@ -182,6 +215,13 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                     f"--require-warm-cache: {len(missed)} of {report.num_shapes} shapes missed the "
                     f"compilation cache ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}); "
                     "fill it with `jaxserve warmup` using the same flags")
+        o = self.options
+        self.frontend = FrontendPool(self.engine.tokenizer, o.frontend_threads, o.max_pending_tokenizations)
+        self.metrics.set_frontend(self.frontend)
+        kv_tokens = self.engine.num_pages * self.engine_config.page_size
+        self.admission = Admission(
+            self.engine_config.max_num_seqs + self.max_queued_requests,
+            o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
         self.loop_runner.start()
         self.metrics.set_engine_thread(self.loop_runner.thread)
@@ -191,24 +231,27 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if self.options.log_interval > 0:
             self._log_task = asyncio.create_task(self._log_loop())
         self._health_task = asyncio.create_task(self._watch_engine_health())
-        logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens)", self.model_name,
-                    self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size)
+        logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens; %d tenant%s, work limit %d tokens)",
+                    self.model_name, self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size,
+                    len(self.auth.tenants), "" if len(self.auth.tenants) == 1 else "s", self.admission.max_tokens)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Stops admitting, lets in-flight requests finish up to `timeout`, aborts the rest, stops."""
+        """Stops admitting, lets open streams finish up to `timeout`, aborts the rest, stops."""
         if self.state in (ServerState.DRAINING, ServerState.STOPPED):
             await self.stopped.wait()
             return
         timeout = self.options.shutdown_timeout if timeout is None else timeout
         self.state = ServerState.DRAINING
         await self.health.enter_graceful_shutdown()
-        logger.info("draining: %d requests in flight, up to %.1f s", self.num_in_flight, timeout)
+        logger.info("draining: %d requests in flight, up to %.1f s", self.num_streams, timeout)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
-            if self.loop_runner is not None:
+            if self.loop_runner is not None and not self.loop_runner.dead:
                 n = await asyncio.wrap_future(self.loop_runner.abort_all("server shutting down"))
                 logger.warning("drain timeout: aborted %d requests", n)
+            for buf in list(self._buffers):  # requests whose admission was still queued
+                buf.push(Aborted("server shutting down"))
             try:
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except TimeoutError:
@@ -226,6 +269,8 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             await self.server.stop(grace)
         if self.loop_runner is not None:
             await asyncio.to_thread(self.loop_runner.stop)
+        if self.frontend is not None:
+            self.frontend.close()
         if self.engine is not None and hasattr(self.engine, "close"):
             try:  # multi-host leader: stops the followers' loops and the heartbeats
                 await asyncio.to_thread(self.engine.close)
@@ -243,8 +288,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return self.engine_config.model or "embedded:SmolLM2-135M-Instruct"
 
     @property
-    def max_in_flight(self) -> int:
-        return self.engine_config.max_num_seqs + self.max_queued_requests
+    def num_in_flight(self) -> int:
+        """Requests admitted and not yet done in the engine."""
+        return self.admission.total.requests if self.admission is not None else 0
 
     @property
     def max_prompt_chars(self) -> int:
@@ -264,25 +310,37 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             name = max(fields, key=lambda fv: fv[1])[0] if fields else "request"
             raise ValueError(f"{name}: the request is {size} bytes, over max_message_bytes {limit}")
 
+    async def _caller(self, context) -> Tenant:
+        """The calling tenant (the interceptor already refused calls without a valid key)."""
+        tenant = self.auth.authenticate(context.invocation_metadata())
+        if tenant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+        return tenant
+
     async def _require_serving(self, context) -> None:
         if self.state == ServerState.LOADING:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading the model")
         if self.state != ServerState.SERVING:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.loop_runner.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the engine stopped (error id {self.loop_runner.fatal_error_id}); "
+                                "the server is going down")
         if not getattr(self.engine, "healthy", True):
             reason = getattr(self.engine, "unhealthy_reason", None) or "unknown"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is unhealthy: {reason}")
 
-    async def _watch_engine_health(self, interval: float = 0.25) -> None:
-        """Mirrors `engine.healthy` (a multi-host peer died, ...) into the health service."""
+    async def _watch_engine_health(self, interval: float = 0.1) -> None:
+        """Mirrors `engine.healthy` (a multi-host peer died, ...) and the engine thread's life
+        into the health service."""
         while self.state == ServerState.SERVING:
+            if self.loop_runner.dead:
+                await self._on_engine_dead()
+                return
             healthy = bool(getattr(self.engine, "healthy", True))
             if healthy != self._healthy:
                 self._healthy = healthy
-                status = (health_pb2.HealthCheckResponse.SERVING if healthy
-                          else health_pb2.HealthCheckResponse.NOT_SERVING)
-                for svc in ("", SERVICE_NAME):
-                    await self.health.set(svc, status)
+                await self._set_health(healthy)
                 if healthy:
                     logger.info("engine healthy again: serving")
                 else:
@@ -290,14 +348,64 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                                  getattr(self.engine, "unhealthy_reason", None))
             await asyncio.sleep(interval)
 
-    def _enter(self) -> None:
-        self.num_in_flight += 1
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in ("", SERVICE_NAME):
+            await self.health.set(svc, status)
+
+    async def _on_engine_dead(self) -> None:
+        """The engine thread is gone: NOT_SERVING, every open stream ends now, exit non-zero."""
+        error_id = self.loop_runner.fatal_error_id or new_error_id()
+        if self.loop_runner.fatal is None:
+            logger.critical("the engine thread is gone [error id %s]", error_id)
+        await self._set_health(False)
+        for buf in list(self._buffers):
+            buf.push(EngineFailed(error_id, fatal=True))
+        self.exit_code = EXIT_ENGINE_FAILED
+        self.engine_failed.set()
+        logger.critical("health NOT_SERVING: %d open streams ended; the server exits with status %d after the "
+                        "drain so that a supervisor restarts it", len(self._buffers), EXIT_ENGINE_FAILED)
+
+    def _enter(self, buf: StreamBuffer) -> None:
+        self.num_streams += 1
+        self._buffers.add(buf)
         self._idle.clear()
 
-    def _leave(self) -> None:
-        self.num_in_flight -= 1
-        if self.num_in_flight == 0:
+    def _leave(self, buf: StreamBuffer) -> None:
+        self.num_streams -= 1
+        self._buffers.discard(buf)
+        if self.num_streams == 0:
             self._idle.set()
+
+    def _sampling_params(self, sp: pb.SamplingParams, tenant: Tenant) -> SamplingParams:
+        """The client's fields, its priority clamped to the tenant's range, its cache salt
+        moved into the tenant's prefix-cache space."""
+        params = sampling_params_from_proto(sp)
+        lo, hi = tenant.priority_range or self.options.priority_range
+        shared = self.options.shared_prefix_cache or len(self.auth.tenants) == 1
+        return dataclasses.replace(params, priority=min(max(params.priority, lo), hi),
+                                   cache_salt=tenant.cache_salt(params.cache_salt, shared))
+
+    async def _prompt_ids(self, text: str | None, ids: list[int] | None,
+                          chat: tuple[list[dict[str, str]], bool] | None) -> list[int]:
+        if ids is not None:
+            return ids
+        if chat is not None:
+            return await self.frontend.chat(*chat)
+        return await self.frontend.encode(text)
+
+    async def _write(self, context, resp: pb.GenerateResponse, key: str) -> None:
+        """Sends one response; a client that reads nothing for `stream_idle_timeout` (its
+        HTTP/2 window full) loses the stream, and its request is aborted by the caller."""
+        try:
+            async with asyncio.timeout(self.options.stream_idle_timeout):
+                await context.write(resp)
+        except TimeoutError:
+            self.metrics.stream_idle_aborts.inc()
+            logger.warning("stream %s not read for %.0f s: aborted", key, self.options.stream_idle_timeout)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the stream was not read for {self.options.stream_idle_timeout:g} s "
+                                "(stream_idle_timeout)")
 
     async def _log_loop(self) -> None:
         prev = self.loop_runner.snapshot
@@ -323,81 +431,96 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             prev = snap
 
     # ------------------------------------------------------------------ RPCs
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest, context) -> None:
+        tenant = await self._caller(context)
         await self._require_serving(context)
-        if self.num_in_flight >= self.max_in_flight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server queue is full ({self.num_in_flight} requests in flight, "
-                                f"max_num_seqs + max_queued_requests = {self.max_in_flight})")
         try:
             self._check_size(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
-            params = sampling_params_from_proto(request.sampling_params)
+            params = self._sampling_params(request.sampling_params, tenant)
             text, ids, chat = check_input(request, self.max_prompt_chars, self.engine.max_model_len)
+            ids = await self._prompt_ids(text, ids, chat)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except FrontendBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
+            reservation = self.admission.reserve(tenant, work)
+        except AdmissionRefused as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         rid = request.request_id or uuid.uuid4().hex
-        arrival = time.monotonic()
-        self._enter()
+        key = tenant.request_key(rid)
+        buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
+        self._enter(buffer)
         ticket = object()
         done = False
         try:
             try:
-                q = await self.loop_runner.add_request(rid, params, prompt=text, prompt_token_ids=ids,
-                                                       chat=chat, arrival_time=arrival, ticket=ticket)
+                await self.loop_runner.add_request(key, params, buffer, prompt=text, prompt_token_ids=ids,
+                                                   arrival_time=time.monotonic(), ticket=ticket)
             except ValueError as e:
                 done = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except Exception as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).replace(repr(key), repr(rid)))
+            except EngineDead as e:
                 done = True
-                logger.exception("add_request failed")
-                await context.abort(grpc.StatusCode.INTERNAL, f"could not admit the request: {e}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except Exception:
+                done = True
+                error_id = new_error_id()
+                logger.exception("admitting %s failed [error id %s]", key, error_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"could not admit the request (error id {error_id})")
             reported: set[int] = set()
             while True:
-                item = await q.get()
-                if isinstance(item, RequestOutput):
-                    if item.finished and item.error is not None:  # its device step failed
+                out, term = await buffer.take()
+                if out is not None:
+                    if out.finished and out.error is not None:  # its device step failed
                         done = True
-                        await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {item.error}")
-                    resp = output_to_proto(item, reported)
-                    if item.finished:
-                        done = True
-                    yield resp
+                        error_id = new_error_id()
+                        logger.error("request %s failed [error id %s]: %s", key, error_id, out.error)
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"engine failure (error id {error_id}); the request was not completed")
+                    done = done or out.finished
+                    await self._write(context, output_to_proto(out, reported, request_id=rid), key)
                     if done:
                         return
-                elif isinstance(item, Aborted):
+                if isinstance(term, Aborted):
                     done = True
                     resp = pb.GenerateResponse(request_id=rid, finished=True)
                     for i in range(params.n):
                         if i not in reported:
                             resp.outputs.add(index=i, finish_reason="abort")
-                    yield resp
+                    await self._write(context, resp, key)
                     return
-                elif isinstance(item, EngineFailed):
+                if isinstance(term, EngineFailed):
                     done = True
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failure: {item}")
+                    code = grpc.StatusCode.UNAVAILABLE if term.fatal else grpc.StatusCode.INTERNAL
+                    await context.abort(code, term.client_message)
         finally:
-            self._leave()
+            self.admission.release(reservation)
+            self._leave(buffer)
             if not done:
-                # Cancelled, disconnected or past its deadline (maybe while being admitted):
-                # abort this RPC's request so its KV blocks are free by the next step.
-                self.loop_runner.abort(rid, ticket=ticket)
+                # Cancelled, disconnected, past its deadline or not read (maybe while being
+                # admitted): abort this RPC's request so its KV blocks are free by the next step.
+                self.loop_runner.abort(key, ticket=ticket)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
+        await self._caller(context)
         await self._require_serving(context)
         try:
             self._check_size(request)
             text, _, chat = check_input(request, self.max_prompt_chars, 1 << 62)
-            if chat is not None:
-                ids = await self.loop_runner.call(lambda e: apply_chat_template(e.tokenizer, chat[0], chat[1]))
-            else:
-                ids = await self.loop_runner.call(lambda e: e.tokenize(text))
+            ids = await self._prompt_ids(text, None, chat)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except FrontendBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.metrics.tokenize_requests.inc()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
     async def GetModelInfo(self, request, context):
+        await self._caller(context)
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading the model")
         e = self.engine
@@ -417,14 +540,18 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return {"attention_implementation": f"{attention[0]} ({attention[1]})"} if attention else {}
 
     async def GetServerInfo(self, request, context):
-        info = pb.ServerInfo(
-            version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
-            engine_config={**{f.name: str(getattr(self.engine_config, f.name))
-                              for f in dataclasses.fields(self.engine_config)},
-                           **self._attention_info()},
-            num_in_flight=self.num_in_flight, max_queued_requests=self.max_queued_requests,
-            compilations_after_warmup=self.metrics.num_compilations_after_warmup,
-        )
+        """Server-wide engine state for admin tenants; others see the state and their own
+        requests in flight only (the rest would tell them about the other tenants' load)."""
+        tenant = await self._caller(context)
+        info = pb.ServerInfo(version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
+                             max_queued_requests=self.max_queued_requests)
+        if not tenant.admin:
+            info.num_in_flight = self.admission.usage(tenant.name)[0] if self.admission is not None else 0
+            return info
+        info.engine_config.update({**{f.name: str(getattr(self.engine_config, f.name))
+                                      for f in dataclasses.fields(self.engine_config)}, **self._attention_info()})
+        info.num_in_flight = self.num_in_flight
+        info.compilations_after_warmup = self.metrics.num_compilations_after_warmup
         snap = self._snapshot()
         if snap is not None:
             st = snap.stats
@@ -437,8 +564,11 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return info
 
     async def Abort(self, request: pb.AbortRequest, context):
+        """Aborts the caller's own request of that id (another tenant's is never found)."""
+        tenant = await self._caller(context)
         await self._require_serving(context)
-        found = await asyncio.wrap_future(self.loop_runner.abort(request.request_id, notify="aborted by client"))
+        found = await asyncio.wrap_future(
+            self.loop_runner.abort(tenant.request_key(request.request_id), notify="aborted by client"))
         return pb.AbortResponse(found=found)
 
 
@@ -447,16 +577,26 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-async def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
-    """Runs a server until SIGTERM / SIGINT, then drains. Returns the exit code."""
+async def serve(engine_config: EngineConfig, options: ServerOptions, *, engine: Any = None) -> int:
+    """Runs a server until SIGTERM / SIGINT (then drains) or until its engine thread stops on
+    an error. Returns the exit code: 0 after a drain, EXIT_ENGINE_FAILED when the engine died.
+    A second signal while draining exits the process at once (EXIT_SECOND_SIGNAL)."""
     import signal
 
-    srv = JaxServeServer(engine_config, options)
+    srv = JaxServeServer(engine_config, options, engine=engine)
     await srv.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            logger.warning("second signal: exiting now, without draining")
+            logging.shutdown()
+            os._exit(EXIT_SECOND_SIGNAL)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     load = asyncio.create_task(srv.load())
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -465,13 +605,21 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> int:
         await srv.stop()
         raise load.exception()
     if not stop.is_set():
-        await stop.wait()
-    logger.info("signal received: shutting down")
+        failed = asyncio.create_task(srv.engine_failed.wait())
+        await asyncio.wait({waiter, failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
     if not load.done():
         # Still loading / compiling on a worker thread that cannot be interrupted, and that
         # asyncio.run would wait for: nothing is in flight, so exit the process right here.
+        logger.info("signal received while loading: exiting")
         await srv.stop()
         logging.shutdown()
         os._exit(0)
-    await srv.drain()
-    return 0
+    if srv.engine_failed.is_set():
+        logger.critical("the engine thread stopped: draining, then exiting with status %d", srv.exit_code)
+        await srv.drain(timeout=min(5.0, options.shutdown_timeout))
+    else:
+        logger.info("signal received: shutting down")
+        await srv.drain()
+    waiter.cancel()
+    return srv.exit_code

@@ -12,15 +12,49 @@ import time
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from jaxserve.engine_args import add_engine_args
     from server.app import ServerOptions
+    from server.tenants import API_KEY_ENV
 
     d = ServerOptions()
     s = sub.add_parser("serve", help="run the gRPC server (SIGTERM drains and exits 0)")
     s.add_argument("--host", default=d.host, help="address to bind (0.0.0.0 for all interfaces)")
     s.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
+    s.add_argument("--metrics-host", default=d.metrics_host,
+                   help="address of the /metrics endpoint (default 127.0.0.1: operators only)")
     s.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help="Prometheus /metrics HTTP port (0: any free port, -1: off)")
-    s.add_argument("--api-key", default=d.api_key,
-                   help="require 'authorization: Bearer KEY' metadata (health and reflection stay open)")
+    a = s.add_argument_group("tenants and API keys (health and reflection stay open)")
+    a.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="tenants: 'name key [max_requests=N] [max_tokens=N] [priority=LO:HI] [admin]' per line")
+    a.add_argument("--api-key-file", metavar="FILE", default=None, help="one API key, read from FILE")
+    a.add_argument("--api-key", default=None,
+                   help=f"one API key (visible in the process list: prefer --api-key-file or ${API_KEY_ENV})")
+    a.add_argument("--shared-prefix-cache", action="store_true",
+                   help="tenants share cached prefixes (faster, but a tenant can tell what another sent)")
+    a.add_argument("--priority-range", default=f"{d.priority_range[0]}:{d.priority_range[1]}", metavar="LO:HI",
+                   help="client priorities are clamped into this range (lower runs first under --policy priority)")
+    lim = s.add_argument_group("limits and connections")
+    lim.add_argument("--max-queued-tokens", type=int, default=None,
+                     help="work in flight, prompt + n x max_tokens summed over requests (default 4 x the KV cache)")
+    lim.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout,
+                     help="seconds a client may read nothing before its stream is aborted")
+    lim.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
+                     help="concurrent calls per HTTP/2 connection")
+    lim.add_argument("--keepalive-time", type=float, default=d.keepalive_time,
+                     help="seconds between keepalive pings on a connection")
+    lim.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout,
+                     help="seconds a ping may stay unanswered before the connection is closed")
+    lim.add_argument("--max-connection-idle", type=float, default=None,
+                     help="close connections without calls for this many seconds")
+    lim.add_argument("--max-connection-age", type=float, default=None,
+                     help="close connections older than this many seconds (spreads clients over replicas)")
+    lim.add_argument("--max-connection-age-grace", type=float, default=d.max_connection_age_grace,
+                     help="seconds calls get to finish on a connection closed for its age")
+    lim.add_argument("--max-open-calls", type=int, default=d.max_open_calls,
+                     help="health / reflection calls (which need no key) open at once")
+    lim.add_argument("--frontend-threads", type=int, default=d.frontend_threads,
+                     help="threads that tokenize and apply chat templates")
+    lim.add_argument("--max-pending-tokenizations", type=int, default=d.max_pending_tokenizations,
+                     help="tokenization jobs queued or running; more are refused with RESOURCE_EXHAUSTED")
     s.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key-file", default=None, help="PEM private key for --tls-cert-file")
     s.add_argument("--tls-client-ca-file", default=None, help="PEM CA: require client certificates (mTLS)")
@@ -50,7 +84,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--top-p", type=float, default=None)
     c.add_argument("--top-k", type=int, default=None)
     c.add_argument("--seed", type=int, default=None)
-    c.add_argument("--api-key", default=None)
+    c.add_argument("--api-key", default=None, help="API key (default: $JAXSERVE_API_KEY)")
     c.add_argument("--tls-ca-file", default=None, help="PEM CA: connect with TLS")
     c.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     c.set_defaults(func=cmd_client)
@@ -64,6 +98,7 @@ def _setup_logging() -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from jaxserve.engine_args import engine_config_from_args
     from server.app import ServerOptions, serve
+    from server.tenants import parse_priority_range
 
     _setup_logging()
     cfg = engine_config_from_args(ns)
@@ -71,10 +106,25 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     if ns.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
+    api_key, tenants = _keys_from_args(ns)
+    for flag in ("stream_idle_timeout", "keepalive_time", "keepalive_timeout", "max_concurrent_streams",
+                 "max_open_calls", "frontend_threads", "max_pending_tokenizations"):
+        if getattr(ns, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
+        raise ValueError("--max-queued-tokens must be >= 1")
     opts = ServerOptions(
-        host=ns.host, port=ns.port, metrics_port=ns.metrics_port, api_key=ns.api_key,
+        host=ns.host, port=ns.port, metrics_host=ns.metrics_host, metrics_port=ns.metrics_port,
+        api_key=api_key, tenants=tenants, shared_prefix_cache=ns.shared_prefix_cache,
+        priority_range=parse_priority_range(ns.priority_range, "--priority-range"),
         tls_cert_file=ns.tls_cert_file, tls_key_file=ns.tls_key_file,
         tls_client_ca_file=ns.tls_client_ca_file, max_queued_requests=ns.max_queued_requests,
+        max_queued_tokens=ns.max_queued_tokens, stream_idle_timeout=ns.stream_idle_timeout,
+        max_concurrent_streams=ns.max_concurrent_streams, keepalive_time=ns.keepalive_time,
+        keepalive_timeout=ns.keepalive_timeout, max_connection_idle=ns.max_connection_idle,
+        max_connection_age=ns.max_connection_age, max_connection_age_grace=ns.max_connection_age_grace,
+        max_open_calls=ns.max_open_calls, frontend_threads=ns.frontend_threads,
+        max_pending_tokenizations=ns.max_pending_tokenizations,
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
         require_warm_cache=ns.require_warm_cache,
@@ -92,6 +142,26 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except RuntimeError as e:  # e.g. --require-warm-cache with a cold cache
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 3
+
+
+def _keys_from_args(ns: argparse.Namespace) -> tuple[str | None, tuple]:
+    """(single key, tenants) from --api-keys, --api-key-file, $JAXSERVE_API_KEY or --api-key."""
+    import os
+
+    from server.tenants import API_KEY_ENV, load_api_keys, read_single_key
+
+    given = [f for f in ("api_keys", "api_key_file", "api_key") if getattr(ns, f)]
+    if len(given) > 1:
+        raise ValueError(f"give one of --api-keys, --api-key-file, --api-key (got {', '.join(given)})")
+    if ns.api_keys:
+        return None, tuple(load_api_keys(ns.api_keys))
+    if ns.api_key_file:
+        return read_single_key(ns.api_key_file), ()
+    if ns.api_key:
+        logging.getLogger("jaxserve.server").warning(
+            "--api-key puts the key in the process list; prefer --api-key-file or $%s", API_KEY_ENV)
+        return ns.api_key, ()
+    return os.environ.get(API_KEY_ENV) or None, ()
 
 
 def make_channel(address: str, tls_ca_file: str | None = None):
@@ -117,7 +187,10 @@ def cmd_client(ns: argparse.Namespace) -> int:
                                  sampling_params=sp)
     else:
         req = pb.GenerateRequest(text=ns.prompt, sampling_params=sp)
-    md = [("authorization", f"Bearer {ns.api_key}")] if ns.api_key else None
+    import os
+
+    key = ns.api_key or os.environ.get("JAXSERVE_API_KEY")
+    md = [("authorization", f"Bearer {key}")] if key else None
     t0 = time.perf_counter()
     ttft = None
     last = None

@@ -85,10 +85,13 @@ def check_input(req: pb.GenerateRequest | pb.TokenizeRequest, max_prompt_chars: 
     return None, None, (messages, add_gen)
 
 
-def output_to_proto(out: RequestOutput, reported: set[int] | None = None) -> pb.GenerateResponse:
-    """One response from one step's deltas. `reported` (kept per stream) holds the indices
-    whose finish was already sent, so a finished sequence of an n > 1 request is sent once."""
-    resp = pb.GenerateResponse(request_id=out.request_id, finished=out.finished)
+def output_to_proto(out: RequestOutput, reported: set[int] | None = None, *,
+                    request_id: str | None = None) -> pb.GenerateResponse:
+    """One response from one step's (or several merged steps') deltas. `reported` (kept per
+    stream) holds the indices whose finish was already sent, so a finished sequence of an n > 1
+    request is sent once. `request_id`: the id the client knows (the engine's is tenant-scoped)."""
+    resp = pb.GenerateResponse(request_id=out.request_id if request_id is None else request_id,
+                               finished=out.finished)
     for c in out.outputs:
         new_finish = c.finish_reason is not None and (reported is None or c.index not in reported)
         if not (c.delta_token_ids or c.delta_text or new_finish):

@@ -1,13 +1,21 @@
 """The bridge between the asyncio gRPC front and the single-threaded engine.
 
-One dedicated thread owns the `Engine`: it is the only caller of `add_request`, `abort`,
-`step` and the tokenizer. The asyncio side hands it commands through a thread-safe queue and
-gets results back through futures (for one-shot calls such as `add_request`) and per-request
-`asyncio.Queue`s (for streamed outputs), always via `loop.call_soon_threadsafe`. When no
-request is unfinished the thread blocks on the command queue; it never spins.
+One dedicated thread owns the `Engine`: it is the only caller of `add_request`, `abort` and
+`step`. The asyncio side hands it commands through a thread-safe queue and gets results back
+through futures (one-shot calls such as `add_request`) and per-request `StreamBuffer`s
+(streamed outputs), always via `loop.call_soon_threadsafe`. When no request is unfinished the
+thread blocks on the command queue; it never spins. Tokenization and chat templates happen
+before a command is sent (`server/frontend.py`), never on this thread.
 
 Commands are drained before every step, so an abort (client cancel, disconnect, deadline)
 takes effect before the next step is scheduled: its KV blocks are free within one step.
+
+Failure policy. A step that raises fails the requests in flight (each stream gets an
+`EngineFailed` with an error id; the log has the exception under that id) and the loop goes
+on; `MAX_CONSECUTIVE_STEP_FAILURES` in a row, or an exception anywhere else in the loop
+(output handling, a snapshot, an abort), stop the thread: `fatal` is set, every stream and
+every queued or later command fails at once, and the server turns NOT_SERVING and exits
+non-zero so that a supervisor restarts it. The thread never dies without saying so.
 """
 
 from __future__ import annotations
@@ -19,29 +27,27 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import OutputKind, RequestOutput
 from scheduler import SamplingParams
 from scheduler.stats import SchedulerStats
+from server.streams import Aborted, EngineFailed, StreamBuffer
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-class Aborted:
-    """Stream item: the request was aborted by the server (Abort RPC, drain timeout)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str):
-        self.reason = reason
+class EngineDead(RuntimeError):
+    """The engine thread has stopped; nothing more can run on it."""
 
 
-class EngineFailed(Exception):
-    """Stream item: the engine step raised; the request cannot continue."""
+def new_error_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,7 @@ class EngineSnapshot:
 
 @dataclasses.dataclass
 class _Stream:
-    queue: asyncio.Queue
+    buffer: StreamBuffer
     ticket: object = None  # identifies the RPC that owns the request id
     last_token_time: float | None = None
 
@@ -76,6 +82,7 @@ class EngineLoop:
         self.loop = loop
         self.metrics = metrics
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders `fatal` against commands being queued
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self.thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._num_steps = 0
@@ -83,8 +90,12 @@ class EngineLoop:
         self._generation_tokens = 0
         self._prompt_tokens = 0
         self._num_finished = 0
+        self._step_failures = 0  # in a row
         self.snapshot = self._make_snapshot()
-        self.failed: BaseException | None = None
+        self.failed: BaseException | None = None  # the latest step failure
+        self.fatal: BaseException | None = None  # set once the thread has stopped on an error
+        self.fatal_error_id: str | None = None
+        self._stopped = False  # the loop returned because it was asked to
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -100,12 +111,25 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    @property
+    def dead(self) -> bool:
+        """The thread stopped on an error, or is gone without having been asked to stop."""
+        return self.fatal is not None or (self.thread.ident is not None and not self.thread.is_alive()
+                                           and not self._stopped)
+
     # ------------------------------------------------------------------ API (any thread)
+    def _put(self, cmd: tuple, fut: concurrent.futures.Future) -> concurrent.futures.Future:
+        with self._lock:
+            if self.fatal is None:
+                self._cmds.put(cmd)
+                return fut
+        fut.set_exception(EngineDead(f"the engine thread has stopped (error id {self.fatal_error_id})"))
+        return fut
+
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Runs `fn(engine)` on the engine thread; the future holds its result or exception."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("call", fn, fut))
-        return fut
+        return self._put(("call", fn, fut), fut)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.submit(fn))
@@ -114,31 +138,26 @@ class EngineLoop:
         self,
         request_id: str,
         params: SamplingParams,
+        buffer: StreamBuffer,
         *,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
-        chat: tuple[list[dict[str, str]], bool] | None = None,
         arrival_time: float | None = None,
         ticket: object = None,
-    ) -> asyncio.Queue:
-        """Admits a request; returns the queue its `RequestOutput`s arrive on.
+    ) -> None:
+        """Admits a request whose outputs (deltas) go to `buffer`.
 
         Raises ValueError (naming the field) when the engine rejects the request. `ticket`
         (any object) lets the caller abort exactly this request later, even if it gives up
         before the admission completes: see `abort`.
         """
-        q: asyncio.Queue = asyncio.Queue()
 
         def add(engine: Any) -> None:
-            ids = prompt_token_ids
-            if chat is not None:
-                ids = apply_chat_template(engine.tokenizer, chat[0], chat[1])
-            engine.add_request(prompt, params, prompt_token_ids=ids, request_id=request_id,
-                               arrival_time=arrival_time)
-            self._streams[request_id] = _Stream(q, ticket)
+            engine.add_request(prompt, params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+                               arrival_time=arrival_time, output_kind=OutputKind.DELTA)
+            self._streams[request_id] = _Stream(buffer, ticket)
 
         await self.call(add)
-        return q
 
     def abort(self, request_id: str, notify: str | None = None, ticket: object = None) -> concurrent.futures.Future:
         """Aborts a request; with `notify`, its stream gets an `Aborted(notify)` item. With a
@@ -147,14 +166,20 @@ class EngineLoop:
         admission is still queued takes effect right after it. The future holds True when the
         request was still in the engine."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("abort", request_id, notify, ticket, fut))
-        return fut
+        return self._put(("abort", request_id, notify, ticket, fut), fut)
 
     def abort_all(self, reason: str) -> concurrent.futures.Future:
         return self.submit(lambda engine: self._abort_all(reason))
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        try:
+            self._loop()
+            self._stopped = True
+        except BaseException as e:  # noqa: BLE001 - the thread must never die silently
+            self._die(e)
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_unfinished_requests():
@@ -169,23 +194,55 @@ class EngineLoop:
                 if cmd is _STOP or not self._do(cmd):
                     return
             if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # noqa: BLE001 - keep serving whoever comes next
-                    logger.exception("engine step failed; aborting %d requests", len(self._streams))
-                    self.failed = e
-                    self._fail_all(e)
-                    continue
-                self._num_steps += 1
-                self._batched_tokens += engine.last_step.num_tokens
-                items = self._process(outputs)
-                # Publish the snapshot before the outputs go out: a client that sees its request
-                # finish and then asks for stats sees that request's blocks freed.
-                self.snapshot = self._make_snapshot()
-                if items:
-                    self.loop.call_soon_threadsafe(_deliver, items)
+                self._step()
             else:
                 self.snapshot = self._make_snapshot()
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep serving whoever comes next
+            self._step_failures += 1
+            self.failed = e
+            error_id = new_error_id()
+            logger.error("engine step failed [error id %s] (%d in a row); failing %d requests",
+                         error_id, self._step_failures, len(self._streams), exc_info=e)
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            self._fail_all(error_id)
+            return
+        self._step_failures = 0
+        self._num_steps += 1
+        self._batched_tokens += engine.last_step.num_tokens
+        items = self._process(outputs)
+        # Publish the snapshot before the outputs go out: a client that sees its request
+        # finish and then asks for stats sees that request's blocks freed.
+        self.snapshot = self._make_snapshot()
+        if items:
+            self.loop.call_soon_threadsafe(_deliver, items)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop cannot go on: fail every stream and every command, now and later."""
+        with self._lock:
+            self.fatal_error_id = error_id = new_error_id()
+            self.fatal = exc
+        logger.critical("the engine thread stopped [error id %s]: %s: %s", error_id, type(exc).__name__, exc,
+                        exc_info=exc)
+        items = [(st.buffer, EngineFailed(error_id, fatal=True)) for st in self._streams.values()]
+        self._streams.clear()
+        dead = EngineDead(f"the engine thread has stopped (error id {error_id})")
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not _STOP and not cmd[-1].done():
+                cmd[-1].set_exception(dead)
+        try:
+            self.loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
 
     def _do(self, cmd: Any) -> bool:
         if cmd is _STOP:
@@ -217,7 +274,7 @@ class EngineLoop:
             if self.metrics is not None:
                 self.metrics.request_success.labels(finished_reason="abort").inc()
         if stream is not None and notify is not None:
-            self.loop.call_soon_threadsafe(stream.queue.put_nowait, Aborted(notify))
+            self.loop.call_soon_threadsafe(stream.buffer.push, Aborted(notify))
         return found
 
     def _abort_all(self, reason: str) -> int:
@@ -226,16 +283,18 @@ class EngineLoop:
             self._abort_one(rid, reason)
         return len(rids)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, error_id: str) -> None:
+        items = []
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001
-                logger.exception("abort of %s failed", rid)
-            self.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineFailed(str(exc)))
+                logger.exception("abort of %s after a failed step failed", rid)
+            items.append((stream.buffer, EngineFailed(error_id)))
         self._streams.clear()
+        self.loop.call_soon_threadsafe(_deliver, items)
 
-    def _process(self, outputs: list[RequestOutput]) -> list[tuple[asyncio.Queue, RequestOutput]]:
+    def _process(self, outputs: list[RequestOutput]) -> list[tuple[StreamBuffer, RequestOutput]]:
         """Metrics and bookkeeping for one step's outputs; returns what to deliver where."""
         now = time.monotonic()
         items = []
@@ -256,7 +315,7 @@ class EngineLoop:
                     m.observe_finished(out)
                 self._streams.pop(out.request_id, None)
             if stream is not None:
-                items.append((stream.queue, out))
+                items.append((stream.buffer, out))
         self._generation_tokens += step_tokens
         if m is not None and step_tokens:
             m.generation_tokens.inc(step_tokens)
@@ -273,19 +332,6 @@ class EngineLoop:
         )
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat: this model has no chat template; send text or token_ids")
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True,
-                                            add_generation_prompt=add_generation_prompt, return_dict=False)
-    except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-        raise ValueError(f"chat: the chat template failed: {e}") from e
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
+def _deliver(items: list[tuple[StreamBuffer, Any]]) -> None:
+    for buffer, item in items:
+        buffer.push(item)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,15 @@ class ServerMetrics:
         self.compilations_after_warmup = Counter(
             P + "compilations_after_warmup", "XLA compilations after warmup finished (should stay 0).",
             registry=r)
+        self.stream_idle_aborts = Counter(
+            P + "stream_idle_aborts", "Streams aborted because the client read nothing for stream_idle_timeout.",
+            registry=r)
+        self.auth_failures = Counter(P + "auth_failures", "Calls refused for a missing or wrong API key.", registry=r)
+        self.tokenize_requests = Counter(P + "tokenize_requests", "Tokenize RPCs answered.", registry=r)
+        self.frontend_jobs_pending = Gauge(
+            P + "frontend_jobs_pending", "Tokenization / chat-template jobs queued or running.", registry=r)
+        self.engine_thread_alive = Gauge(
+            P + "engine_thread_alive", "1 while the engine thread runs; 0 once it has stopped.", registry=r)
         self._engine_thread: threading.Thread | None = None
         if snapshot is not None:
             r.register(_SnapshotCollector(snapshot))
@@ -70,6 +79,10 @@ class ServerMetrics:
         """Called once warmup is done: from now on every XLA compilation on the engine thread
         (the only thread that runs the engine) is a recompilation, counted and logged."""
         self._engine_thread = thread
+        self.engine_thread_alive.set_function(lambda: float(thread.is_alive()))
+
+    def set_frontend(self, pool: Any) -> None:
+        self.frontend_jobs_pending.set_function(lambda: float(pool.pending))
 
     def on_compile(self, duration_s: float) -> None:
         if self._engine_thread is not None and threading.current_thread() is self._engine_thread:

@@ -389,7 +389,8 @@ def test_oversized_message(srv, stub):
 
 
 def test_queue_full_is_resource_exhausted(srv, stub):
-    srv.server.max_queued_requests = 0  # at most max_num_seqs (8) requests in flight
+    limit = srv.server.admission.max_requests
+    srv.server.admission.max_requests = 8  # max_queued_requests 0: at most max_num_seqs requests in flight
     calls = []
     try:
         for i in range(8):
@@ -404,7 +405,7 @@ def test_queue_full_is_resource_exhausted(srv, stub):
     finally:
         for c in calls:
             c.cancel()
-        srv.server.max_queued_requests = 24
+        srv.server.admission.max_requests = limit
     wait_until(lambda: server_info(stub).num_in_flight == 0, timeout=10)
     _, _, ids, _ = generate(stub, text_req("hi", max_tokens=2, ignore_eos=True))
     assert len(ids) == 2

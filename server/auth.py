@@ -1,0 +1,74 @@
+"""The gRPC interceptor that decides, before any work, whether a call may run.
+
+A call to the API without a valid key is answered UNAUTHENTICATED by a handler whose request
+deserializer ignores the body: the message is never parsed. Health checks and reflection
+stay open, so load balancers and grpcurl can probe, but at most `max_open_calls` of them run
+at once (a flood of Health.Watch streams is refused with RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import grpc
+
+from server.tenants import Authenticator
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    if handler.request_streaming:
+        return "stream_stream" if handler.response_streaming else "stream_unary"
+    return "unary_stream" if handler.response_streaming else "unary_unary"
+
+
+def _ignore_body(_: bytes) -> None:
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, auth: Authenticator, max_open_calls: int = 64, on_denied: Any = None):
+        self.auth = auth
+        self.max_open_calls = max_open_calls
+        self.open_calls = 0
+        self._on_denied = on_denied  # called once per refused call (metrics)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        kind = _kind(handler)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        behaviour = getattr(handler, kind)
+        if details.method.startswith(OPEN_PREFIXES):
+            return make(self._bounded(behaviour), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+        if self.auth.authenticate(details.invocation_metadata) is not None:
+            return handler
+        if self._on_denied is not None:
+            self._on_denied()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+
+        return make(deny, request_deserializer=_ignore_body, response_serializer=handler.response_serializer)
+
+    def _bounded(self, behaviour: Any) -> Any:
+        async def run(request, context):
+            if self.open_calls >= self.max_open_calls:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.open_calls} health / reflection calls are open (max {self.max_open_calls})")
+            self.open_calls += 1
+            try:
+                result = behaviour(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        await context.write(item)
+                    return None
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                self.open_calls -= 1
+
+        return run
