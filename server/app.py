@@ -78,8 +78,8 @@ class ServerOptions:
     max_connection_age: float | None = None  # close connections older than this (load rebalancing)
     max_connection_age_grace: float = 30.0  # time calls get to finish once a connection is closed
     max_open_calls: int = 64  # health / reflection calls open at once (they need no key)
-    frontend_threads: int = 2  # tokenization / chat-template workers
-    max_pending_tokenizations: int = 64  # tokenization jobs queued or running; more: RESOURCE_EXHAUSTED
+    frontend_threads: int | None = None  # tokenization / chat-template workers; None: cores / 4 (1..4)
+    tokenizer_backlog_chars: int = 1_000_000  # characters queued for tokenization; more: RESOURCE_EXHAUSTED
     shutdown_timeout: float = 30.0
     max_prompt_chars: int | None = None  # None: 32 x max_model_len
     max_message_bytes: int = 4 * 2**20
@@ -216,13 +216,15 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                     f"compilation cache ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}); "
                     "fill it with `jaxserve warmup` using the same flags")
         o = self.options
-        self.frontend = FrontendPool(self.engine.tokenizer, o.frontend_threads, o.max_pending_tokenizations)
+        threads = o.frontend_threads or max(1, min(4, (os.cpu_count() or 1) // 4))
+        self.frontend = FrontendPool(self.engine.tokenizer, threads, o.tokenizer_backlog_chars)
         self.metrics.set_frontend(self.frontend)
         kv_tokens = self.engine.num_pages * self.engine_config.page_size
         self.admission = Admission(
             self.engine_config.max_num_seqs + self.max_queued_requests,
             o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
-        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
+        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
+                                      on_fatal=lambda: asyncio.ensure_future(self._on_engine_dead()))
         self.loop_runner.start()
         self.metrics.set_engine_thread(self.loop_runner.thread)
         self.state = ServerState.SERVING
@@ -355,6 +357,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
 
     async def _on_engine_dead(self) -> None:
         """The engine thread is gone: NOT_SERVING, every open stream ends now, exit non-zero."""
+        if self.engine_failed.is_set():
+            return
+        self.engine_failed.set()
         error_id = self.loop_runner.fatal_error_id or new_error_id()
         if self.loop_runner.fatal is None:
             logger.critical("the engine thread is gone [error id %s]", error_id)
@@ -362,7 +367,6 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         for buf in list(self._buffers):
             buf.push(EngineFailed(error_id, fatal=True))
         self.exit_code = EXIT_ENGINE_FAILED
-        self.engine_failed.set()
         logger.critical("health NOT_SERVING: %d open streams ended; the server exits with status %d after the "
                         "drain so that a supervisor restarts it", len(self._buffers), EXIT_ENGINE_FAILED)
 
@@ -386,13 +390,13 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return dataclasses.replace(params, priority=min(max(params.priority, lo), hi),
                                    cache_salt=tenant.cache_salt(params.cache_salt, shared))
 
-    async def _prompt_ids(self, text: str | None, ids: list[int] | None,
+    async def _prompt_ids(self, tenant: Tenant, text: str | None, ids: list[int] | None,
                           chat: tuple[list[dict[str, str]], bool] | None) -> list[int]:
         if ids is not None:
             return ids
         if chat is not None:
-            return await self.frontend.chat(*chat)
-        return await self.frontend.encode(text)
+            return await self.frontend.chat(*chat, owner=tenant.name)
+        return await self.frontend.encode(text, owner=tenant.name)
 
     async def _write(self, context, resp: pb.GenerateResponse, key: str) -> None:
         """Sends one response; a client that reads nothing for `stream_idle_timeout` (its
@@ -440,7 +444,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
             params = self._sampling_params(request.sampling_params, tenant)
             text, ids, chat = check_input(request, self.max_prompt_chars, self.engine.max_model_len)
-            ids = await self._prompt_ids(text, ids, chat)
+            ids = await self._prompt_ids(tenant, text, ids, chat)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:
@@ -506,12 +510,12 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                 self.loop_runner.abort(key, ticket=ticket)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
-        await self._caller(context)
+        tenant = await self._caller(context)
         await self._require_serving(context)
         try:
             self._check_size(request)
             text, _, chat = check_input(request, self.max_prompt_chars, 1 << 62)
-            ids = await self._prompt_ids(text, None, chat)
+            ids = await self._prompt_ids(tenant, text, None, chat)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:

@@ -51,10 +51,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="seconds calls get to finish on a connection closed for its age")
     lim.add_argument("--max-open-calls", type=int, default=d.max_open_calls,
                      help="health / reflection calls (which need no key) open at once")
-    lim.add_argument("--frontend-threads", type=int, default=d.frontend_threads,
-                     help="threads that tokenize and apply chat templates")
-    lim.add_argument("--max-pending-tokenizations", type=int, default=d.max_pending_tokenizations,
-                     help="tokenization jobs queued or running; more are refused with RESOURCE_EXHAUSTED")
+    lim.add_argument("--frontend-threads", type=int, default=None,
+                     help="threads that tokenize and apply chat templates (default: a quarter of the cores, 1 to 4; "
+                          "they take CPU from the engine)")
+    lim.add_argument("--tokenizer-backlog-chars", type=int, default=d.tokenizer_backlog_chars,
+                     help="characters queued for tokenization; calls past it get RESOURCE_EXHAUSTED")
     s.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS")
     s.add_argument("--tls-key-file", default=None, help="PEM private key for --tls-cert-file")
     s.add_argument("--tls-client-ca-file", default=None, help="PEM CA: require client certificates (mTLS)")
@@ -108,8 +109,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-queued-requests must be >= 0")
     api_key, tenants = _keys_from_args(ns)
     for flag in ("stream_idle_timeout", "keepalive_time", "keepalive_timeout", "max_concurrent_streams",
-                 "max_open_calls", "frontend_threads", "max_pending_tokenizations"):
-        if getattr(ns, flag) <= 0:
+                 "max_open_calls", "frontend_threads", "tokenizer_backlog_chars"):
+        if getattr(ns, flag) is not None and getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
         raise ValueError("--max-queued-tokens must be >= 1")
@@ -124,7 +125,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         keepalive_timeout=ns.keepalive_timeout, max_connection_idle=ns.max_connection_idle,
         max_connection_age=ns.max_connection_age, max_connection_age_grace=ns.max_connection_age_grace,
         max_open_calls=ns.max_open_calls, frontend_threads=ns.frontend_threads,
-        max_pending_tokenizations=ns.max_pending_tokenizations,
+        tokenizer_backlog_chars=ns.tokenizer_backlog_chars,
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
         require_warm_cache=ns.require_warm_cache,

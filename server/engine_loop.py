@@ -77,10 +77,12 @@ class _Stream:
 class EngineLoop:
     """Runs `engine` on its own thread; every public method is safe to call from any thread."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, metrics: Any | None = None):
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, metrics: Any | None = None,
+                 on_fatal: Callable[[], None] | None = None):
         self.engine = engine
         self.loop = loop
         self.metrics = metrics
+        self._on_fatal = on_fatal  # run on the event loop when the thread stops on an error
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders `fatal` against commands being queued
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -240,6 +242,8 @@ class EngineLoop:
             if cmd is not _STOP and not cmd[-1].done():
                 cmd[-1].set_exception(dead)
         try:
+            if self._on_fatal is not None:  # before the streams fail: health is NOT_SERVING first
+                self.loop.call_soon_threadsafe(self._on_fatal)
             self.loop.call_soon_threadsafe(_deliver, items)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass

@@ -4,14 +4,18 @@ A 16k-character prompt takes ~7 ms to encode and its chat template ~20 ms on thi
 CPU; on the engine thread that is a stall of every stream. The pool runs them beside the
 engine instead (the tokenizers library releases the GIL while it encodes). Each worker has
 its own copy of the tokenizer, since a fast tokenizer's settings are not safe to share
-between threads. The number of jobs queued or running is bounded: past `max_pending` a job
-is refused at once (RESOURCE_EXHAUSTED) instead of queueing without limit.
+between threads. The backlog is bounded in characters queued or being tokenized (what the
+CPU time of the queue grows with): a job that would pass `max_backlog_chars` is refused at
+once (RESOURCE_EXHAUSTED) instead of queueing without limit, unless its owner (the tenant)
+has no job pending. So a burst of short prompts passes, a flood of long ones is refused, and
+one tenant's flood never refuses another tenant's request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,15 +26,17 @@ class FrontendBusy(Exception):
 
 
 class FrontendPool:
-    def __init__(self, tokenizer: Any, threads: int = 2, max_pending: int = 64):
-        if threads < 1 or max_pending < 1:
-            raise ValueError("frontend threads and max_pending must be >= 1")
+    def __init__(self, tokenizer: Any, threads: int = 2, max_backlog_chars: int = 1_000_000):
+        if threads < 1 or max_backlog_chars < 1:
+            raise ValueError("frontend threads and max_backlog_chars must be >= 1")
         self.tokenizer = tokenizer
-        self.max_pending = max_pending
-        self.pending = 0  # event-loop thread only
+        self.max_backlog_chars = max_backlog_chars
+        self.pending = 0  # jobs queued or running (event-loop thread only)
+        self.backlog_chars = 0  # their characters
         self.jobs = 0
+        self._pending_by_owner: dict[str, int] = {}
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-frontend")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-frontend", initializer=_lower_priority)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -41,29 +47,52 @@ class FrontendPool:
             tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tok
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
+    async def _run(self, owner: str, chars: int, fn: Any, *args: Any) -> Any:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send token_ids")
-        if self.pending >= self.max_pending:
-            raise FrontendBusy(f"{self.pending} tokenization jobs are queued (max {self.max_pending}); retry later")
+        mine = self._pending_by_owner.get(owner, 0)
+        if mine and self.backlog_chars + chars > self.max_backlog_chars:
+            raise FrontendBusy(f"the tokenizer backlog is {self.backlog_chars} characters in {self.pending} jobs; "
+                               f"{chars} more is over tokenizer_backlog_chars {self.max_backlog_chars}: retry later")
+        self._pending_by_owner[owner] = mine + 1
         self.pending += 1
+        self.backlog_chars += chars
         self.jobs += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         finally:
             self.pending -= 1
+            self.backlog_chars -= chars
+            left = self._pending_by_owner[owner] - 1
+            if left:
+                self._pending_by_owner[owner] = left
+            else:
+                del self._pending_by_owner[owner]
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(self._encode, text)
+    async def encode(self, text: str, owner: str = "") -> list[int]:
+        return await self._run(owner, len(text), self._encode, text)
 
-    async def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        return await self._run(self._chat, messages, add_generation_prompt)
+    async def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, owner: str = "") -> list[int]:
+        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        return await self._run(owner, chars, self._chat, messages, add_generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tok()(text, add_special_tokens=True)["input_ids"])
 
     def _chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         return apply_chat_template(self._tok(), messages, add_generation_prompt)
+
+
+FRONTEND_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Worker threads run at a lower CPU priority than the engine (Linux: per-thread nice), so
+    that a flood of tokenization takes CPU from idle time first, not from the engine's steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FRONTEND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
+        pass
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:

@@ -12,8 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,10 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_harness import ServerThread, wait_until
 
 from jaxserve.config import EngineConfig
 from scheduler import SamplingParams
-from server.app import JaxServeServer, ServerOptions
+from server.app import ServerOptions
 from server.convert import sampling_params_to_proto as sp
 from server.proto import jaxserve_pb2 as pb
 from server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -40,27 +39,6 @@ CFG_ARGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--num-page
             "--max-model-len", "512"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "The three primary colors are"]
-
-
-class ServerThread:
-    """A JaxServeServer running on an event loop in a background thread."""
-
-    def __init__(self, cfg: EngineConfig, opts: ServerOptions, engine=None):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = JaxServeServer(cfg, opts, engine=engine)
-        self.run(self.server.start(), 30)
-        self.run(self.server.load(), 600)
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.run(self.server.stop(grace=0.5), 30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +75,6 @@ def text_req(prompt: str, **params) -> pb.GenerateRequest:
 
 def server_info(stub) -> pb.ServerInfo:
     return stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=AUTH, timeout=10)
-
-
-def wait_until(cond, timeout: float = 20.0, interval: float = 0.05, show=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError(f"condition not met in {timeout} s" + (f": {show()}" if show else ""))
 
 
 def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
