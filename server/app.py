@@ -449,6 +449,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        await self._require_serving(context)  # again: the drain may have begun while it tokenized
         try:
             work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
             reservation = self.admission.reserve(tenant, work)
