@@ -3,8 +3,8 @@
 A server runs in this process; the hostile clients run in their own processes
 (`tests/chaos_clients.py`), so this process's memory is the server's own. Prints:
 
-- 1000 concurrent streams over 10 connections: wall time, the server's RSS before / peak /
-  after, KV blocks in use after (must be 0);
+- 1000 concurrent streams over 10 connections, twice: wall time, the server's RSS before /
+  peak / after, KV blocks in use after (must be 0);
 - a well-behaved greedy stream's inter-token gaps (p50 / p99, medians over `--reps` runs)
   alone and under another tenant's tokenization flood, with the flood client at nice 19
   (standing in for a remote client) and at nice 0 (its CPU taken from this 2-core machine),
@@ -61,7 +61,7 @@ def good_stream(address: str):
     return asyncio.run(body())
 
 
-def bench_streams(srv: ServerThread) -> None:
+def bench_streams(srv: ServerThread, round_: int) -> None:
     before = rss_mib()
     peak = [before]
     stop = threading.Event()
@@ -82,7 +82,7 @@ def bench_streams(srv: ServerThread) -> None:
     stop.set()
     w.join()
     used = srv.server.loop_runner.snapshot.stats.num_used_blocks
-    print(f"1000 concurrent streams, 10 connections: {dt:.1f} s, statuses {counts}; server RSS "
+    print(f"1000 concurrent streams, 10 connections (round {round_}): {dt:.1f} s, statuses {counts}; server RSS "
           f"{before:.0f} -> peak {peak[0]:.0f} -> after {rss_mib():.0f} MiB; KV blocks in use after: {used}")
 
 
@@ -162,7 +162,8 @@ def main() -> None:
     try:
         print(f"server: {CFG.max_num_seqs} seqs, {CFG.max_num_batched_tokens} tokens per step, "
               f"frontend threads {srv.server.frontend._pool._max_workers}")
-        bench_streams(srv)
+        for round_ in (1, 2):  # the second round shows whether memory keeps growing
+            bench_streams(srv, round_)
         bench_flood(srv, ns.reps)
         bench_output_processing(srv)
     finally:

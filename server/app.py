@@ -445,6 +445,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             params = self._sampling_params(request.sampling_params, tenant)
             text, ids, chat = check_input(request, self.max_prompt_chars, self.engine.max_model_len)
             ids = await self._prompt_ids(tenant, text, ids, chat)
+            if len(ids) >= self.engine.max_model_len:  # refused here, not on the engine thread
+                raise ValueError(f"prompt is {len(ids)} tokens, which leaves no room for output within "
+                                 f"max_model_len {self.engine.max_model_len}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:
