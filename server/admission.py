@@ -4,7 +4,9 @@ A request's work is its prompt plus `n x max_tokens` (capped by what `max_model_
 reserved when it is admitted and given back when the engine is done with it (finished,
 aborted or failed), even if its client has not read the whole stream yet. A reservation that
 would pass a token limit is refused, except when nothing else of that scope is in flight, so
-a request larger than a limit still runs, alone. Runs on the event loop's thread only.
+a request larger than a limit still runs, alone. Refusals name the limit; a refusal by a
+server-wide limit gives no server-wide counts (they would tell a tenant about the others'
+load). Runs on the event loop's thread only.
 """
 
 from __future__ import annotations
@@ -51,16 +53,16 @@ class Admission:
         """Reserves one request of `work` tokens or raises AdmissionRefused."""
         mine = self._by_tenant.setdefault(tenant.name, _Usage())
         if self.total.requests >= self.max_requests:
-            raise AdmissionRefused(
-                f"server queue is full ({self.total.requests} requests in flight, "
-                f"max_num_seqs + max_queued_requests = {self.max_requests})")
+            raise AdmissionRefused(  # no server-wide counts: they would tell of other tenants' load
+                f"server queue is full (max_num_seqs + max_queued_requests = {self.max_requests} requests "
+                "in flight); retry later")
         if tenant.max_requests is not None and mine.requests >= tenant.max_requests:
             raise AdmissionRefused(f"tenant {tenant.name}: {mine.requests} requests in flight, "
                                    f"its max_requests is {tenant.max_requests}")
         if self.max_tokens is not None and self.total.requests and self.total.tokens + work > self.max_tokens:
             raise AdmissionRefused(
-                f"server work queue is full: {self.total.tokens} tokens of work in flight + {work} for this "
-                f"request (prompt + n x max_tokens) is over max_queued_tokens {self.max_tokens}")
+                f"server work queue is full: {work} tokens of work for this request (prompt + n x max_tokens) "
+                f"do not fit under max_queued_tokens {self.max_tokens} now; retry later")
         if tenant.max_tokens is not None and mine.requests and mine.tokens + work > tenant.max_tokens:
             raise AdmissionRefused(
                 f"tenant {tenant.name}: {mine.tokens} tokens of work in flight + {work} for this request "

@@ -89,13 +89,13 @@ def test_admission_counts_work_per_tenant_and_server_wide():
     big = adm.reserve(small, 5000)  # alone, a request over both limits still runs
     with pytest.raises(AdmissionRefused, match="tenant small: 1 requests in flight, its max_requests is 1"):
         adm.reserve(small, 1)
-    with pytest.raises(AdmissionRefused, match="over max_queued_tokens 1000"):
+    with pytest.raises(AdmissionRefused, match="do not fit under max_queued_tokens 1000"):
         adm.reserve(other, 1)  # the server's work limit is passed
     adm.release(big)
     adm.release(big)  # a second release does nothing
     assert adm.usage("small") == (0, 0) and adm.total.requests == 0
     r = [adm.reserve(other, 10) for _ in range(3)]
-    with pytest.raises(AdmissionRefused, match="max_num_seqs \\+ max_queued_requests = 3"):
+    with pytest.raises(AdmissionRefused, match="max_num_seqs \\+ max_queued_requests = 3 requests"):
         adm.reserve(other, 10)
     for x in r:
         adm.release(x)
