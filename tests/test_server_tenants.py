@@ -205,3 +205,41 @@ def test_open_health_calls_are_bounded():
             await server.stop(0)
 
     asyncio.run(body())
+
+
+def test_concurrent_streams_per_connection_are_capped():
+    """`max_concurrent_streams` reaches gRPC: on one connection at most that many calls run at
+    once (the client queues the rest, or HTTP/2 refuses them)."""
+    from server.app import ServerOptions
+
+    state = {"running": 0, "most": 0}
+
+    async def slow(request, context):
+        state["running"] += 1
+        state["most"] = max(state["most"], state["running"])
+        await asyncio.sleep(0.2)
+        state["running"] -= 1
+        return pb.ModelInfo(model="slow")
+
+    async def body():
+        server = grpc.aio.server(options=ServerOptions(max_concurrent_streams=2).grpc_options())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("jaxserve.v1.JaxServe", {
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                slow, request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await ch.channel_ready()
+                stub = pb_grpc.JaxServeStub(ch)
+                results = await asyncio.gather(*(stub.GetModelInfo(pb.GetModelInfoRequest()) for _ in range(6)),
+                                               return_exceptions=True)
+        finally:
+            await server.stop(0)
+        return results
+
+    results = asyncio.run(body())
+    assert state["most"] == 2
+    assert all(getattr(r, "model", None) == "slow" or r.code() == grpc.StatusCode.UNAVAILABLE for r in results)
+    assert any(getattr(r, "model", None) == "slow" for r in results)
