@@ -190,7 +190,9 @@ def cmd_client(ns: argparse.Namespace) -> int:
         req = pb.GenerateRequest(text=ns.prompt, sampling_params=sp)
     import os
 
-    key = ns.api_key or os.environ.get("JAXSERVE_API_KEY")
+    from server.tenants import API_KEY_ENV
+
+    key = ns.api_key or os.environ.get(API_KEY_ENV)
     md = [("authorization", f"Bearer {key}")] if key else None
     t0 = time.perf_counter()
     ttft = None
