@@ -35,7 +35,12 @@ class _Usage:
 
 
 class AdmissionRefused(Exception):
-    """Over a limit; the message names the limit (RESOURCE_EXHAUSTED)."""
+    """Over a limit; the message names the limit (RESOURCE_EXHAUSTED). `limit` is its short
+    name, a label of the refusal counter."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
 
 
 class Admission:
@@ -55,18 +60,18 @@ class Admission:
         if self.total.requests >= self.max_requests:
             raise AdmissionRefused(  # no server-wide counts: they would tell of other tenants' load
                 f"server queue is full (max_num_seqs + max_queued_requests = {self.max_requests} requests "
-                "in flight); retry later")
+                "in flight); retry later", "max_queued_requests")
         if tenant.max_requests is not None and mine.requests >= tenant.max_requests:
             raise AdmissionRefused(f"tenant {tenant.name}: {mine.requests} requests in flight, "
-                                   f"its max_requests is {tenant.max_requests}")
+                                   f"its max_requests is {tenant.max_requests}", "tenant_max_requests")
         if self.max_tokens is not None and self.total.requests and self.total.tokens + work > self.max_tokens:
             raise AdmissionRefused(
                 f"server work queue is full: {work} tokens of work for this request (prompt + n x max_tokens) "
-                f"do not fit under max_queued_tokens {self.max_tokens} now; retry later")
+                f"do not fit under max_queued_tokens {self.max_tokens} now; retry later", "max_queued_tokens")
         if tenant.max_tokens is not None and mine.requests and mine.tokens + work > tenant.max_tokens:
             raise AdmissionRefused(
                 f"tenant {tenant.name}: {mine.tokens} tokens of work in flight + {work} for this request "
-                f"(prompt + n x max_tokens) is over its max_tokens {tenant.max_tokens}")
+                f"(prompt + n x max_tokens) is over its max_tokens {tenant.max_tokens}", "tenant_max_tokens")
         for u in (self.total, mine):
             u.requests += 1
             u.tokens += work

@@ -159,7 +159,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
     async def start(self) -> int:
         """Binds the ports; health is NOT_SERVING until `load()` finishes. Returns the port."""
         o = self.options
-        self.interceptor = AuthInterceptor(self.auth, o.max_open_calls, on_denied=self.metrics.auth_failures.inc)
+        self.interceptor = AuthInterceptor(
+            self.auth, o.max_open_calls, on_denied=self.metrics.auth_failures.inc,
+            on_open_refused=self.metrics.requests_refused.labels(limit="max_open_calls").inc)
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=o.grpc_options())
         pb_grpc.add_JaxServeServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -451,12 +453,14 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:
+            self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         await self._require_serving(context)  # again: the drain may have begun while it tokenized
         try:
             work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
             reservation = self.admission.reserve(tenant, work)
         except AdmissionRefused as e:
+            self.metrics.requests_refused.labels(limit=e.limit).inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         rid = request.request_id or uuid.uuid4().hex
         key = tenant.request_key(rid)
@@ -523,6 +527,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except FrontendBusy as e:
+            self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.metrics.tokenize_requests.inc()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))

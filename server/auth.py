@@ -29,11 +29,13 @@ def _ignore_body(_: bytes) -> None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: Authenticator, max_open_calls: int = 64, on_denied: Any = None):
+    def __init__(self, auth: Authenticator, max_open_calls: int = 64, on_denied: Any = None,
+                 on_open_refused: Any = None):
         self.auth = auth
         self.max_open_calls = max_open_calls
         self.open_calls = 0
-        self._on_denied = on_denied  # called once per refused call (metrics)
+        self._on_denied = on_denied  # called once per call refused for its key (metrics)
+        self._on_open_refused = on_open_refused  # once per health / reflection call over the bound
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -58,6 +60,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def _bounded(self, behaviour: Any) -> Any:
         async def run(request, context):
             if self.open_calls >= self.max_open_calls:
+                if self._on_open_refused is not None:
+                    self._on_open_refused()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"{self.open_calls} health / reflection calls are open (max {self.max_open_calls})")
             self.open_calls += 1

@@ -66,6 +66,9 @@ class ServerMetrics:
             registry=r)
         self.auth_failures = Counter(P + "auth_failures", "Calls refused for a missing or wrong API key.", registry=r)
         self.tokenize_requests = Counter(P + "tokenize_requests", "Tokenize RPCs answered.", registry=r)
+        self.requests_refused = Counter(
+            P + "requests_refused", "Calls refused with RESOURCE_EXHAUSTED, by the limit they hit.", ["limit"],
+            registry=r)
         self.frontend_jobs_pending = Gauge(
             P + "frontend_jobs_pending", "Tokenization / chat-template jobs queued or running.", registry=r)
         self.engine_thread_alive = Gauge(

@@ -150,6 +150,8 @@ def test_tenant_limits_and_priority_clamp(srv):
             with pytest.raises(grpc.aio.AioRpcError) as e:  # a third request: over max_requests=2
                 await stub.Generate(req("one more", max_tokens=2), metadata=md("tiny")).read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_requests" in e.value.details()
+            assert srv.server.metrics.registry.get_sample_value(
+                "jaxserve:requests_refused_total", {"limit": "tenant_max_requests"}) >= 1
             # other tenants are not limited by tiny's limits
             ok = await read_stream(stub.Generate(req("one more", max_tokens=2), metadata=md("bob")))
             assert ok.code == grpc.StatusCode.OK
