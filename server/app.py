@@ -144,7 +144,6 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self._metrics_http: Any = None
         self.num_streams = 0  # open Generate streams (drain waits for these)
         self._buffers: set[StreamBuffer] = set()
-        self.max_queued_requests = o.max_queued_requests
         self._started = time.monotonic()
         self._log_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
@@ -223,7 +222,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.metrics.set_frontend(self.frontend)
         kv_tokens = self.engine.num_pages * self.engine_config.page_size
         self.admission = Admission(
-            self.engine_config.max_num_seqs + self.max_queued_requests,
+            self.engine_config.max_num_seqs + o.max_queued_requests,
             o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
                                       on_fatal=lambda: asyncio.ensure_future(self._on_engine_dead()))
@@ -254,8 +253,6 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             if self.loop_runner is not None and not self.loop_runner.dead:
                 n = await asyncio.wrap_future(self.loop_runner.abort_all("server shutting down"))
                 logger.warning("drain timeout: aborted %d requests", n)
-            for buf in list(self._buffers):  # requests whose admission was still queued
-                buf.push(Aborted("server shutting down"))
             try:
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except TimeoutError:
@@ -557,7 +554,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         requests in flight only (the rest would tell them about the other tenants' load)."""
         tenant = await self._caller(context)
         info = pb.ServerInfo(version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
-                             max_queued_requests=self.max_queued_requests)
+                             max_queued_requests=self.options.max_queued_requests)
         if not tenant.admin:
             info.num_in_flight = self.admission.usage(tenant.name)[0] if self.admission is not None else 0
             return info

@@ -33,7 +33,6 @@ class FrontendPool:
         self.max_backlog_chars = max_backlog_chars
         self.pending = 0  # jobs queued or running (event-loop thread only)
         self.backlog_chars = 0  # their characters
-        self.jobs = 0
         self._pending_by_owner: dict[str, int] = {}
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-frontend", initializer=_lower_priority)
@@ -57,7 +56,6 @@ class FrontendPool:
         self._pending_by_owner[owner] = mine + 1
         self.pending += 1
         self.backlog_chars += chars
-        self.jobs += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         finally:

@@ -78,7 +78,7 @@ class StreamBuffer:
     def push(self, item: RequestOutput | Terminal) -> None:
         """Adds an engine output or a terminal event; anything after the request's end (its
         finished output or a terminal event) is dropped."""
-        if self.closed or self.engine_done:
+        if self.engine_done:  # also true once the handler has taken the last item
             return
         if isinstance(item, RequestOutput):
             self._merge(item)
