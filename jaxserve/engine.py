@@ -163,6 +163,9 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:5]}")
+        bad_bias = [t for t in params.logit_bias or () if not t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[:5]}")
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.compile_plan import sampler_variant
 from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
 from scheduler import NewRequestData, SamplingParams, ScheduledRequest
+from scheduler.request import MAX_LOGIT_BIAS
 
 MAX_STOP_TOKEN_IDS = 15  # per request, besides EOS: the sampler's stop-id table is [R, 16]
 STOP_ID_WIDTH = MAX_STOP_TOKEN_IDS + 1
@@ -32,10 +33,12 @@ class CachedRequestState:
     stop_ids_row: np.ndarray  # [STOP_ID_WIDTH] int32, -1 padded: EOS (unless ignored) + stop ids
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
+    bias_ids_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] int32, -1 padded
+    bias_values_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] f32
+
     @property
     def uses_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return self.params.uses_penalties
 
 
 class InputBatch:
@@ -63,7 +66,13 @@ class InputBatch:
         stops += list(p.stop_token_ids)
         row = np.full(STOP_ID_WIDTH, -1, np.int32)
         row[: len(stops)] = stops
-        return CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFF, row)
+        st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFF, row)
+        if p.logit_bias:
+            st.bias_ids_row = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+            st.bias_values_row = np.zeros(MAX_LOGIT_BIAS, np.float32)
+            st.bias_ids_row[: len(p.logit_bias)] = list(p.logit_bias)
+            st.bias_values_row[: len(p.logit_bias)] = list(p.logit_bias.values())
+        return st
 
     def append_output(self, request_id: str, token_id: int) -> None:
         self.requests[request_id].output_token_ids.append(token_id)
@@ -94,6 +103,9 @@ class InputBatch:
             if st.uses_penalties:
                 self._fill_penalty_row(t, i, st)
                 any_penalties = True
+            elif t.bias_token_ids[i, 0] >= 0:  # a previous request's bias (biases fill from 0)
+                t.bias_token_ids[i] = -1
+                t.bias_values[i] = 0.0
             any_sampling |= p.temperature >= SAMPLING_EPS
             any_top |= p.top_k > 0 or p.top_p < 1.0
             any_logprobs |= p.logprobs is not None
@@ -112,6 +124,12 @@ class InputBatch:
         t.penalty_token_ids[i, len(prompt) : n] = out
         t.penalty_token_ids[i, n:] = -1
         t.penalty_prompt_len[i] = len(prompt)
+        if st.bias_ids_row is not None:
+            t.bias_token_ids[i] = st.bias_ids_row
+            t.bias_values[i] = st.bias_values_row
+        else:
+            t.bias_token_ids[i] = -1
+            t.bias_values[i] = 0.0
 
     def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
         for f in dataclasses.fields(SamplingTensors):

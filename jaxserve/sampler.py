@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scheduler.request import MAX_LOGIT_BIAS
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow.
 SAMPLING_EPS = 1e-5
 # Block width of the two-level inverse CDF.
@@ -66,9 +68,12 @@ class SamplingTensors:
     stop_token_ids: jax.Array  # [R, S] int32, -1 padded (EOS + stop_token_ids)
     penalty_token_ids: jax.Array  # [R, P] int32, -1 padded: prompt ids then output ids
     penalty_prompt_len: jax.Array  # [R] int32; how many leading penalty ids are the prompt
+    bias_token_ids: jax.Array  # [R, LB] int32, -1 padded: logit_bias keys
+    bias_values: jax.Array  # [R, LB] f32: logit_bias values (0 where unused)
 
     @classmethod
-    def neutral(cls, num_rows: int, num_stop_ids: int, penalty_width: int) -> SamplingTensors:
+    def neutral(cls, num_rows: int, num_stop_ids: int, penalty_width: int,
+                bias_width: int = MAX_LOGIT_BIAS) -> SamplingTensors:
         """Writable numpy buffers with every feature off (greedy rows).
 
         The engine keeps one of these per request bucket, fills rows in place each step
@@ -89,6 +94,8 @@ class SamplingTensors:
             stop_token_ids=np.full((r, num_stop_ids), -1, np.int32),
             penalty_token_ids=np.full((r, penalty_width), -1, np.int32),
             penalty_prompt_len=np.zeros(r, np.int32),
+            bias_token_ids=np.full((r, bias_width), -1, np.int32),
+            bias_values=np.zeros((r, bias_width), np.float32),
         )
 
 
@@ -112,6 +119,7 @@ class SamplerFlags(NamedTuple):
                 np.any(t.repetition_penalty != 1.0)
                 or np.any(t.presence_penalty != 0.0)
                 or np.any(t.frequency_penalty != 0.0)
+                or np.any(t.bias_token_ids >= 0)
             ),
             use_top_k_top_p=bool(np.any(t.top_k > 0) or np.any(t.top_p < 1.0)),
             num_logprobs=None if num_logprobs is None else int(num_logprobs),
@@ -134,18 +142,22 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """HF/vLLM penalties: repetition over prompt+output, presence/frequency over output.
+    """The logit bias, then HF/vLLM penalties: repetition over prompt+output,
+    presence/frequency over output (vLLM's order: bias first).
 
     Repetition divides positive logits and multiplies negative ones by the penalty; then
     ``logit -= frequency * count + presence * (count > 0)`` with output-token counts.
     """
     r, v = logits.shape
+    rows = jnp.arange(r)[:, None]  # [R, 1]
+    bias_ids = jnp.asarray(t.bias_token_ids)  # [R, LB]
+    bias_ids = jnp.where(bias_ids >= 0, bias_ids, v)  # index v is out of range: dropped
+    logits = jnp.asarray(logits).at[rows, bias_ids].add(jnp.asarray(t.bias_values, jnp.float32), mode="drop")
     ids = jnp.asarray(t.penalty_token_ids)  # [R, P]
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]  # [1, P]
     valid = ids >= 0
     is_prompt = valid & (pos < jnp.asarray(t.penalty_prompt_len)[:, None])  # [R, P]
     is_output = valid & ~is_prompt
-    rows = jnp.arange(r)[:, None]  # [R, 1]
     out_ids = jnp.where(is_output, ids, v)  # index v is out of range: dropped
     prompt_ids = jnp.where(is_prompt, ids, v)
     counts = jnp.zeros((r, v), jnp.int32).at[rows, out_ids].add(1, mode="drop")  # [R, V]

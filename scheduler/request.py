@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 
 _PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for logit_bias values
+MAX_LOGIT_BIAS = 256  # entries per request: the sampler's bias table is [R, MAX_LOGIT_BIAS]
 
 
 class FinishReason(enum.StrEnum):
@@ -102,6 +104,9 @@ class SamplingParams:
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before penalties and temperature (OpenAI's
+    # logit_bias: -100 bans a token in practice, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -111,6 +116,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+        if not self.logit_bias:
+            self.logit_bias = None
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -177,9 +186,27 @@ class SamplingParams:
             )
         if not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.logit_bias is not None:
+            self._verify_logit_bias()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _verify_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        lo, hi = LOGIT_BIAS_RANGE
+        for k, v in self.logit_bias.items():
+            if not _is_int(k) or k < 0:
+                raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {k!r}")
+            if not _is_number(v) or not lo <= v <= hi:
+                raise ValueError(f"logit_bias[{k}] must be in [{lo:g}, {hi:g}], got {v!r}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Needs the sampler's full variant (penalties and the logit bias run there)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.logit_bias is not None)
 
 
 class Request:

@@ -39,6 +39,11 @@ def test_defaults_and_normalisation():
         (dict(priority=1.5), "priority"),
         (dict(ignore_eos=1), "ignore_eos"),
         (dict(max_tokens=True), "max_tokens"),
+        (dict(logit_bias={5: 101.0}), "logit_bias[5]"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(257)}), "logit_bias"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
 )
 def test_validation_names_field_and_range(kwargs, field):
@@ -46,12 +51,14 @@ def test_validation_names_field_and_range(kwargs, field):
         SamplingParams(**kwargs)
     msg = str(e.value)
     assert msg.startswith(field), msg
-    assert "must be" in msg and "got" in msg, msg
+    assert ("must be" in msg or "at most" in msg) and "got" in msg, msg
 
 
 def test_accepts_edges():
     SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2, logprobs=0)
     SamplingParams(max_tokens=3, min_tokens=3, seed=-5, stop_token_ids=[0], cache_salt="t1")
+    assert SamplingParams(logit_bias={3: -100, 4: 100.0}).uses_penalties
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams().uses_penalties
 
 
 def test_enums():

@@ -309,3 +309,58 @@ def test_logprobs_zero_returns_the_sampled_token_only():
     np.testing.assert_allclose(out.chosen_logprob, lp[np.arange(r), tok], atol=1e-5)
     assert out.top_logprobs.shape == (r, 0) and (np.asarray(out.chosen_rank) == 1).all()
     assert sample_jit(logits, t, all_greedy=True).chosen_logprob is None
+
+
+def test_logit_bias_adds_to_listed_tokens_before_penalties():
+    """OpenAI's logit_bias: each listed id's logit moves by its value; -100 bans in practice,
+    +100 forces; padding ids (-1) and unlisted tokens are untouched; the repetition penalty
+    then applies to the biased logit (vLLM's order)."""
+    from jaxserve.sampler import apply_penalties
+
+    logits = _logits(3)
+    t = _tensors(3, p=8)
+    top = [int(np.argmax(logits[i])) for i in range(3)]
+    t.bias_token_ids[0, :2] = [top[0], 5]
+    t.bias_values[0, :2] = [-100.0, 3.5]
+    t.bias_token_ids[1, 0] = 7
+    t.bias_values[1, 0] = 100.0
+    t.repetition_penalty[2] = 2.0  # row 2: bias on a token seen in the prompt
+    t.penalty_token_ids[2, 0] = 9
+    t.penalty_prompt_len[2] = 1
+    t.bias_token_ids[2, 0] = 9
+    t.bias_values[2, 0] = 10.0
+    got = np.asarray(jax.jit(apply_penalties)(logits, t))
+    expected = logits.copy()
+    expected[0, top[0]] -= 100.0
+    expected[0, 5] += 3.5
+    expected[1, 7] += 100.0
+    biased = logits[2, 9] + 10.0
+    expected[2, 9] = biased / 2.0 if biased > 0 else biased * 2.0
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    out = np.asarray(sample_jit(logits, t, all_greedy=True, use_penalties=True).token_ids)
+    assert out[0] != top[0] and out[1] == 7
+    assert SamplerFlags.from_host(t, 2).use_penalties  # a bias alone selects the full variant
+
+
+def test_input_batch_clears_a_finished_requests_bias_row():
+    """A row reused by a request without logit_bias must not keep the last one's bias."""
+    from jaxserve.input_batch import InputBatch
+    from scheduler import NewRequestData, SamplingParams, ScheduledRequest
+
+    ib = InputBatch([2], max_model_len=16, max_logprobs=0, seed=0)
+
+    def new(rid, **kw):
+        return NewRequestData(request_id=rid, prompt_token_ids=[1, 2], sampling_params=SamplingParams(**kw),
+                              eos_token_id=0)
+
+    def rows(*rids):
+        return ib.sampling_rows([ScheduledRequest(request_id=r, start=2, num_tokens=1, token_ids=[3], new_block_ids=[],
+                                                  block_table=np.zeros(4, np.int32), samples=True) for r in rids], 2)
+
+    ib.update([], [new("a", logit_bias={5: 2.0, 6: -1.0}), new("b", temperature=0.0)])
+    t, flags = rows("a", "b")
+    assert flags.use_penalties and t.bias_token_ids[0, :3].tolist() == [5, 6, -1]
+    assert t.bias_values[0, :2].tolist() == [2.0, -1.0]
+    ib.update(["a"], [new("c", temperature=0.0)])
+    t, flags = rows("c", "b")
+    assert not flags.use_penalties and (t.bias_token_ids == -1).all() and (t.bias_values == 0).all()
