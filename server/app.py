@@ -40,11 +40,13 @@ from server.convert import (
     sampling_params_from_proto,
 )
 from server.engine_loop import EngineDead, EngineLoop, new_error_id
+from server.errors import ErrorKind, ServeError, invalid
 from server.frontend import FrontendBusy, FrontendPool
+from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.proto import jaxserve_pb2 as pb
 from server.proto import jaxserve_pb2_grpc as pb_grpc
-from server.streams import Aborted, EngineFailed, StreamBuffer
+from server.streams import EngineFailed, StreamBuffer
 from server.tenants import Authenticator, Tenant
 
 logger = logging.getLogger("jaxserve.server")
@@ -318,18 +320,24 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
         return tenant
 
-    async def _require_serving(self, context) -> None:
+    def serving_error(self) -> ServeError | None:
+        """Why new requests are refused now (UNAVAILABLE / 503), or None when serving."""
         if self.state == ServerState.LOADING:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading the model")
+            return ServeError(ErrorKind.UNAVAILABLE, "the server is loading the model", code="loading")
         if self.state != ServerState.SERVING:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            return ServeError(ErrorKind.UNAVAILABLE, "the server is shutting down", code="draining")
         if self.loop_runner.dead:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine stopped (error id {self.loop_runner.fatal_error_id}); "
-                                "the server is going down")
+            return ServeError(ErrorKind.UNAVAILABLE, f"the engine stopped (error id {self.loop_runner.fatal_error_id}); "
+                              "the server is going down", code="engine_stopped")
         if not getattr(self.engine, "healthy", True):
             reason = getattr(self.engine, "unhealthy_reason", None) or "unknown"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is unhealthy: {reason}")
+            return ServeError(ErrorKind.UNAVAILABLE, f"the engine is unhealthy: {reason}", code="unhealthy")
+        return None
+
+    async def _require_serving(self, context) -> None:
+        err = self.serving_error()
+        if err is not None:
+            await _abort(context, err)
 
     async def _watch_engine_health(self, interval: float = 0.1) -> None:
         """Mirrors `engine.healthy` (a multi-host peer died, ...) and the engine thread's life
@@ -369,14 +377,16 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         logger.critical("health NOT_SERVING: %d open streams ended; the server exits with status %d after the "
                         "drain so that a supervisor restarts it", len(self._buffers), EXIT_ENGINE_FAILED)
 
-    def _enter(self, buf: StreamBuffer) -> None:
+    def _enter(self, gen: Generation) -> None:
         self.num_streams += 1
-        self._buffers.add(buf)
+        self._buffers.add(gen.buffer)
         self._idle.clear()
 
-    def _leave(self, buf: StreamBuffer) -> None:
+    def _leave(self, gen: Generation) -> None:
+        """Called once per Generation, when its front is done with it."""
+        self.admission.release(gen.reservation)
         self.num_streams -= 1
-        self._buffers.discard(buf)
+        self._buffers.discard(gen.buffer)
         if self.num_streams == 0:
             self._idle.set()
 
@@ -389,13 +399,60 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return dataclasses.replace(params, priority=min(max(params.priority, lo), hi),
                                    cache_salt=tenant.cache_salt(params.cache_salt, shared))
 
-    async def _prompt_ids(self, tenant: Tenant, text: str | None, ids: list[int] | None,
-                          chat: tuple[list[dict[str, str]], bool] | None) -> list[int]:
+    async def prompt_token_ids(self, tenant: Tenant, text: str | None, ids: list[int] | None,
+                               chat: tuple[list[dict[str, Any]], bool] | None, param: str | None = None) -> list[int]:
+        """The prompt's ids: given, or tokenized / chat-templated on the front-end pool."""
         if ids is not None:
             return ids
-        if chat is not None:
-            return await self.frontend.chat(*chat, owner=tenant.name)
-        return await self.frontend.encode(text, owner=tenant.name)
+        try:
+            if chat is not None:
+                return await self.frontend.chat(*chat, owner=tenant.name)
+            return await self.frontend.encode(text, owner=tenant.name)
+        except ValueError as e:
+            raise invalid(str(e), param) from e
+        except FrontendBusy as e:
+            self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
+            raise ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars") from e
+
+    async def start_generation(self, tenant: Tenant, request_id: str, params: SamplingParams, ids: list[int], *,
+                               text: str | None = None, param: str | None = None) -> Generation:
+        """Admits one request (reserving its work) and hands it to the engine thread; the
+        caller iterates the returned `Generation` inside `async with`. Raises ServeError."""
+        err = self.serving_error()  # again: the drain may have begun while it tokenized
+        if err is not None:
+            raise err
+        if len(ids) >= self.engine.max_model_len:  # refused here, not on the engine thread
+            raise invalid(f"prompt is {len(ids)} tokens, which leaves no room for output within "
+                          f"max_model_len {self.engine.max_model_len}", param, "context_length_exceeded")
+        try:
+            work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
+            reservation = self.admission.reserve(tenant, work)
+        except AdmissionRefused as e:
+            self.metrics.requests_refused.labels(limit=e.limit).inc()
+            raise ServeError(ErrorKind.EXHAUSTED, str(e), code=e.limit) from e
+        key = tenant.request_key(request_id)
+        buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
+        gen = Generation(key, request_id, params.n, buffer, reservation, on_close=self._leave,
+                         abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket))
+        self._enter(gen)
+        try:
+            await self.loop_runner.add_request(key, params, buffer, prompt=text, prompt_token_ids=ids,
+                                               arrival_time=time.monotonic(), ticket=gen.ticket)
+        except ValueError as e:
+            gen.close()
+            raise invalid(str(e).replace(repr(key), repr(request_id)), param) from e
+        except EngineDead as e:
+            gen.close()
+            raise ServeError(ErrorKind.UNAVAILABLE, str(e), code="engine_stopped") from e
+        except Exception as e:
+            gen.close()
+            error_id = new_error_id()
+            logger.exception("admitting %s failed [error id %s]", key, error_id)
+            raise ServeError(ErrorKind.INTERNAL, f"could not admit the request (error id {error_id})") from e
+        except BaseException:  # cancelled while being admitted: abort it once it is in
+            gen.close()
+            raise
+        return gen
 
     async def _write(self, context, resp: pb.GenerateResponse, key: str) -> None:
         """Sends one response; a client that reads nothing for `stream_idle_timeout` (its
@@ -437,82 +494,27 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
         tenant = await self._caller(context)
         await self._require_serving(context)
+        rid = request.request_id or uuid.uuid4().hex
         try:
             self._check_size(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
             params = self._sampling_params(request.sampling_params, tenant)
             text, ids, chat = check_input(request, self.max_prompt_chars, self.engine.max_model_len)
-            ids = await self._prompt_ids(tenant, text, ids, chat)
-            if len(ids) >= self.engine.max_model_len:  # refused here, not on the engine thread
-                raise ValueError(f"prompt is {len(ids)} tokens, which leaves no room for output within "
-                                 f"max_model_len {self.engine.max_model_len}")
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except FrontendBusy as e:
-            self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        await self._require_serving(context)  # again: the drain may have begun while it tokenized
+            await _abort(context, invalid(str(e)))
         try:
-            work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
-            reservation = self.admission.reserve(tenant, work)
-        except AdmissionRefused as e:
-            self.metrics.requests_refused.labels(limit=e.limit).inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        rid = request.request_id or uuid.uuid4().hex
-        key = tenant.request_key(rid)
-        buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
-        self._enter(buffer)
-        ticket = object()
-        done = False
-        try:
-            try:
-                await self.loop_runner.add_request(key, params, buffer, prompt=text, prompt_token_ids=ids,
-                                                   arrival_time=time.monotonic(), ticket=ticket)
-            except ValueError as e:
-                done = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).replace(repr(key), repr(rid)))
-            except EngineDead as e:
-                done = True
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            except Exception:
-                done = True
-                error_id = new_error_id()
-                logger.exception("admitting %s failed [error id %s]", key, error_id)
-                await context.abort(grpc.StatusCode.INTERNAL, f"could not admit the request (error id {error_id})")
+            ids = await self.prompt_token_ids(tenant, text, ids, chat)
+            gen = await self.start_generation(tenant, rid, params, ids, text=text)
+        except ServeError as e:
+            await _abort(context, e)
+        async with gen:
             reported: set[int] = set()
-            while True:
-                out, term = await buffer.take()
-                if out is not None:
-                    if out.finished and out.error is not None:  # its device step failed
-                        done = True
-                        error_id = new_error_id()
-                        logger.error("request %s failed [error id %s]: %s", key, error_id, out.error)
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"engine failure (error id {error_id}); the request was not completed")
-                    done = done or out.finished
-                    await self._write(context, output_to_proto(out, reported, request_id=rid), key)
-                    if done:
-                        return
-                if isinstance(term, Aborted):
-                    done = True
-                    resp = pb.GenerateResponse(request_id=rid, finished=True)
-                    for i in range(params.n):
-                        if i not in reported:
-                            resp.outputs.add(index=i, finish_reason="abort")
-                    await self._write(context, resp, key)
-                    return
-                if isinstance(term, EngineFailed):
-                    done = True
-                    code = grpc.StatusCode.UNAVAILABLE if term.fatal else grpc.StatusCode.INTERNAL
-                    await context.abort(code, term.client_message)
-        finally:
-            self.admission.release(reservation)
-            self._leave(buffer)
-            if not done:
-                # Cancelled, disconnected, past its deadline or not read (maybe while being
-                # admitted): abort this RPC's request so its KV blocks are free by the next step.
-                self.loop_runner.abort(key, ticket=ticket)
+            try:
+                async for out in gen:
+                    await self._write(context, output_to_proto(out, reported, request_id=rid), gen.key)
+            except ServeError as e:
+                await _abort(context, e)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         tenant = await self._caller(context)
@@ -520,12 +522,12 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         try:
             self._check_size(request)
             text, _, chat = check_input(request, self.max_prompt_chars, 1 << 62)
-            ids = await self._prompt_ids(tenant, text, None, chat)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except FrontendBusy as e:
-            self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await _abort(context, invalid(str(e)))
+        try:
+            ids = await self.prompt_token_ids(tenant, text, None, chat)
+        except ServeError as e:
+            await _abort(context, e)
         self.metrics.tokenize_requests.inc()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
@@ -580,6 +582,10 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         found = await asyncio.wrap_future(
             self.loop_runner.abort(tenant.request_key(request.request_id), notify="aborted by client"))
         return pb.AbortResponse(found=found)
+
+
+async def _abort(context, err: ServeError) -> None:
+    await context.abort(getattr(grpc.StatusCode, err.kind.grpc_code_name), err.message)
 
 
 def _read(path: str) -> bytes:

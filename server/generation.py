@@ -1,0 +1,97 @@
+"""One admitted request's life on the server, shared by the gRPC and the HTTP front.
+
+`Generation` is what a front holds between admission and the end of its stream: the
+admission reservation, the `StreamBuffer` the engine thread fills and the ticket that lets the
+front abort exactly its own request. Iterating it yields merged `RequestOutput` deltas; a
+server abort (drain timeout, Abort RPC) ends the iteration with a final output whose
+unfinished sequences have finish reason "abort"; an engine failure raises `ServeError`.
+Leaving the `async with` block releases the reservation and, unless the engine is already
+done with the request (it finished, or failed), aborts it: a client that disconnected,
+cancelled or stopped reading frees its KV blocks by the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from server.admission import Reservation
+from server.engine_loop import new_error_id
+from server.errors import ErrorKind, ServeError
+from server.streams import Aborted, EngineFailed, StreamBuffer
+
+logger = logging.getLogger("jaxserve.server")
+
+
+class Generation:
+    def __init__(self, key: str, request_id: str, n: int, buffer: StreamBuffer, reservation: Reservation,
+                 on_close: Callable[[Generation], None], abort: Callable[[str, object], Any]):
+        self.key = key  # the engine's (tenant-scoped) id
+        self.request_id = request_id  # the client's
+        self.n = n
+        self.buffer = buffer
+        self.reservation = reservation
+        self.ticket = object()
+        self.finished_indices: set[int] = set()
+        self.last_usage = Usage(0, 0, 0)
+        self.prompt_token_ids: list[int] = []
+        self._on_close = on_close
+        self._abort = abort
+        self._closed = False
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._on_close(self)
+        if not self.buffer.engine_done:
+            self._abort(self.key, self.ticket)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out, term = await self.buffer.take()
+            if out is not None:
+                if out.finished and out.error is not None:  # its device step failed
+                    raise self._failure(out.error)
+                self._note(out)
+                yield out
+                if out.finished:
+                    return
+            if isinstance(term, Aborted):
+                yield self._aborted_output()
+                return
+            if isinstance(term, EngineFailed):
+                raise ServeError(ErrorKind.UNAVAILABLE if term.fatal else ErrorKind.INTERNAL, term.client_message,
+                                 code="engine_stopped" if term.fatal else "engine_failure")
+
+    def _note(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids:
+            self.prompt_token_ids = out.prompt_token_ids
+        self.last_usage = out.usage
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self.finished_indices.add(c.index)
+
+    def _aborted_output(self) -> RequestOutput:
+        outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(self.n)
+                if i not in self.finished_indices]
+        self.finished_indices.update(range(self.n))
+        return RequestOutput(self.key, None, [], outs, True, self.last_usage, RequestMetrics(0.0))
+
+    def _failure(self, error: str) -> ServeError:
+        error_id = new_error_id()
+        logger.error("request %s failed [error id %s]: %s", self.key, error_id, error)
+        return ServeError(ErrorKind.INTERNAL, f"engine failure (error id {error_id}); the request was not completed",
+                          code="engine_failure")
+
