@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ns = ap.parse_args()
     tenants = parse_api_keys([f"{k} {v}" for k, v in KEYS.items()])
-    srv = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, log_interval=0,
+    srv = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, log_interval=0,
                                           tenants=tuple(tenants), max_queued_requests=1100,
                                           tokenizer_backlog_chars=64_000))
     try:

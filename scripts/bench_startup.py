@@ -28,7 +28,7 @@ CLI = [sys.executable, "-m", "jaxserve.cli"]
 def start_once(flags: list[str], timeout: float = 900.0) -> dict[str, float]:
     """Seconds to SERVING, and the model-load and warmup phases the server logged."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--metrics-port", "0", *flags],
+    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--metrics-port", "0", "--http-port", "0", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     out: dict[str, float] = {}
     try:

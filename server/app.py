@@ -63,6 +63,9 @@ class ServerOptions:
     port: int = 50051  # 0: pick a free port
     metrics_host: str = "127.0.0.1"  # the metrics endpoint is for the operator, not for tenants
     metrics_port: int = 8001  # 0: pick a free port; -1: no metrics endpoint
+    http_port: int = 8000  # the OpenAI-compatible HTTP API (same host); 0: pick a free port; -1: off
+    served_model_name: tuple[str, ...] = ()  # names clients may give as `model`; the first is shown
+    chat_template: str | None = None  # a Jinja chat template that replaces the model's
     api_key: str | None = None  # one key (tenant "default"); or `tenants` for several
     tenants: tuple[tuple[Tenant, str], ...] = ()  # (tenant, key) pairs: --api-keys FILE
     shared_prefix_cache: bool = False  # tenants share cached prefixes (and learn of each other's)
@@ -143,10 +146,13 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http: Any = None  # server.http_api.runner.HttpServer when the HTTP API is on
+        self.http_port: int | None = None
         self._metrics_http: Any = None
         self.num_streams = 0  # open Generate streams (drain waits for these)
         self._buffers: set[StreamBuffer] = set()
         self._started = time.monotonic()
+        self.started_wall = time.time()
         self._log_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
         self._healthy = True
@@ -187,6 +193,8 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if not self.port:
             raise OSError(f"could not bind {addr}")
         await self.server.start()
+        if o.http_port >= 0:
+            await self._start_http()
         if o.metrics_port >= 0:
             from prometheus_client import start_http_server
             self._metrics_http, _ = start_http_server(o.metrics_port, addr=o.metrics_host,
@@ -200,6 +208,21 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if o.metrics_port >= 0 and not _is_loopback(o.metrics_host):
             logger.warning("the metrics endpoint on %s has no authentication", o.metrics_host)
         return self.port
+
+    async def _start_http(self) -> None:
+        from server.http_api.routes import OpenAIFront
+        from server.http_api.runner import HttpServer
+
+        o = self.options
+        self.http = HttpServer(OpenAIFront(self).app, o.host, o.http_port, tls_cert_file=o.tls_cert_file,
+                               tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file)
+        try:
+            self.http_port = await self.http.start()
+        except OSError:
+            await self.server.stop(None)
+            raise
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if o.tls_cert_file else "http",
+                    o.host, self.http_port)
 
     async def load(self) -> None:
         """Builds the engine (unless given) and warms it up off the event loop, then serves."""
@@ -220,7 +243,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                     "fill it with `jaxserve warmup` using the same flags")
         o = self.options
         threads = o.frontend_threads or max(1, min(4, (os.cpu_count() or 1) // 4))
-        self.frontend = FrontendPool(self.engine.tokenizer, threads, o.tokenizer_backlog_chars)
+        self.frontend = FrontendPool(self.engine.tokenizer, threads, o.tokenizer_backlog_chars, o.chat_template)
         self.metrics.set_frontend(self.frontend)
         kv_tokens = self.engine.num_pages * self.engine_config.page_size
         self.admission = Admission(
@@ -270,6 +293,8 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                 task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.http is not None:
+            await self.http.stop(grace if grace is not None else 1.0)
         if self.loop_runner is not None:
             await asyncio.to_thread(self.loop_runner.stop)
         if self.frontend is not None:
@@ -289,6 +314,10 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
     @property
     def model_name(self) -> str:
         return self.engine_config.model or "embedded:SmolLM2-135M-Instruct"
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.options.served_model_name or (self.model_name,)
 
     @property
     def num_in_flight(self) -> int:
@@ -390,10 +419,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if self.num_streams == 0:
             self._idle.set()
 
-    def _sampling_params(self, sp: pb.SamplingParams, tenant: Tenant) -> SamplingParams:
-        """The client's fields, its priority clamped to the tenant's range, its cache salt
-        moved into the tenant's prefix-cache space."""
-        params = sampling_params_from_proto(sp)
+    def tenant_params(self, params: SamplingParams, tenant: Tenant) -> SamplingParams:
+        """The client's parameters with its priority clamped to the tenant's range and its
+        cache salt moved into the tenant's prefix-cache space."""
         lo, hi = tenant.priority_range or self.options.priority_range
         shared = self.options.shared_prefix_cache or len(self.auth.tenants) == 1
         return dataclasses.replace(params, priority=min(max(params.priority, lo), hi),
@@ -499,7 +527,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             self._check_size(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
-            params = self._sampling_params(request.sampling_params, tenant)
+            params = self.tenant_params(sampling_params_from_proto(request.sampling_params), tenant)
             text, ids, chat = check_input(request, self.max_prompt_chars, self.engine.max_model_len)
         except ValueError as e:
             await _abort(context, invalid(str(e)))

@@ -15,9 +15,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     from server.tenants import API_KEY_ENV
 
     d = ServerOptions()
-    s = sub.add_parser("serve", help="run the gRPC server (SIGTERM drains and exits 0)")
+    s = sub.add_parser("serve", help="run the gRPC server and the OpenAI HTTP API (SIGTERM drains and exits 0)")
     s.add_argument("--host", default=d.host, help="address to bind (0.0.0.0 for all interfaces)")
     s.add_argument("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
+    s.add_argument("--http-port", type=int, default=d.http_port,
+                   help="port of the OpenAI-compatible HTTP API on --host (0: off)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names the HTTP API accepts and lists (default: the model's path or name)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) replacing the model's")
     s.add_argument("--metrics-host", default=d.metrics_host,
                    help="address of the /metrics endpoint (default 127.0.0.1: operators only)")
     s.add_argument("--metrics-port", type=int, default=d.metrics_port,
@@ -114,7 +120,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
         raise ValueError("--max-queued-tokens must be >= 1")
+    if ns.http_port < 0:
+        raise ValueError("--http-port must be >= 0 (0: off)")
     opts = ServerOptions(
+        http_port=ns.http_port or -1, served_model_name=tuple(ns.served_model_name or ()),
+        chat_template=_read_chat_template(ns.chat_template),
         host=ns.host, port=ns.port, metrics_host=ns.metrics_host, metrics_port=ns.metrics_port,
         api_key=api_key, tenants=tenants, shared_prefix_cache=ns.shared_prefix_cache,
         priority_range=parse_priority_range(ns.priority_range, "--priority-range"),
@@ -143,6 +153,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except RuntimeError as e:  # e.g. --require-warm-cache with a cold cache
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 3
+
+
+def _read_chat_template(arg: str | None) -> str | None:
+    """A file's contents, or the argument itself when it is not a file but looks like Jinja."""
+    import os
+
+    if arg is None:
+        return None
+    if os.path.isfile(arg):
+        with open(arg, encoding="utf-8") as f:
+            return f.read()
+    if "{" in arg:
+        return arg
+    raise ValueError(f"--chat-template: {arg!r} is neither a file nor a Jinja template")
 
 
 def _keys_from_args(ns: argparse.Namespace) -> tuple[str | None, tuple]:

@@ -26,10 +26,12 @@ class FrontendBusy(Exception):
 
 
 class FrontendPool:
-    def __init__(self, tokenizer: Any, threads: int = 2, max_backlog_chars: int = 1_000_000):
+    def __init__(self, tokenizer: Any, threads: int = 2, max_backlog_chars: int = 1_000_000,
+                 chat_template: str | None = None):
         if threads < 1 or max_backlog_chars < 1:
             raise ValueError("frontend threads and max_backlog_chars must be >= 1")
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # overrides the model's (--chat-template)
         self.max_backlog_chars = max_backlog_chars
         self.pending = 0  # jobs queued or running (event-loop thread only)
         self.backlog_chars = 0  # their characters
@@ -67,18 +69,26 @@ class FrontendPool:
             else:
                 del self._pending_by_owner[owner]
 
-    async def encode(self, text: str, owner: str = "") -> list[int]:
-        return await self._run(owner, len(text), self._encode, text)
+    async def encode(self, text: str, owner: str = "", add_special_tokens: bool = True) -> list[int]:
+        return await self._run(owner, len(text), self._encode, text, add_special_tokens)
 
-    async def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, owner: str = "") -> list[int]:
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, owner: str = "",
+                   continue_final_message: bool = False) -> list[int]:
         chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
-        return await self._run(owner, chars, self._chat, messages, add_generation_prompt)
+        return await self._run(owner, chars, self._chat, messages, add_generation_prompt, continue_final_message)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self._tok()(text, add_special_tokens=True)["input_ids"])
+    async def decode(self, token_ids: list[int], owner: str = "", skip_special_tokens: bool = False) -> str:
+        return await self._run(owner, len(token_ids), self._decode, token_ids, skip_special_tokens)
 
-    def _chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        return apply_chat_template(self._tok(), messages, add_generation_prompt)
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tok()(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        return apply_chat_template(self._tok(), messages, add_generation_prompt, self.chat_template,
+                                   continue_final_message)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self._tok().decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 FRONTEND_NICE = 10
@@ -93,12 +103,16 @@ def _lower_priority() -> None:
         pass
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat: this model has no chat template; send text or token_ids")
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("chat: this model has no chat template (give one with --chat-template); "
+                         "send text or token_ids")
+    kwargs = {"continue_final_message": True} if continue_final_message else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True,
-                                            add_generation_prompt=add_generation_prompt, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt, return_dict=False,
+                                            **kwargs)
     except Exception as e:  # noqa: BLE001 - template errors are the caller's input
         raise ValueError(f"chat: the chat template failed: {e}") from e
     if ids and isinstance(ids[0], list):

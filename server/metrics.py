@@ -65,9 +65,12 @@ class ServerMetrics:
             P + "stream_idle_aborts", "Streams aborted because the client read nothing for stream_idle_timeout.",
             registry=r)
         self.auth_failures = Counter(P + "auth_failures", "Calls refused for a missing or wrong API key.", registry=r)
-        self.tokenize_requests = Counter(P + "tokenize_requests", "Tokenize RPCs answered.", registry=r)
+        self.tokenize_requests = Counter(P + "tokenize_requests", "Tokenize calls answered (gRPC and HTTP).",
+                                         registry=r)
+        self.http_requests = Counter(
+            P + "http_requests", "OpenAI HTTP API calls by endpoint and status.", ["endpoint", "status"], registry=r)
         self.requests_refused = Counter(
-            P + "requests_refused", "Calls refused with RESOURCE_EXHAUSTED, by the limit they hit.", ["limit"],
+            P + "requests_refused", "Calls refused with RESOURCE_EXHAUSTED (HTTP 429), by the limit they hit.", ["limit"],
             registry=r)
         self.frontend_jobs_pending = Gauge(
             P + "frontend_jobs_pending", "Tokenization / chat-template jobs queued or running.", registry=r)

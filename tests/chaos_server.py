@@ -31,7 +31,7 @@ def main() -> int:
 
         engine_loop.EngineLoop._process = process
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512)
-    opts = ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, log_interval=0, warmup=False,
+    opts = ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, log_interval=0, warmup=False,
                          shutdown_timeout=ns.shutdown_timeout)
     return asyncio.run(serve(cfg, opts))
 

@@ -104,3 +104,22 @@ def hand_back_idle(engine) -> None:
         engine.step()
     assert engine.scheduler.stats().num_used_blocks == 0, "the test leaked KV blocks"
     engine.reset_prefix_cache()
+
+
+# The embedded model behind a real server (gRPC, HTTP and metrics ports), shared by the gRPC
+# and the OpenAI HTTP tests so that the model is loaded and warmed up once.
+EMBEDDED_SERVER_KEY = "test-key-123"
+
+
+@pytest.fixture(scope="session")
+def embedded_server():
+    from server_harness import ServerThread
+
+    from jaxserve.config import EngineConfig
+    from server.app import ServerOptions
+
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512)
+    s = ServerThread(cfg, ServerOptions(host="127.0.0.1", port=0, metrics_port=0, http_port=0,
+                                        api_key=EMBEDDED_SERVER_KEY, max_queued_requests=24, log_interval=0))
+    yield s
+    s.close()

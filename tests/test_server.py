@@ -42,11 +42,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=0, api_key=API_KEY,
-                                        max_queued_requests=24, log_interval=0))
-    yield s
-    s.close()
+def srv(embedded_server):
+    return embedded_server
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +437,7 @@ def test_tls(srv, tmp_path):
     from jaxserve.engine import Engine
 
     engine = Engine(CFG, loaded=srv.server.engine.model)  # shares the weights; no generation here
-    tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, log_interval=0,
+    tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, log_interval=0,
                                           tls_cert_file=str(cert), tls_key_file=str(key), warmup=False),
                        engine=engine)
     try:
@@ -461,7 +458,7 @@ def test_tls(srv, tmp_path):
 def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
          "--metrics-port", "-1", "--shutdown-timeout", "8", "--log-interval", "0.5", *CFG_ARGS],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

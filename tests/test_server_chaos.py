@@ -55,7 +55,7 @@ def req(prompt: str, rid: str = "", **params) -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def srv():
     s = ServerThread(CFG, ServerOptions(
-        host="127.0.0.1", port=0, metrics_port=-1, log_interval=0, tenants=tuple(TENANTS),
+        host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, log_interval=0, tenants=tuple(TENANTS),
         max_queued_requests=1100, stream_idle_timeout=30.0, tokenizer_backlog_chars=64_000))
     yield s
     s.close()

@@ -13,7 +13,7 @@ FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--num-pages", 
 def test_require_warm_cache(tmp_path):
     cache = str(tmp_path / "xla")
     cmd = [sys.executable, "-m", "jaxserve.cli"]
-    cold = subprocess.run([*cmd, "serve", "--port", "0", "--metrics-port", "0", "--require-warm-cache",
+    cold = subprocess.run([*cmd, "serve", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--require-warm-cache",
                            "--compilation-cache-dir", cache, *FLAGS], capture_output=True, text=True, timeout=300)
     assert cold.returncode == 3, cold.stderr[-2000:]
     assert "missed the compilation cache" in cold.stderr

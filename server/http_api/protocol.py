@@ -1,0 +1,280 @@
+"""OpenAI request bodies (plus vLLM's extra sampling fields), parsed strictly, and their
+translation into engine `SamplingParams`.
+
+Bodies are validated by pydantic in strict JSON mode: a string where a number belongs, or a
+float where an integer belongs, is a 400 naming the field, as OpenAI answers; unknown fields
+are ignored (clients send fields of newer API versions). Parameters that would change what is
+generated and that the engine cannot honour are refused by name, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler import SamplingParams
+from server.convert import MAX_CHAT_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from server.errors import ServeError, invalid
+
+MAX_PROMPTS = 256  # prompts in one /v1/completions call (each is one engine request per n)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    best_of: int | None = None  # accepted only when equal to n: the engine returns all n it samples
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options: only allowed with stream=true", "stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid("best_of: only best_of == n is supported (every sampled sequence is returned)", "best_of")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise invalid(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise invalid(f"logit_bias: keys must be token ids, got {k!r}", "logit_bias") from None
+        return out
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        fields: dict[str, Any] = {
+            name: getattr(self, name) for name in (
+                "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                "include_stop_str_in_output", "cache_salt", "priority", "stop")
+            if getattr(self, name) is not None}
+        fields.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self.logit_bias_ids())
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            msg = str(e)
+            raise invalid(msg, _leading_name(msg)) from e
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise invalid("suffix: insertion (fill-in-the-middle) is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs needs prompt logprobs, which the engine does not compute", "echo")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise invalid(f"max_tokens must be an integer >= 1, got {self.max_tokens}", "max_tokens")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif not p:
+            raise invalid("prompt: must not be empty", "prompt")
+        elif all(isinstance(x, int) for x in p):
+            out = [p]
+        elif all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            out = list(p)
+        else:
+            raise invalid("prompt: a string, a list of strings, a list of token ids or a list of such lists",
+                          "prompt")
+        if len(out) > MAX_PROMPTS:
+            raise invalid(f"prompt: at most {MAX_PROMPTS} prompts per call, got {len(out)}", "prompt")
+        for i, x in enumerate(out):
+            if not x:
+                raise invalid(f"prompt[{i}]: must not be empty" if len(out) > 1 else "prompt: must not be empty",
+                              "prompt")
+        return out
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, tool_call_id, ... reach the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message as the chat template sees it: content as one string (text parts
+        joined by newlines, as vLLM does), "developer" as "system" (templates know only it)."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, TextPart):
+                    raise invalid(f"messages[{index}].content[{j}]: only text parts are supported "
+                                  f"(this model takes text), got type {part.type!r}",
+                                  f"messages[{index}].content[{j}].type")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out = {**(self.model_extra or {}), "role": "system" if self.role == "developer" else self.role,
+               "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise invalid(f"response_format: type {self.response_format.type!r} (structured output) is not "
+                          "supported yet; only 'text'", "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise invalid("tools: tool calling is not supported yet (tool_choice 'none' is)", "tools")
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
+            raise invalid(f"tool_choice: {self.tool_choice!r} is not supported (no tool calling yet)", "tool_choice")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise invalid("continue_final_message: needs add_generation_prompt=false and a final assistant message",
+                          "continue_final_message")
+        for name in ("max_tokens", "max_completion_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise invalid(f"{name} must be an integer >= 1, got {v}", name)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give one of prompt or messages", "prompt")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """Strict JSON -> model; a 400 naming the first bad field otherwise."""
+    try:
+        req = model.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        raise _validation_error(e) from None
+    return req
+
+
+def _validation_error(e: pydantic.ValidationError) -> ServeError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return invalid(f"the body is not valid JSON: {err['msg']}", None, "invalid_json")
+    if err["type"] == "model_type" and not err["loc"]:
+        return invalid("the body must be a JSON object", None)
+    param = _param_name(err["loc"])
+    got = err.get("input")
+    shown = json.dumps(got)[:80] if isinstance(got, str | int | float | bool | None) else type(got).__name__
+    if err["type"] == "missing":
+        return invalid(f"{param}: a required field is missing", param)
+    return invalid(f"{param}: {err['msg'].lower()} (got {shown})", param)
+
+
+def _param_name(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; union-branch names are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "list[str]", "list[int]", "list[list[int]]",
+                      "TextPart", "OtherPart", "function-after") or "[" in str(part):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _leading_name(msg: str) -> str | None:
+    word = msg.split(" ", 1)[0].rstrip(":")
+    return word.split("[", 1)[0] if word.replace("_", "").replace("[", "").replace("]", "").isalnum() else None

@@ -1,0 +1,117 @@
+"""OpenAI response bodies and stream chunks from engine outputs.
+
+`ChoiceState` accumulates one choice (one sequence of one prompt) across merged deltas, for
+the final body of a non-streamed call; the `*_chunk` functions frame one delta as OpenAI's
+stream does. Token strings for logprobs come from `TokenText`, which decodes each id once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.outputs import TokenLogprob, Usage
+
+
+class TokenText:
+    """id -> the token's text as OpenAI shows it in logprobs (one token decoded alone; a
+    piece of a multi-byte character shows as U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self._tok.decode([token_id]) if self._tok is not None else str(token_id)
+        return s
+
+
+def usage_json(u: Usage, extra_completion: int = 0) -> dict[str, Any]:
+    completion = u.completion_tokens + extra_completion
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": u.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in usages))
+
+
+def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, Any]]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = text(tid)
+        return {"token": s, "logprob": max(lp, -9999.0), "bytes": list(s.encode())}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy shape: parallel lists; `offset` is where this delta's text starts."""
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        s = text(lp.token_id)
+        tokens.append(s)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [max(lp.logprob, -9999.0) for lp in lps],
+            "top_logprobs": [{text(t): max(v, -9999.0) for t, v in lp.top} | {text(lp.token_id): max(lp.logprob, -9999.0)}
+                             for lp in lps],
+            "text_offset": offsets}
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """One choice of a non-streamed call, accumulated from deltas."""
+
+    index: int
+    text: list[str] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    chars: int = 0  # text length so far (completion logprobs' text_offset)
+
+    def add(self, delta_text: str, delta_ids: list[int], delta_lps: list[TokenLogprob] | None,
+            finish_reason: str | None, stop_reason: int | str | None) -> None:
+        if delta_text:
+            self.text.append(delta_text)
+            self.chars += len(delta_text)
+        self.num_tokens += len(delta_ids)
+        if delta_lps is not None:
+            self.logprobs = (self.logprobs or []) + list(delta_lps)
+        if finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
+                    text: TokenText, echo: list[str] | None) -> dict[str, Any]:
+    out = []
+    for c in choices:
+        prefix = echo[c.index] if echo is not None else ""
+        out.append({"index": c.index, "text": prefix + "".join(c.text),
+                    "logprobs": completion_logprobs(c.logprobs, text, 0) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
+            "usage": usage_json(usage), "system_fingerprint": None}
+
+
+def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
+              text: TokenText) -> dict[str, Any]:
+    out = [{"index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None, "tool_calls": []},
+            "logprobs": {"content": chat_logprobs(c.logprobs, text)} if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage_json(usage), "system_fingerprint": None}
+
+
+def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
+          usage: dict[str, Any] | None, with_usage_field: bool) -> dict[str, Any]:
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "system_fingerprint": None}
+    if with_usage_field:
+        body["usage"] = usage
+    return body

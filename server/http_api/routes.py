@@ -1,0 +1,501 @@
+"""The OpenAI-compatible HTTP API on the server's engine (FastAPI routes).
+
+Every route shares the gRPC front's parts through `JaxServeServer`: the same keys and tenants
+(`Authorization: Bearer KEY` or `x-api-key`), the same admission limits, front-end pool,
+engine thread and drain. Errors are OpenAI's JSON with the status of their `ErrorKind`
+(400 naming the parameter, 401, 404 for another model, 413, 429, 503, 500 with an error id).
+
+A client that disconnects aborts its requests: a streamed call notices it while waiting for
+tokens (the response listens for `http.disconnect` beside the writer), a non-streamed call
+likewise while it waits for the whole answer. A stream the client stops reading is aborted
+after `stream_idle_timeout`, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxserve.outputs import RequestOutput
+from server.errors import ErrorKind, ServeError, invalid
+from server.generation import Generation
+from server.http_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _leading_name,
+    parse_body,
+)
+from server.http_api.responses import (
+    ChoiceState,
+    TokenText,
+    chat_body,
+    chat_logprobs,
+    chunk,
+    completion_body,
+    completion_logprobs,
+    sum_usage,
+    usage_json,
+)
+from server.tenants import Tenant
+
+if TYPE_CHECKING:
+    from server.app import JaxServeServer
+
+logger = logging.getLogger("jaxserve.server")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class OpenAIFront:
+    def __init__(self, srv: JaxServeServer):
+        self.srv = srv
+        self._token_text: TokenText | None = None
+        app = self.app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(StarletteHTTPException, self._http_exception)
+        app.add_exception_handler(Exception, self._unexpected)
+        for path, method, fn in (
+                ("/v1/completions", "POST", self.completions), ("/v1/chat/completions", "POST", self.chat),
+                ("/v1/models", "GET", self.models), ("/health", "GET", self.health),
+                ("/metrics", "GET", self.metrics), ("/tokenize", "POST", self.tokenize),
+                ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version)):
+            app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
+
+    # ------------------------------------------------------------------ plumbing
+    def _guard(self, fn, path: str):
+        async def route(request: Request) -> Response:
+            try:
+                resp = await fn(request)
+            except ServeError as e:
+                resp = error_response(e)
+            except ClientGone:
+                resp = Response(status_code=499)
+            self.srv.metrics.http_requests.labels(endpoint=path, status=str(resp.status_code)).inc()
+            return resp
+
+        route.__name__ = fn.__name__
+        return route
+
+    async def _http_exception(self, request: Request, exc: StarletteHTTPException) -> Response:
+        kind = ErrorKind.NOT_FOUND if exc.status_code == 404 else ErrorKind.INVALID
+        resp = error_response(ServeError(kind, f"{request.method} {request.url.path}: {exc.detail}"))
+        resp.status_code = exc.status_code
+        return resp
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        from server.engine_loop import new_error_id
+
+        error_id = new_error_id()
+        logger.error("HTTP %s %s failed [error id %s]", request.method, request.url.path, error_id, exc_info=exc)
+        return error_response(ServeError(ErrorKind.INTERNAL, f"internal error (error id {error_id})"))
+
+    def _tenant(self, request: Request) -> Tenant:
+        h = request.headers
+        md = [(k, h[k]) for k in ("authorization", "x-api-key") if k in h]
+        tenant = self.srv.auth.authenticate(md)
+        if tenant is None:
+            self.srv.metrics.auth_failures.inc()
+            raise ServeError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key (Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+        return tenant
+
+    async def _body(self, request: Request, model: type) -> Any:
+        limit = self.srv.options.max_message_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ServeError(ErrorKind.TOO_LARGE, f"the body is {declared} bytes, over max_message_bytes {limit}")
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise ServeError(ErrorKind.TOO_LARGE, f"the body is over max_message_bytes {limit}")
+            chunks.append(part)
+        return parse_body(model, b"".join(chunks))
+
+    def _check_model(self, name: str | None) -> None:
+        if name and name not in self.srv.served_model_names:
+            raise ServeError(ErrorKind.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
+                             f"{self.srv.served_model_names[0]!r}", "model", "model_not_found")
+
+    def _serving(self) -> None:
+        err = self.srv.serving_error()
+        if err is not None:
+            raise err
+
+    @property
+    def token_text(self) -> TokenText:
+        if self._token_text is None:  # its own copy: the engine thread detokenizes with the original
+            self._token_text = TokenText(copy.deepcopy(self.srv.engine.tokenizer))
+        return self._token_text
+
+    def _request_id(self, request: Request, body_id: str | None, prefix: str) -> str:
+        rid = request.headers.get("x-request-id") or body_id
+        if rid is not None and len(rid) > 256:
+            raise invalid("request_id: at most 256 characters", "request_id")
+        return rid or f"{prefix}-{uuid.uuid4().hex}"
+
+    async def _start(self, tenant: Tenant, rid: str, params, ids: list[int], text: str | None,
+                     param: str) -> Generation:
+        try:
+            return await self.srv.start_generation(tenant, rid, params, ids, text=text, param=param)
+        except ServeError as e:
+            if e.kind is ErrorKind.INVALID and e.param is None:
+                e.param = _leading_name(e.message)
+            raise
+
+    def _check_chars(self, n: int, param: str) -> None:
+        if n > self.srv.max_prompt_chars:
+            raise invalid(f"{param}: {n} characters is over the limit of {self.srv.max_prompt_chars} "
+                          "(max_prompt_chars)", param)
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req: CompletionRequest = await self._body(request, CompletionRequest)
+        req.check()
+        self._check_model(req.model)
+        self._serving()
+        prompts = req.prompts()
+        ids_list = []
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+                ids_list.append(await self._encode(tenant, p, req.add_special_tokens))
+            else:
+                ids_list.append(p)
+        rid = self._request_id(request, req.request_id, "cmpl")
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else await self.srv.frontend.decode(p, tenant.name) for p in prompts]
+        gens = []
+        async with contextlib.AsyncExitStack() as stack:
+            for i, (p, ids) in enumerate(zip(prompts, ids_list)):
+                max_tokens = req.max_tokens if req.max_tokens is not None else self.srv.engine.max_model_len - len(ids)
+                params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.logprobs), tenant)
+                gen = await self._start(tenant, rid if len(prompts) == 1 else f"{rid}-{i}", params, ids,
+                                        p if isinstance(p, str) else None, "prompt")
+                stack.push_async_callback(gen.__aexit__)
+                gens.append(gen)
+            created, model = int(time.time()), req.model or self.srv.served_model_names[0]
+            if req.stream:
+                events = self._completion_events(gens, req, rid, created, model, echo)
+                return EventStream(events, stack.pop_all(), self.srv.options.stream_idle_timeout,
+                                   self.srv.metrics.stream_idle_aborts.inc)
+            choices = await until_disconnect(request, _collect(gens, req.n))
+            return JSONResponse(completion_body(rid, created, model, choices, sum_usage([g.last_usage for g in gens]),
+                                                self.token_text, echo))
+
+    async def chat(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+        req.check()
+        self._check_model(req.model)
+        self._serving()
+        messages = req.template_messages()
+        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        try:
+            ids = await self.srv.frontend.chat(messages, req.add_generation_prompt, tenant.name,
+                                               req.continue_final_message)
+        except ValueError as e:
+            raise invalid(str(e), "messages") from e
+        except Exception as e:
+            raise _frontend_error(self.srv, e) from e
+        limit = req.output_limit
+        max_tokens = limit if limit is not None else self.srv.engine.max_model_len - len(ids)
+        if req.num_logprobs is not None and req.num_logprobs > self.srv.engine_config.max_logprobs:
+            raise invalid(f"top_logprobs must be <= {self.srv.engine_config.max_logprobs} (max_logprobs), "
+                          f"got {req.num_logprobs}", "top_logprobs")
+        params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.num_logprobs), tenant)
+        rid = self._request_id(request, req.request_id, "chatcmpl")
+        gen = await self._start(tenant, rid, params, ids, None, "messages")
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(gen.__aexit__)
+            created, model = int(time.time()), req.model or self.srv.served_model_names[0]
+            if req.stream:
+                events = self._chat_events(gen, req, rid, created, model)
+                return EventStream(events, stack.pop_all(), self.srv.options.stream_idle_timeout,
+                                   self.srv.metrics.stream_idle_aborts.inc)
+            choices = await until_disconnect(request, _collect([gen], req.n))
+            return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text))
+
+    async def _encode(self, tenant: Tenant, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return await self.srv.frontend.encode(text, tenant.name, add_special_tokens)
+        except Exception as e:
+            raise _frontend_error(self.srv, e, "prompt") from e
+
+    async def _completion_events(self, gens: list[Generation], req: CompletionRequest, rid: str, created: int,
+                                 model: str, echo: list[str] | None) -> AsyncIterator[bytes]:
+        n = req.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        offsets: dict[int, int] = {}
+        reported: set[int] = set()
+        async for pi, out in _merge(gens):
+            choices = []
+            for c in out.outputs:
+                idx = pi * n + c.index
+                new_finish = c.finish_reason is not None and idx not in reported
+                text = c.delta_text
+                if echo is not None and idx not in offsets:
+                    text = echo[pi] + text
+                if not (text or c.delta_token_ids or new_finish):
+                    continue
+                if new_finish:
+                    reported.add(idx)
+                off = offsets.get(idx, 0)
+                lps = completion_logprobs(c.delta_logprobs, self.token_text, off) if c.delta_logprobs else None
+                offsets[idx] = off + len(text)
+                choices.append({"index": idx, "text": text, "logprobs": lps,
+                                "finish_reason": c.finish_reason if new_finish else None,
+                                "stop_reason": c.stop_reason if new_finish else None})
+            if choices:
+                usage = usage_json(sum_usage([g.last_usage for g in gens])) if continuous else None
+                yield sse(chunk(rid, "text_completion", created, model, choices, usage, include_usage))
+        if include_usage:
+            yield sse(chunk(rid, "text_completion", created, model, [],
+                            usage_json(sum_usage([g.last_usage for g in gens])), True))
+        yield b"data: [DONE]\n\n"
+
+    async def _chat_events(self, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
+                           model: str) -> AsyncIterator[bytes]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        obj = "chat.completion.chunk"
+        for i in range(req.n):  # OpenAI sends each choice's role first
+            yield sse(chunk(rid, obj, created, model, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}],
+                            None, include_usage))
+        reported: set[int] = set()
+        async for out in gen:
+            for c in out.outputs:
+                new_finish = c.finish_reason is not None and c.index not in reported
+                if not (c.delta_text or c.delta_token_ids or new_finish):
+                    continue
+                if new_finish:
+                    reported.add(c.index)
+                lps = {"content": chat_logprobs(c.delta_logprobs, self.token_text)} if c.delta_logprobs else None
+                choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                          "logprobs": lps, "finish_reason": c.finish_reason if new_finish else None}
+                if new_finish:
+                    choice["stop_reason"] = c.stop_reason
+                usage = usage_json(gen.last_usage) if continuous else None
+                yield sse(chunk(rid, obj, created, model, [choice], usage, include_usage))
+        if include_usage:
+            yield sse(chunk(rid, obj, created, model, [], usage_json(gen.last_usage), True))
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ the rest
+    async def models(self, request: Request) -> Response:
+        self._tenant(request)
+        e = self.srv.engine
+        created = int(self.srv.started_wall)
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                 "root": self.srv.model_name, "parent": None,
+                 "max_model_len": e.max_model_len if e is not None else None}
+                for name in self.srv.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        err = self.srv.serving_error()
+        return Response(status_code=200 if err is None else 503, content=b"" if err is None else err.message)
+
+    async def metrics(self, request: Request) -> Response:
+        if self.srv.auth.required and not self._tenant(request).admin:
+            raise ServeError(ErrorKind.UNAUTHENTICATED, "/metrics: needs an admin key (it shows every tenant's load)",
+                             code="admin_only")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> Response:
+        from server.app import VERSION
+
+        return JSONResponse({"version": VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req: TokenizeRequest = await self._body(request, TokenizeRequest)
+        req.check()
+        self._check_model(req.model)
+        self._serving()
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt), "prompt")
+            ids = await self._encode(tenant, req.prompt, req.add_special_tokens)
+        else:
+            messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+            try:
+                ids = await self.srv.frontend.chat(messages, req.add_generation_prompt, tenant.name)
+            except ValueError as e:
+                raise invalid(str(e), "messages") from e
+            except Exception as e:
+                raise _frontend_error(self.srv, e) from e
+        self.srv.metrics.tokenize_requests.inc()
+        return JSONResponse({"count": len(ids), "max_model_len": self.srv.engine.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        req: DetokenizeRequest = await self._body(request, DetokenizeRequest)
+        self._check_model(req.model)
+        self._serving()
+        vocab = self.srv.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
+        try:
+            text = await self.srv.frontend.decode(req.tokens, tenant.name)
+        except Exception as e:
+            raise _frontend_error(self.srv, e, "tokens") from e
+        return JSONResponse({"prompt": text})
+
+
+def _frontend_error(srv: JaxServeServer, e: Exception, param: str | None = None) -> ServeError:
+    from server.frontend import FrontendBusy
+
+    if isinstance(e, ValueError):
+        return invalid(str(e), param)
+    if isinstance(e, FrontendBusy):
+        srv.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
+        return ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars")
+    raise e
+
+
+def error_response(e: ServeError) -> JSONResponse:
+    headers = {"retry-after": "1"} if e.kind in (ErrorKind.EXHAUSTED, ErrorKind.UNAVAILABLE) else None
+    return JSONResponse(e.openai_json(), status_code=e.kind.http_status, headers=headers)
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _merge(gens: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(generation index, output) from several generations as they come."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g: Generation) -> None:
+        try:
+            async for out in g:
+                await queue.put((i, out, None))
+        except ServeError as e:
+            await queue.put((i, None, e))
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                left -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(gens: list[Generation], n: int) -> list[ChoiceState]:
+    choices = {pi * n + j: ChoiceState(pi * n + j) for pi in range(len(gens)) for j in range(n)}
+    async for pi, out in _merge(gens):
+        for c in out.outputs:
+            choices[pi * n + c.index].add(c.delta_text, c.delta_token_ids, c.delta_logprobs, c.finish_reason,
+                                          c.stop_reason)
+    return [choices[k] for k in sorted(choices)]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, coro) -> Any:
+    """Runs `coro` unless the client disconnects first (then cancels it: ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ServeError):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+class EventStream(Response):
+    """A server-sent-event response that owns its generations: they are closed (aborted
+    when unfinished) when the stream ends, the client disconnects, or it stops reading."""
+
+    def __init__(self, events: AsyncIterator[bytes], owned: contextlib.AsyncExitStack, idle_timeout: float,
+                 on_idle_abort) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
+        self.events = events
+        self.owned = owned
+        self.idle_timeout = idle_timeout
+        self.on_idle_abort = on_idle_abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with self.owned:
+            producer = asyncio.ensure_future(self._produce(send))
+            watch = asyncio.ensure_future(_wait_disconnect_raw(receive))
+            try:
+                await asyncio.wait({producer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (producer, watch):
+                    t.cancel()
+                results = await asyncio.gather(producer, watch, return_exceptions=True)
+                await self.events.aclose()
+            if isinstance(results[0], Exception):
+                logger.error("HTTP stream failed", exc_info=results[0])
+
+    async def _produce(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for data in self.events:
+                await self._send(send, data)
+        except ServeError as e:  # mid-stream: OpenAI's error event, then the end of the stream
+            await self._send(send, sse(e.openai_json()) + b"data: [DONE]\n\n")
+        except OSError:  # the client went away
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send(self, send, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.idle_timeout):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except TimeoutError:
+            self.on_idle_abort()
+            logger.warning("HTTP stream not read for %.0f s: aborted", self.idle_timeout)
+            raise OSError("stream_idle_timeout") from None
+
+
+async def _wait_disconnect_raw(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
