@@ -468,7 +468,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
                                                arrival_time=time.monotonic(), ticket=gen.ticket)
         except ValueError as e:
             gen.close()
-            raise invalid(str(e).replace(repr(key), repr(request_id)), param) from e
+            raise invalid(str(e).replace(repr(key), repr(request_id))) from e
         except EngineDead as e:
             gen.close()
             raise ServeError(ErrorKind.UNAVAILABLE, str(e), code="engine_stopped") from e

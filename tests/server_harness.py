@@ -7,6 +7,7 @@ import threading
 import time
 
 from jaxserve.config import EngineConfig
+from scheduler import SamplingParams
 from server.app import JaxServeServer, ServerOptions
 
 
@@ -29,6 +30,19 @@ class ServerThread:
         self.run(self.server.stop(grace=0.5), 30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
+    """The batch API (`LLM.generate`) on the server's own engine, run on the engine thread so
+    nothing steps the engine concurrently (and no new shape is compiled)."""
+    from jaxserve.llm import LLM
+
+    def run(engine):
+        llm = LLM.__new__(LLM)
+        llm.engine, llm._counter = engine, 0
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    return asyncio.run_coroutine_threadsafe(srv.server.loop_runner.call(run), srv.loop).result(120)
 
 
 def wait_until(cond, timeout: float = 20.0, interval: float = 0.05, show=None):

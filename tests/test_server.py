@@ -4,7 +4,6 @@ server in a subprocess."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import re
@@ -20,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_harness import ServerThread, wait_until
+from server_harness import ServerThread, batch_generate, wait_until
 
 from jaxserve.config import EngineConfig
 from scheduler import SamplingParams
@@ -72,19 +71,6 @@ def text_req(prompt: str, **params) -> pb.GenerateRequest:
 
 def server_info(stub) -> pb.ServerInfo:
     return stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=AUTH, timeout=10)
-
-
-def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
-    """The batch API (`LLM.generate`) on the server's own engine, run on the engine thread so
-    nothing steps the engine concurrently (and no new shape is compiled)."""
-    from jaxserve.llm import LLM
-
-    def run(engine):
-        llm = LLM.__new__(LLM)
-        llm.engine, llm._counter = engine, 0
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    return asyncio.run_coroutine_threadsafe(srv.server.loop_runner.call(run), srv.loop).result(120)
 
 
 # ---------------------------------------------------------------------------- basics

@@ -153,8 +153,9 @@ class OpenAIFront:
         try:
             return await self.srv.start_generation(tenant, rid, params, ids, text=text, param=param)
         except ServeError as e:
-            if e.kind is ErrorKind.INVALID and e.param is None:
-                e.param = _leading_name(e.message)
+            if e.kind is ErrorKind.INVALID and e.param is None:  # the engine's message names the field
+                name = _leading_name(e.message)
+                e.param = param if name in ("prompt", "prompt_token_ids") else name
             raise
 
     def _check_chars(self, n: int, param: str) -> None:

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP API end to end: the embedded model behind a real server (shared
+with the gRPC tests), driven by the official `openai` client (sync, async, streaming) for the
+happy paths and by raw httpx for what a client library never sends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from conftest import EMBEDDED_SERVER_KEY as KEY
+from server_harness import batch_generate, wait_until
+
+from scheduler import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def srv(embedded_server):
+    return embedded_server
+
+
+@pytest.fixture(scope="module")
+def base(srv) -> str:
+    return f"http://127.0.0.1:{srv.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def model(srv) -> str:
+    return srv.server.served_model_names[0]
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    with openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def post(base: str, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, bytes | str):
+        return httpx.post(base + path, content=body, headers={**headers, "content-type": "application/json"},
+                          timeout=60, **kw)
+    return httpx.post(base + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """The `data:` payloads of an event stream, JSON-decoded ([DONE] kept as the string)."""
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return out
+
+
+def idle(srv) -> bool:
+    snap = srv.server.loop_runner.snapshot
+    return srv.server.num_in_flight == 0 and snap.stats.num_running == 0 and snap.stats.num_waiting == 0
+
+
+def chat_ids(srv, messages) -> list[int]:
+    tok = srv.server.engine.tokenizer
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+# ---------------------------------------------------------------------------- happy paths
+def test_completions_greedy_equal_the_llm_api(srv, client, model):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = batch_generate(srv, PROMPTS, params)
+    r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == model and r.id.startswith("cmpl-")
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.outputs[0].text for w in want]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 36
+    # token ids in, echo: the prompt's text leads the choice's text
+    ids = want[0].prompt_token_ids
+    r = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == PROMPTS[0] + want[0].outputs[0].text
+
+
+def test_chat_greedy_equals_the_llm_api_and_streams_as_openai_frames_it(srv, client, base, model):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
+    want = batch_generate(srv, [{"prompt_token_ids": chat_ids(srv, messages)}],
+                          SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+    r = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    # The same call streamed, read raw: role chunk first, content deltas, the finish, the
+    # usage chunk (stream_options.include_usage), then [DONE].
+    with httpx.stream("POST", base + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": model, "messages": messages, "max_tokens": 10, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    body = chunks[1:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in body) == want.text
+    assert [c["choices"][0]["finish_reason"] for c in body][-1] == r.choices[0].finish_reason
+    assert all(c["choices"][0]["finish_reason"] is None for c in body[:-1])
+    assert len(body) >= 2  # streamed, not one blob
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == r.usage.completion_tokens
+    assert usage["usage"]["prompt_tokens"] == r.usage.prompt_tokens
+    assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
+
+
+def test_async_client_streams_and_n(base, model):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0) as c:
+            async def one(p):
+                stream = await c.completions.create(model=model, prompt=p, max_tokens=6, temperature=0.8, seed=7,
+                                                    n=2, stream=True)
+                texts, finish = {0: "", 1: ""}, {}
+                async for ch in stream:
+                    for choice in ch.choices:
+                        texts[choice.index] += choice.text
+                        if choice.finish_reason:
+                            finish[choice.index] = choice.finish_reason
+                return texts, finish
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    for texts, finish in results:
+        assert set(finish) == {0, 1} and all(texts.values())
+    again = asyncio.run(main())
+    assert [t for t, _ in again] == [t for t, _ in results]  # seeded: reproducible
+
+
+def test_logprobs_stop_and_logit_bias(client, base, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count: 1, 2,"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.bytes == list(e.token.encode())
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+    # stop strings: the text ends before the stop string, stop_reason names it
+    first = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    stop = first.choices[0].text.strip().split()[0][-2:]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    # logit_bias: +100 forces a token, -100 bans the greedy choice
+    forced = 1234
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].logprobs.tokens == [post(base, "/detokenize", {"tokens": [forced]}).json()["prompt"]] * 3
+    greedy_first = first.choices[0].text
+    ids = post(base, "/tokenize", {"prompt": greedy_first, "add_special_tokens": False}).json()["tokens"]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                  logit_bias={str(ids[0]): -100})
+    assert not greedy_first.startswith(r.choices[0].text)
+
+
+def test_models_tokenize_detokenize_version_health(srv, client, base, model):
+    assert [m.id for m in client.models.list()] == [model]
+    tok = srv.server.engine.tokenizer
+    r = post(base, "/tokenize", {"model": model, "prompt": "Hello world"}).json()
+    assert r["tokens"] == list(tok("Hello world", add_special_tokens=True)["input_ids"])
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == srv.server.engine.max_model_len
+    msgs = [{"role": "user", "content": "Hi there"}]
+    assert post(base, "/tokenize", {"messages": msgs}).json()["tokens"] == chat_ids(srv, msgs)
+    assert post(base, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    assert httpx.get(base + "/version").json()["version"]
+    assert httpx.get(base + "/health").status_code == 200  # needs no key, as on gRPC
+    text = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    assert 'jaxserve:http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert httpx.get(base + "/metrics").status_code == 401  # keys are on: /metrics is for admins
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5.5}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "n": 99}, 400, "n"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": [10 ** 9]}, 400, "prompt"),
+    ({"prompt": "x " * 600, "max_tokens": 16}, 400, "prompt"),  # over max_model_len 512
+    ({"prompt": "x", "stop": ["a"] * 40}, 400, "stop"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+])
+def test_completion_errors_are_openai_json_naming_the_parameter(srv, base, body, status, param):
+    r = post(base, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    assert idle(srv)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_chat_errors_name_the_parameter(srv, base, body, param):
+    r = post(base, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_auth_size_and_route_errors(srv, base, client, model):
+    r = post(base, "/v1/completions", {"prompt": "x"}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert post(base, "/v1/models", {}, key=None).status_code in (401, 405)
+    assert httpx.get(base + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+    huge = json.dumps({"prompt": "x" * (srv.server.options.max_message_bytes + 10)})
+    r = post(base, "/v1/completions", huge)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(base + "/v1/nothing", headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", temperature=-3)
+    assert e.value.body["param"] == "temperature"
+    assert idle(srv)
+
+
+def test_queue_full_is_429_and_nothing_leaks(srv, base, model):
+    """More streams than max_num_seqs + max_queued_requests: the rest get 429 with OpenAI's
+    JSON and Retry-After; every admitted stream is then dropped by its client, which aborts it."""
+    limit = srv.server.admission.max_requests
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                                     limits=httpx.Limits(max_connections=limit + 20)) as c:
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True,
+                    "stream": True}
+            streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(limit + 6)]
+            resps = await asyncio.gather(*(s.__aenter__() for s in streams))
+            codes = [r.status_code for r in resps]
+            refused = [r for r in resps if r.status_code == 429]
+            for r in refused:
+                await r.aread()
+            bodies = [r.json() for r in refused]
+            retry = [r.headers.get("retry-after") for r in refused]
+            await asyncio.gather(*(s.__aexit__(None, None, None) for s in streams))
+            return codes, bodies, retry
+
+    codes, bodies, retry = asyncio.run(main())
+    assert codes.count(200) == limit and codes.count(429) == 6, codes
+    assert all(b["error"]["type"] == "rate_limit_error" and b["error"]["code"] == "max_queued_requests"
+               for b in bodies)
+    assert all(r == "1" for r in retry)
+    wait_until(lambda: idle(srv), timeout=30)
+    st = srv.server.loop_runner.snapshot.stats
+    assert st.num_used_blocks == 0, st
+
+
+def test_disconnects_abort_their_requests(srv, base, model):
+    """A streamed call dropped after its first chunk, a streamed call dropped while it waits,
+    and a non-streamed call whose client gives up: each request is aborted in the engine."""
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+        first = next(resp.iter_lines())
+        assert srv.server.num_in_flight == 1, first
+    wait_until(lambda: idle(srv), timeout=20)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=1.0)
+    wait_until(lambda: idle(srv), timeout=20)
+    # Raw socket: the request is sent and the connection closed before anything comes back.
+    payload = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.server.http_port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"authorization: Bearer {KEY}\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+    wait_until(lambda: idle(srv), timeout=20)
+    assert srv.server.loop_runner.snapshot.stats.num_used_blocks == 0
+
+
+def test_no_compiles_after_warmup(srv):
+    assert srv.server.metrics.num_compilations_after_warmup == 0
