@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 _PENALTY_RANGE = (-2.0, 2.0)
+_INT32 = 2**31
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS = 256  # entries per request: the sampler's bias table is [R, MAX_LOGIT_BIAS]
 
@@ -132,6 +133,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _verify(self) -> None:
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "priority", "logprobs"):
+            v = getattr(self, name)
+            if _is_int(v) and not -_INT32 <= v < _INT32:  # they land in int32 device buffers
+                raise ValueError(f"{name} must be in [-2**31, 2**31), got {v!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Serving benchmark over gRPC, shaped like vLLM's `vllm bench serve`.
+"""Serving benchmark over gRPC or the OpenAI HTTP API, shaped like vLLM's `vllm bench serve`.
 
-Drives a running `jaxserve serve` with requests that arrive as a Poisson process (or a gamma
+Drives a running `jaxserve serve` (`--backend grpc`, the default; `openai` for
+/v1/completions with the same token-id prompts; `openai-chat` for /v1/chat/completions with
+the prompts decoded to text, so its prompt lengths are approximate) with requests that arrive as a Poisson process (or a gamma
 process with `--burstiness`), at `--request-rate` requests/s (inf: all at once) and/or at
 most `--max-concurrency` in flight, from one of two workloads:
 
@@ -15,6 +17,11 @@ request_goodput for `--goodput` SLOs) and a PNG (latency CDFs and throughput ove
     python scripts/bench_serving.py --address 127.0.0.1:50051 --num-prompts 200 \
         --request-rate 4 --random-input-len 128 --random-output-len 64 \
         --result-file bench.json --plot bench.png
+    python scripts/bench_serving.py --backend openai --base-url http://127.0.0.1:8000 ...
+
+HTTP streams ask for `stream_options.continuous_usage_stats`, so every chunk says how many
+tokens it carries (a chunk may carry several when the client reads slower than the engine
+steps), and the token counts match the gRPC backend's.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from server.proto import jaxserve_pb2_grpc as pb_grpc  # noqa: E402
 class Req:
     prompt_ids: list[int]
     output_len: int
+    text: str | None = None  # the prompt decoded (openai-chat)
 
 
 @dataclasses.dataclass
@@ -101,6 +109,8 @@ async def one_request(stub, req: Req, args, t0: float, md) -> Result:
     r = Result(prompt_len=len(req.prompt_ids))
     params = pb.SamplingParams(max_tokens=req.output_len, temperature=args.temperature,
                                ignore_eos=not args.no_ignore_eos)
+    if args.cache_salt:
+        params.cache_salt = args.cache_salt
     msg = pb.GenerateRequest(token_ids=pb.TokenIds(ids=req.prompt_ids), sampling_params=params)
     start = time.perf_counter()
     r.start = start - t0
@@ -126,7 +136,146 @@ async def one_request(stub, req: Req, args, t0: float, md) -> Result:
     return r
 
 
+# ---------------------------------------------------------------------------- HTTP client
+class HttpBackend:
+    """The OpenAI API over one pooled httpx client; SSE read line by line."""
+
+    def __init__(self, args):
+        import httpx
+
+        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        conns = (args.max_concurrency or args.num_prompts) + 8
+        self.args = args
+        self.chat = args.backend == "openai-chat"
+        self.client = httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                                        timeout=args.request_timeout, verify=args.tls_ca_file or True,
+                                        limits=httpx.Limits(max_connections=conns, max_keepalive_connections=conns))
+        self.model = ""
+
+    async def info(self) -> tuple[str, int, int]:
+        r = await self.client.get("/v1/models")
+        r.raise_for_status()
+        card = r.json()["data"][0]
+        self.model = card["id"]
+        return card["id"], card["vocab_size"], card["max_model_len"]
+
+    async def body(self, req: Req) -> tuple[str, dict]:
+        a = self.args
+        common = {"model": self.model, "max_tokens": req.output_len, "temperature": a.temperature,
+                  "ignore_eos": not a.no_ignore_eos, "stream": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if a.cache_salt:
+            common["cache_salt"] = a.cache_salt
+        if not self.chat:
+            return "/v1/completions", {**common, "prompt": req.prompt_ids}
+        if req.text is None:
+            r = await self.client.post("/detokenize", json={"tokens": req.prompt_ids})
+            r.raise_for_status()
+            req.text = r.json()["prompt"]
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": req.text}]}
+
+    async def one_request(self, req: Req, t0: float) -> Result:
+        r = Result(prompt_len=len(req.prompt_ids))
+        path, body = await self.body(req)
+        start = time.perf_counter()
+        r.start = start - t0
+        last, seen = start, 0
+        try:
+            async with self.client.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    err = json.loads(await resp.aread()).get("error", {})
+                    r.error = f"HTTP {resp.status_code}: {err.get('message', '')}"
+                    return r
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        r.error = f"stream error: {ev['error'].get('message')}"
+                        return r
+                    usage = ev.get("usage")
+                    if usage is None:
+                        continue
+                    n = usage["completion_tokens"] - seen
+                    if n > 0:
+                        now = time.perf_counter()
+                        if not r.token_times:
+                            r.ttft = now - start
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                        r.token_times.extend([now - t0] * n)
+                        seen = usage["completion_tokens"]
+                    if not ev["choices"]:  # the final usage chunk
+                        r.output_len = usage["completion_tokens"]
+                        r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                        if self.chat:
+                            r.prompt_len = usage["prompt_tokens"]
+            r.latency = time.perf_counter() - start
+            r.success = True
+        except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+            r.error = f"{type(e).__name__}: {e}"
+        return r
+
+    async def server_stats(self) -> dict:
+        r = await self.client.get("/metrics")
+        vals: dict[str, float] = {}
+        for line in r.text.splitlines() if r.status_code == 200 else []:
+            if line and not line.startswith("#"):
+                name, _, v = line.rpartition(" ")
+                base = name.split("{", 1)[0]
+                vals[base] = vals.get(base, 0.0) + float(v)
+        return {"num_preemptions": int(vals.get("jaxserve:num_preemptions_total", 0)),
+                "prefix_cache_hits": vals.get("jaxserve:prefix_cache_hits_total", 0.0),
+                "prefix_cache_queries": vals.get("jaxserve:prefix_cache_queries_total", 0.0),
+                "compilations_after_warmup": int(vals.get("jaxserve:compilations_after_warmup_total", 0))}
+
+
+async def run_http(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    backend = HttpBackend(args)
+    async with backend.client:
+        model, vocab, max_len = await backend.info()
+        reqs = _workload(args, vocab, max_len, rng, model)
+        if args.warmup_requests:
+            await asyncio.gather(*(backend.one_request(Req(r.prompt_ids[:8], 4), time.perf_counter())
+                                   for r in reqs[: args.warmup_requests]))
+        results, duration = await _drive(reqs, args, rng, backend.one_request)
+        stats = await backend.server_stats()
+    return summarize(args, results, duration, dataclasses.make_dataclass("S", list(stats))(**stats))
+
+
+def _workload(args, vocab: int, max_model_len: int, rng, model: str) -> list[Req]:
+    make = random_workload if args.dataset == "random" else prefix_repetition_workload
+    reqs = make(args, vocab, rng)
+    too_long = [r for r in reqs if len(r.prompt_ids) + r.output_len > max_model_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} requests exceed max_model_len {max_model_len}")
+    print(f"{args.dataset}: {len(reqs)} requests over {args.backend}, rate {args.request_rate}, burstiness "
+          f"{args.burstiness}, max concurrency {args.max_concurrency}, model {model}")
+    return reqs
+
+
+async def _drive(reqs: list[Req], args, rng, send) -> tuple[list[Result], float]:
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def limited(req: Req, t0: float) -> Result:
+        if sem is None:
+            return await send(req, t0)
+        async with sem:
+            return await send(req, t0)
+
+    t0 = time.perf_counter()
+    tasks = []
+    async for i in arrivals(len(reqs), args.request_rate, args.burstiness, rng):
+        tasks.append(asyncio.create_task(limited(reqs[i], t0)))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
 async def run(args) -> dict:
+    if args.backend != "grpc":
+        return await run_http(args)
     rng = np.random.default_rng(args.seed)
     md = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
     opts = [("grpc.max_receive_message_length", 64 * 2**20)]
@@ -139,30 +288,11 @@ async def run(args) -> dict:
     async with channel:
         stub = pb_grpc.JaxServeStub(channel)
         info = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=30)
-        make = random_workload if args.dataset == "random" else prefix_repetition_workload
-        reqs = make(args, info.vocab_size, rng)
-        too_long = [r for r in reqs if len(r.prompt_ids) + r.output_len > info.max_model_len]
-        if too_long:
-            raise SystemExit(f"{len(too_long)} requests exceed max_model_len {info.max_model_len}")
-        print(f"{args.dataset}: {len(reqs)} requests, rate {args.request_rate}, burstiness "
-              f"{args.burstiness}, max concurrency {args.max_concurrency}, model {info.model}")
+        reqs = _workload(args, info.vocab_size, info.max_model_len, rng, info.model)
         if args.warmup_requests:
             await asyncio.gather(*(one_request(stub, Req(r.prompt_ids[:8], 4), args, time.perf_counter(), md)
                                    for r in reqs[: args.warmup_requests]))
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-
-        async def limited(req: Req, t0: float) -> Result:
-            if sem is None:
-                return await one_request(stub, req, args, t0, md)
-            async with sem:
-                return await one_request(stub, req, args, t0, md)
-
-        t0 = time.perf_counter()
-        tasks = []
-        async for i in arrivals(len(reqs), args.request_rate, args.burstiness, rng):
-            tasks.append(asyncio.create_task(limited(reqs[i], t0)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        results, duration = await _drive(reqs, args, rng, lambda req, t0: one_request(stub, req, args, t0, md))
         server = await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=md, timeout=30)
     return summarize(args, results, duration, server)
 
@@ -184,7 +314,7 @@ def summarize(args, results: list[Result], duration: float, server) -> dict:
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     res = {
-        "backend": "jaxserve-grpc", "dataset_name": args.dataset, "num_prompts": args.num_prompts,
+        "backend": f"jaxserve-{args.backend}", "dataset_name": args.dataset, "num_prompts": args.num_prompts,
         "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
@@ -330,7 +460,9 @@ def _save_plot_plain(ttft, itl, e2el, times, path: str, w: int = 800, h: int = 3
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--backend", choices=["grpc", "openai", "openai-chat"], default="grpc")
+    p.add_argument("--address", default="127.0.0.1:50051", help="gRPC address (--backend grpc)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="HTTP API (--backend openai*)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tls-ca-file", default=None)
     p.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
@@ -346,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
     p.add_argument("--prefix-repetition-output-len", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--cache-salt", default=None,
+                   help="prefix-cache salt of every request: a fresh one keeps earlier runs' prompts from hitting")
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:2000 tpot:200")
     p.add_argument("--metric-percentiles", default="50,90,99")

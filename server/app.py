@@ -214,8 +214,12 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         from server.http_api.runner import HttpServer
 
         o = self.options
+        # Connections and calls open at once: every admissible request plus as many again
+        # for refusals, health checks and tokenize calls.
+        max_conns = 2 * (self.engine_config.max_num_seqs + o.max_queued_requests) + o.max_open_calls
         self.http = HttpServer(OpenAIFront(self).app, o.host, o.http_port, tls_cert_file=o.tls_cert_file,
-                               tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file)
+                               tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file,
+                               max_connections=max_conns)
         try:
             self.http_port = await self.http.start()
         except OSError:

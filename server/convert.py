@@ -31,6 +31,8 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kwargs["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         kwargs["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        kwargs["logit_bias"] = dict(sp.logit_bias)
     return SamplingParams(**kwargs)
 
 
@@ -42,6 +44,8 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
             continue
         if k in ("stop", "stop_token_ids"):
             getattr(out, k).extend([v] if isinstance(v, str) else v)
+        elif k == "logit_bias":
+            out.logit_bias.update(v)
         else:
             setattr(out, k, v)
     return out

@@ -44,6 +44,8 @@ def test_defaults_and_normalisation():
         (dict(logit_bias={"5": 1.0}), "logit_bias"),
         (dict(logit_bias={i: 1.0 for i in range(257)}), "logit_bias"),
         (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(max_tokens=2**40), "max_tokens"),
     ],
 )
 def test_validation_names_field_and_range(kwargs, field):

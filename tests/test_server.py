@@ -4,6 +4,7 @@ server in a subprocess."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -152,6 +153,14 @@ def test_streaming_equals_batch_api_greedy(srv, stub):
         msgs, tokenize=True, add_generation_prompt=True, return_dict=False)}],
         SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert ids == want.outputs[0].token_ids and text == want.outputs[0].text
+
+
+def test_logit_bias_over_grpc(srv, stub):
+    _, _, ids, _ = generate(stub, text_req("Once upon a time", max_tokens=3, temperature=0.0, logit_bias={1234: 100.0}))
+    assert ids == [1234] * 3
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, text_req("x", logit_bias={5: 101.0}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias[5]" in e.value.details()
 
 
 def test_explicit_zero_is_not_unset(srv, stub):
@@ -441,10 +450,24 @@ def test_tls(srv, tmp_path):
 
 
 # ---------------------------------------------------------------------------- drain (subprocess)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
+    """Both fronts drain: in-flight gRPC and HTTP streams finish (or are aborted at the
+    timeout), new calls get UNAVAILABLE / 503, health turns NOT_SERVING / 503."""
+    import httpx
+
     log = open(tmp_path / "server.log", "w+")
+    http_port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--http-port", str(http_port),
          "--metrics-port", "-1", "--shutdown-timeout", "8", "--log-interval", "0.5", *CFG_ARGS],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -467,11 +490,23 @@ def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
             long = stub.Generate(text_req("Count to a thousand:", max_tokens=480, ignore_eos=True), timeout=60)
             first_short = next(short)
             next(long)
+            base = f"http://127.0.0.1:{http_port}"
+            http = httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True})
+            http_resp = http.__enter__()
+            http_lines = http_resp.iter_lines()
+            assert next(http_lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
             wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(text_req("late", max_tokens=2), timeout=10))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert httpx.get(base + "/health", timeout=5).status_code == 503
+            late = httpx.post(base + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+            http_rest = [json.loads(x[6:]) for x in http_lines if x.startswith("data: {")]
+            http.__exit__(None, None, None)
+            assert http_rest[-1]["choices"][0]["finish_reason"] == "length"
             rest = list(short)
             n = sum(len(d.token_ids) for r in [first_short, *rest] for d in r.outputs)
             assert n == 20 and rest[-1].finished and rest[-1].outputs[-1].finish_reason == "length"
@@ -480,7 +515,7 @@ def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
         assert proc.wait(timeout=60) == 0
         text = (tmp_path / "server.log").read_text()
         assert re.search(r"gen [\d.]+ tok/s, batched [\d.]+ tok/s, \d+ finished \| running \d+, waiting \d+", text)
-        assert "draining: 2 requests in flight" in text and "aborted 1 requests" in text
+        assert "draining: 3 requests in flight" in text and "aborted 1 requests" in text
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -146,6 +146,13 @@ class OtherPart(_Body):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
 
+    @pydantic.field_validator("type")
+    @classmethod
+    def _not_text(cls, v: str) -> str:
+        if v == "text":  # a text part without its text: let TextPart's error name the field
+            raise ValueError("a text part needs a 'text' string")
+        return v
+
 
 class ChatMessage(_Body):
     model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, tool_call_id, ... reach the template

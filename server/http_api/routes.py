@@ -307,7 +307,8 @@ class OpenAIFront:
         created = int(self.srv.started_wall)
         data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
                  "root": self.srv.model_name, "parent": None,
-                 "max_model_len": e.max_model_len if e is not None else None}
+                 "max_model_len": e.max_model_len if e is not None else None,
+                 "vocab_size": e.model_config.vocab_size if e is not None else None}
                 for name in self.srv.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
@@ -477,8 +478,8 @@ class EventStream(Response):
                 logger.error("HTTP stream failed", exc_info=results[0])
 
     async def _produce(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for data in self.events:
                 await self._send(send, data)
         except ServeError as e:  # mid-stream: OpenAI's error event, then the end of the stream
