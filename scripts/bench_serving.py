@@ -66,6 +66,17 @@ class Result:
     latency: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)  # absolute (bench clock)
+    _last: float = 0.0
+
+    def tokens_arrived(self, n: int, start: float, t0: float) -> None:
+        """`n` tokens arrived now; `start`: the request's send time, `t0`: the bench's."""
+        now = time.perf_counter()
+        if not self.token_times:
+            self.ttft = now - start
+        else:
+            self.itl.append(now - self._last)
+        self._last = now
+        self.token_times.extend([now - t0] * n)
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -114,18 +125,11 @@ async def one_request(stub, req: Req, args, t0: float, md) -> Result:
     msg = pb.GenerateRequest(token_ids=pb.TokenIds(ids=req.prompt_ids), sampling_params=params)
     start = time.perf_counter()
     r.start = start - t0
-    last = start
     try:
         async for resp in stub.Generate(msg, metadata=md, timeout=args.request_timeout):
             n = sum(len(d.token_ids) for d in resp.outputs)
             if n:
-                now = time.perf_counter()
-                if not r.token_times:
-                    r.ttft = now - start
-                else:
-                    r.itl.append(now - last)
-                last = now
-                r.token_times.extend([now - t0] * n)
+                r.tokens_arrived(n, start, t0)
             if resp.finished:
                 r.output_len = resp.usage.completion_tokens
                 r.cached_tokens = resp.usage.cached_tokens
@@ -179,7 +183,7 @@ class HttpBackend:
         path, body = await self.body(req)
         start = time.perf_counter()
         r.start = start - t0
-        last, seen = start, 0
+        seen = 0
         try:
             async with self.client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
@@ -198,13 +202,7 @@ class HttpBackend:
                         continue
                     n = usage["completion_tokens"] - seen
                     if n > 0:
-                        now = time.perf_counter()
-                        if not r.token_times:
-                            r.ttft = now - start
-                        else:
-                            r.itl.append(now - last)
-                        last = now
-                        r.token_times.extend([now - t0] * n)
+                        r.tokens_arrived(n, start, t0)
                         seen = usage["completion_tokens"]
                     if not ev["choices"]:  # the final usage chunk
                         r.output_len = usage["completion_tokens"]

@@ -163,13 +163,27 @@ class OpenAIFront:
             raise invalid(f"{param}: {n} characters is over the limit of {self.srv.max_prompt_chars} "
                           "(max_prompt_chars)", param)
 
-    # ------------------------------------------------------------------ generation
-    async def completions(self, request: Request) -> Response:
+    async def _request(self, request: Request, model: type) -> tuple[Tenant, Any]:
+        """The caller, and its body parsed and checked, while the server is serving."""
         tenant = self._tenant(request)
-        req: CompletionRequest = await self._body(request, CompletionRequest)
-        req.check()
+        req = await self._body(request, model)
+        if hasattr(req, "check"):
+            req.check()
         self._check_model(req.model)
         self._serving()
+        return tenant, req
+
+    async def _chat_ids(self, tenant: Tenant, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        continue_final_message: bool = False) -> list[int]:
+        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        try:
+            return await self.srv.frontend.chat(messages, add_generation_prompt, tenant.name, continue_final_message)
+        except Exception as e:
+            raise _frontend_error(self.srv, e, "messages") from e
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        tenant, req = await self._request(request, CompletionRequest)
         prompts = req.prompts()
         ids_list = []
         for p in prompts:
@@ -201,20 +215,9 @@ class OpenAIFront:
                                                 self.token_text, echo))
 
     async def chat(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
-        req.check()
-        self._check_model(req.model)
-        self._serving()
-        messages = req.template_messages()
-        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        try:
-            ids = await self.srv.frontend.chat(messages, req.add_generation_prompt, tenant.name,
-                                               req.continue_final_message)
-        except ValueError as e:
-            raise invalid(str(e), "messages") from e
-        except Exception as e:
-            raise _frontend_error(self.srv, e) from e
+        tenant, req = await self._request(request, ChatCompletionRequest)
+        ids = await self._chat_ids(tenant, req.template_messages(), req.add_generation_prompt,
+                                   req.continue_final_message)
         limit = req.output_limit
         max_tokens = limit if limit is not None else self.srv.engine.max_model_len - len(ids)
         if req.num_logprobs is not None and req.num_logprobs > self.srv.engine_config.max_logprobs:
@@ -330,32 +333,19 @@ class OpenAIFront:
         return JSONResponse({"version": VERSION})
 
     async def tokenize(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        req: TokenizeRequest = await self._body(request, TokenizeRequest)
-        req.check()
-        self._check_model(req.model)
-        self._serving()
+        tenant, req = await self._request(request, TokenizeRequest)
         if req.prompt is not None:
             self._check_chars(len(req.prompt), "prompt")
             ids = await self._encode(tenant, req.prompt, req.add_special_tokens)
         else:
             messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-            try:
-                ids = await self.srv.frontend.chat(messages, req.add_generation_prompt, tenant.name)
-            except ValueError as e:
-                raise invalid(str(e), "messages") from e
-            except Exception as e:
-                raise _frontend_error(self.srv, e) from e
+            ids = await self._chat_ids(tenant, messages, req.add_generation_prompt)
         self.srv.metrics.tokenize_requests.inc()
         return JSONResponse({"count": len(ids), "max_model_len": self.srv.engine.max_model_len, "tokens": ids,
                              "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        req: DetokenizeRequest = await self._body(request, DetokenizeRequest)
-        self._check_model(req.model)
-        self._serving()
+        tenant, req = await self._request(request, DetokenizeRequest)
         vocab = self.srv.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
