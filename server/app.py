@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -126,6 +127,24 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _internal_errors(rpc):
+    """An unexpected exception in a handler answers INTERNAL with an error id (the log has the
+    traceback under it), not gRPC's UNKNOWN carrying the Python exception's text."""
+
+    @functools.wraps(rpc)
+    async def handler(self, request, context):
+        try:
+            return await rpc(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            error_id = new_error_id()
+            logger.exception("%s failed [error id %s]", rpc.__name__, error_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id})")
+
+    return handler
 
 
 class JaxServeServer(pb_grpc.JaxServeServicer):
@@ -523,6 +542,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             prev = snap
 
     # ------------------------------------------------------------------ RPCs
+    @_internal_errors
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
         tenant = await self._caller(context)
         await self._require_serving(context)
@@ -548,6 +568,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             except ServeError as e:
                 await _abort(context, e)
 
+    @_internal_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         tenant = await self._caller(context)
         await self._require_serving(context)
@@ -563,6 +584,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         self.metrics.tokenize_requests.inc()
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
+    @_internal_errors
     async def GetModelInfo(self, request, context):
         await self._caller(context)
         if self.engine is None:
@@ -583,6 +605,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         attention = getattr(self.engine, "attention", None)
         return {"attention_implementation": f"{attention[0]} ({attention[1]})"} if attention else {}
 
+    @_internal_errors
     async def GetServerInfo(self, request, context):
         """Server-wide engine state for admin tenants; others see the state and their own
         requests in flight only (the rest would tell them about the other tenants' load)."""
@@ -607,6 +630,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             info.num_preemptions = st.num_preemptions
         return info
 
+    @_internal_errors
     async def Abort(self, request: pb.AbortRequest, context):
         """Aborts the caller's own request of that id (another tenant's is never found)."""
         tenant = await self._caller(context)

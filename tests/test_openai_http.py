@@ -269,6 +269,18 @@ def test_auth_size_and_route_errors(srv, base, client, model):
     assert idle(srv)
 
 
+def test_an_unexpected_error_is_500_with_an_error_id(srv, base, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(srv.server, "tenant_params", broken)
+    r = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "error id" in r.json()["error"]["message"] and "secret" not in r.text
+    monkeypatch.undo()
+    assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200  # still serving
+
+
 def test_queue_full_is_429_and_nothing_leaks(srv, base, model):
     """More streams than max_num_seqs + max_queued_requests: the rest get 429 with OpenAI's
     JSON and Retry-After; every admitted stream is then dropped by its client, which aborts it."""

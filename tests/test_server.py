@@ -155,6 +155,17 @@ def test_streaming_equals_batch_api_greedy(srv, stub):
     assert ids == want.outputs[0].token_ids and text == want.outputs[0].text
 
 
+def test_an_unexpected_handler_error_is_internal_with_an_error_id(srv, stub, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(srv.server, "tenant_params", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, text_req("x", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "error id" in e.value.details()
+    assert "secret" not in e.value.details()
+
+
 def test_logit_bias_over_grpc(srv, stub):
     _, _, ids, _ = generate(stub, text_req("Once upon a time", max_tokens=3, temperature=0.0, logit_bias={1234: 100.0}))
     assert ids == [1234] * 3
