@@ -155,6 +155,11 @@ def test_logprobs_stop_and_logit_bias(client, base, model):
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.bytes == list(e.token.encode())
     assert "".join(e.token for e in content) == r.choices[0].message.content
+    streamed = [e for ch in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count: 1, 2,"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=3, stream=True) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
     r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
