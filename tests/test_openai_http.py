@@ -193,6 +193,7 @@ def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     assert post(base, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
     assert httpx.get(base + "/version").json()["version"]
     assert httpx.get(base + "/health").status_code == 200  # needs no key, as on gRPC
+    assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
     text = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
     assert 'jaxserve:http_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert httpx.get(base + "/metrics").status_code == 401  # keys are on: /metrics is for admins
@@ -214,6 +215,7 @@ def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
     ({"prompt": [10 ** 9]}, 400, "prompt"),
+    ({"prompt": [10 ** 9], "echo": True}, 400, "prompt"),
     ({"prompt": "x " * 600, "max_tokens": 16}, 400, "prompt"),  # over max_model_len 512
     ({"prompt": "x", "stop": ["a"] * 40}, 400, "stop"),
     ({"prompt": "x", "top_k": 2 ** 40}, 400, "top_k"),

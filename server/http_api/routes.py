@@ -195,7 +195,7 @@ class OpenAIFront:
         rid = self._request_id(request, req.request_id, "cmpl")
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else await self.srv.frontend.decode(p, tenant.name) for p in prompts]
+            echo = [p if isinstance(p, str) else await self._decode(tenant, p, "prompt") for p in prompts]
         gens = []
         async with contextlib.AsyncExitStack() as stack:
             for i, (p, ids) in enumerate(zip(prompts, ids_list)):
@@ -235,6 +235,16 @@ class OpenAIFront:
                                    self.srv.metrics.stream_idle_aborts.inc)
             choices = await until_disconnect(request, _collect([gen], req.n))
             return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text))
+
+    async def _decode(self, tenant: Tenant, ids: list[int], param: str) -> str:
+        vocab = self.srv.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param)
+        try:
+            return await self.srv.frontend.decode(ids, tenant.name)
+        except Exception as e:
+            raise _frontend_error(self.srv, e, param) from e
 
     async def _encode(self, tenant: Tenant, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -346,15 +356,7 @@ class OpenAIFront:
 
     async def detokenize(self, request: Request) -> Response:
         tenant, req = await self._request(request, DetokenizeRequest)
-        vocab = self.srv.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise invalid(f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", "tokens")
-        try:
-            text = await self.srv.frontend.decode(req.tokens, tenant.name)
-        except Exception as e:
-            raise _frontend_error(self.srv, e, "tokens") from e
-        return JSONResponse({"prompt": text})
+        return JSONResponse({"prompt": await self._decode(tenant, req.tokens, "tokens")})
 
 
 def _frontend_error(srv: JaxServeServer, e: Exception, param: str | None = None) -> ServeError:
