@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import ssl
 import struct
 import sys
 import time
@@ -152,7 +153,9 @@ class HttpBackend:
         self.args = args
         self.chat = args.backend == "openai-chat"
         self.client = httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                        timeout=args.request_timeout, verify=args.tls_ca_file or True,
+                                        timeout=args.request_timeout,
+                                        verify=ssl.create_default_context(cafile=args.tls_ca_file)
+                                        if args.tls_ca_file else True,
                                         limits=httpx.Limits(max_connections=conns, max_keepalive_connections=conns))
         self.model = ""
 

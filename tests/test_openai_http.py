@@ -182,6 +182,18 @@ def test_logprobs_stop_and_logit_bias(client, base, model):
     assert not greedy_first.startswith(r.choices[0].text)
 
 
+def test_served_model_names(srv, client, base, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setattr(srv.server, "options", dataclasses.replace(srv.server.options,
+                                                                   served_model_name=("smol", "smollm2")))
+    assert [m.id for m in client.models.list()] == ["smol", "smollm2"]
+    r = client.completions.create(model="smollm2", prompt="x", max_tokens=1)
+    assert r.model == "smollm2"
+    assert post(base, "/v1/completions", {"prompt": "x", "model": "embedded"}).status_code == 404
+    assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}).json()["model"] == "smol"
+
+
 def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     assert [m.id for m in client.models.list()] == [model]
     tok = srv.server.engine.tokenizer

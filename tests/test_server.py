@@ -443,7 +443,7 @@ def test_tls(srv, tmp_path):
     from jaxserve.engine import Engine
 
     engine = Engine(CFG, loaded=srv.server.engine.model)  # shares the weights; no generation here
-    tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, log_interval=0,
+    tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=0, log_interval=0,
                                           tls_cert_file=str(cert), tls_key_file=str(key), warmup=False),
                        engine=engine)
     try:
@@ -456,6 +456,16 @@ def test_tls(srv, tmp_path):
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.JaxServeStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        import httpx  # the HTTP API serves the same certificate
+
+        https = f"https://127.0.0.1:{tls.server.http_port}"
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(cert))
+        r = httpx.post(https + "/tokenize", json={"prompt": "Hello"}, verify=ctx, timeout=10)
+        assert r.status_code == 200 and r.json()["count"] > 0
+        with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port fails
+            httpx.get(f"http://127.0.0.1:{tls.server.http_port}/health", timeout=5)
     finally:
         tls.close()
 
