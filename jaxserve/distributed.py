@@ -3,9 +3,9 @@ run the same jitted step, and heartbeats so a dead peer makes the leader unhealt
 
 Process 0 (the leader) runs the scheduler, the runner's input stage and the front end. Each
 step is broadcast once, before it runs, as a fixed-size header plus one fixed-size int32
-payload holding the batch and the sampling rows (and a second one with the penalty history,
-only when a row uses penalties): one compiled broadcast per size class, primed at warmup, so
-serving compiles nothing. Every process then runs the same SPMD executables over the global
+payload holding the batch and the sampling rows (and a second one with the penalty history
+and the logit-bias rows, only when a row needs the full sampler variant): one compiled
+broadcast per size class, primed at warmup, so serving compiles nothing. Every process then runs the same SPMD executables over the global
 mesh. Followers loop on `run_follower` until the leader sends STOP.
 
 A dead follower surfaces two ways, both without a hang: the leader's next collective fails
@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxserve.batch import StepArrays
 from jaxserve.sampler import SamplerFlags, SamplingTensors
+from scheduler.request import MAX_LOGIT_BIAS
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,12 @@ class StepChannel:
         self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, max_pages_per_seq
         self.variants = variants
         self.backbone_size = 3 * max_tokens + (max_reqs + 1) + max_reqs * (2 + max_pages_per_seq) + 1
-        self._scalar_fields = [f.name for f in dataclasses.fields(SamplingTensors)
-                               if f.name not in ("stop_token_ids", "penalty_token_ids")]
+        self._scalar_fields = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in
+                               ("stop_token_ids", "penalty_token_ids", "bias_token_ids", "bias_values")]
         self.sample_size = max_reqs * (len(self._scalar_fields) + num_stop_ids)
-        self.penalty_size = max_reqs * penalty_width
+        # The full variant's payload: penalty history, then the logit-bias ids and values.
+        self.penalty_width = penalty_width
+        self.penalty_size = max_reqs * (penalty_width + 2 * MAX_LOGIT_BIAS)
 
     # -------------------------------------------------------------- broadcast primitives
     def _send(self, header: list[int], payloads: list[np.ndarray]) -> None:
@@ -119,8 +122,9 @@ class StepChannel:
         payloads = [buf]
         if flags.use_penalties:
             pen = np.zeros(self.penalty_size, np.int32)
-            ids = np.asarray(t.penalty_token_ids)[:rows]
-            pen[: ids.size] = ids.ravel()
+            for o, rows_of in zip(self._full_offsets(), (t.penalty_token_ids, t.bias_token_ids, t.bias_values)):
+                part = np.asarray(rows_of)[:rows]
+                pen[o : o + part.size] = part.ravel().view(np.int32)
             payloads.append(pen)
         header = [OP_STEP, len(a.token_ids), rows, self.variants.index(flags), int(flags.use_penalties),
                   a.num_reqs, a.num_tokens]
@@ -135,10 +139,16 @@ class StepChannel:
         into = tensors_by_rows[rows]
         self._unpack_sample(buf[self.backbone_size :], rows, into)
         if header[4]:
-            P = into.penalty_token_ids.shape[1]
             pen = _broadcast(np.zeros(self.penalty_size, np.int32))
-            into.penalty_token_ids[:rows] = pen[: rows * P].reshape(rows, P)
+            for o, dst in zip(self._full_offsets(), (into.penalty_token_ids, into.bias_token_ids, into.bias_values)):
+                width = dst.shape[1]
+                dst[:rows] = pen[o : o + rows * width].view(dst.dtype).reshape(rows, width)
         return arrays, into, rows, flags
+
+    def _full_offsets(self) -> tuple[int, int, int]:
+        """Where the penalty ids, the bias ids and the bias values start in the full payload."""
+        R = self.max_reqs
+        return 0, R * self.penalty_width, R * (self.penalty_width + MAX_LOGIT_BIAS)
 
     def _pack_backbone(self, a: StepArrays, buf: np.ndarray) -> None:
         T = len(a.token_ids)
