@@ -6,7 +6,8 @@ step is broadcast once, before it runs, as a fixed-size header plus one fixed-si
 payload holding the batch and the sampling rows (and a second one with the penalty history
 and the logit-bias rows, only when a row needs the full sampler variant): one compiled
 broadcast per size class, primed at warmup, so serving compiles nothing. Every process then
-runs the same SPMD executables over the global mesh. Followers loop on `run_follower` until the leader sends STOP.
+runs the same SPMD executables over the global mesh. Followers loop on `run_follower` until
+the leader sends STOP.
 
 A dead follower surfaces two ways, both without a hang: the leader's next collective fails
 at once (gloo reports the reset connection), and an idle leader's heartbeat monitor sees the
