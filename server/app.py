@@ -483,7 +483,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             raise ServeError(ErrorKind.EXHAUSTED, str(e), code=e.limit) from e
         key = tenant.request_key(request_id)
         buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
-        gen = Generation(key, request_id, params.n, buffer, reservation, on_close=self._leave,
+        gen = Generation(key, params.n, buffer, reservation, on_close=self._leave,
                          abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket))
         self._enter(gen)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.outputs import RequestOutput
@@ -24,16 +25,26 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     Raises ValueError naming the field."""
     kwargs: dict[str, Any] = {f: getattr(sp, f) for f in _SCALAR_FIELDS if sp.HasField(f)}
     if sp.stop:
-        if len(sp.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(sp.stop)}")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in sp.stop):
-            raise ValueError(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters")
+        check_stop_strings(sp.stop)
         kwargs["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         kwargs["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.logit_bias:
         kwargs["logit_bias"] = dict(sp.logit_bias)
     return SamplingParams(**kwargs)
+
+
+def check_stop_strings(stops: Sequence[str]) -> None:
+    """The front ends' bound on stop strings (each is matched against every new token's text)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise ValueError(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters")
+
+
+def check_prompt_chars(n: int, limit: int, field: str) -> None:
+    if n > limit:
+        raise ValueError(f"{field}: {n} characters is over the limit of {limit} (max_prompt_chars)")
 
 
 def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
@@ -60,9 +71,7 @@ def check_input(req: pb.GenerateRequest | pb.TokenizeRequest, max_prompt_chars: 
     if kind == "text":
         if not req.text:
             raise ValueError("text: the prompt must not be empty")
-        if len(req.text) > max_prompt_chars:
-            raise ValueError(f"text: {len(req.text)} characters is over the limit of {max_prompt_chars} "
-                             f"(max_prompt_chars)")
+        check_prompt_chars(len(req.text), max_prompt_chars, "text")
         return req.text, None, None
     if kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -77,10 +86,7 @@ def check_input(req: pb.GenerateRequest | pb.TokenizeRequest, max_prompt_chars: 
         raise ValueError("chat.messages: must not be empty")
     if len(chat.messages) > MAX_CHAT_MESSAGES:
         raise ValueError(f"chat.messages: at most {MAX_CHAT_MESSAGES} messages, got {len(chat.messages)}")
-    total = sum(len(m.content) + len(m.role) for m in chat.messages)
-    if total > max_prompt_chars:
-        raise ValueError(f"chat.messages: {total} characters is over the limit of {max_prompt_chars} "
-                         f"(max_prompt_chars)")
+    check_prompt_chars(sum(len(m.content) + len(m.role) for m in chat.messages), max_prompt_chars, "chat.messages")
     for i, m in enumerate(chat.messages):
         if not m.role:
             raise ValueError(f"chat.messages[{i}].role: must not be empty")

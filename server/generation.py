@@ -26,17 +26,15 @@ logger = logging.getLogger("jaxserve.server")
 
 
 class Generation:
-    def __init__(self, key: str, request_id: str, n: int, buffer: StreamBuffer, reservation: Reservation,
+    def __init__(self, key: str, n: int, buffer: StreamBuffer, reservation: Reservation,
                  on_close: Callable[[Generation], None], abort: Callable[[str, object], Any]):
         self.key = key  # the engine's (tenant-scoped) id
-        self.request_id = request_id  # the client's
         self.n = n
         self.buffer = buffer
         self.reservation = reservation
         self.ticket = object()
         self.finished_indices: set[int] = set()
         self.last_usage = Usage(0, 0, 0)
-        self.prompt_token_ids: list[int] = []
         self._on_close = on_close
         self._abort = abort
         self._closed = False
@@ -76,8 +74,6 @@ class Generation:
                                  code="engine_stopped" if term.fatal else "engine_failure")
 
     def _note(self, out: RequestOutput) -> None:
-        if out.prompt_token_ids:
-            self.prompt_token_ids = out.prompt_token_ids
         self.last_usage = out.usage
         for c in out.outputs:
             if c.finish_reason is not None:

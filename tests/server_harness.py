@@ -45,6 +45,15 @@ def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
     return asyncio.run_coroutine_threadsafe(srv.server.loop_runner.call(run), srv.loop).result(120)
 
 
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (for a child process that takes its port as a flag)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(cond, timeout: float = 20.0, interval: float = 0.05, show=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

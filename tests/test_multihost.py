@@ -6,20 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from server_harness import free_port
 
 CHILD = os.path.join(os.path.dirname(__file__), "multihost_child.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def single_process_tokens(tiny_model):
 
 
 def test_two_processes_match_single_process(tiny_model, single_process_tokens):
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     follower = _spawn(tiny_model, coordinator, 2, 1, "generate")
     leader = _spawn(tiny_model, coordinator, 2, 0, "generate")
     try:
@@ -80,7 +74,7 @@ def _wait_for(log, needle: str, timeout: float) -> tuple[bool, str, float]:
 
 
 def test_dead_follower_makes_leader_unhealthy(tiny_model, tmp_path):
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     logs = {pid: str(tmp_path / f"p{pid}.log") for pid in (0, 1)}
     follower = _spawn(tiny_model, coordinator, 2, 1, "watch", logs[1])
     leader = _spawn(tiny_model, coordinator, 2, 0, "watch", logs[0])
@@ -111,7 +105,7 @@ def test_grpc_generate_served_by_two_processes(tiny_model, single_process_tokens
     from server.proto import jaxserve_pb2 as pb
     from server.proto import jaxserve_pb2_grpc as pb_grpc
 
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     flags = ["--model", tiny_model, "--coordinator", coordinator, "--num-processes", "2", "--tensor-parallel-size",
              "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
              "--max-model-len", "128", "--max-logprobs", "0", "--compilation-cache-dir", "none",

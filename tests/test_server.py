@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_harness import ServerThread, batch_generate, wait_until
+from server_harness import ServerThread, batch_generate, free_port, wait_until
 
 from jaxserve.config import EngineConfig
 from scheduler import SamplingParams
@@ -471,21 +471,13 @@ def test_tls(srv, tmp_path):
 
 
 # ---------------------------------------------------------------------------- drain (subprocess)
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
     """Both fronts drain: in-flight gRPC and HTTP streams finish (or are aborted at the
     timeout), new calls get UNAVAILABLE / 503, health turns NOT_SERVING / 503."""
     import httpx
 
     log = open(tmp_path / "server.log", "w+")
-    http_port = _free_port()
+    http_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
          "--http-port", str(http_port),

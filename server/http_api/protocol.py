@@ -16,7 +16,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler import SamplingParams
-from server.convert import MAX_CHAT_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from server.convert import MAX_CHAT_MESSAGES, check_stop_strings
 from server.errors import ServeError, invalid
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions call (each is one engine request per n)
@@ -65,11 +65,10 @@ class _Sampling(_Body):
             raise invalid("stream_options: only allowed with stream=true", "stream_options")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of: only best_of == n is supported (every sampled sequence is returned)", "best_of")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise invalid(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise invalid(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
+        try:
+            check_stop_strings([self.stop] if isinstance(self.stop, str) else self.stop or [])
+        except ValueError as e:
+            raise invalid(str(e), "stop") from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:

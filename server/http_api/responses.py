@@ -28,10 +28,9 @@ class TokenText:
         return s
 
 
-def usage_json(u: Usage, extra_completion: int = 0) -> dict[str, Any]:
-    completion = u.completion_tokens + extra_completion
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": u.prompt_tokens + completion,
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
@@ -40,10 +39,15 @@ def sum_usage(usages: list[Usage]) -> Usage:
                  sum(u.cached_tokens for u in usages))
 
 
+def _finite(logprob: float) -> float:
+    """-inf (a banned token) as OpenAI's -9999.0: JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
 def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, Any]]:
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = text(tid)
-        return {"token": s, "logprob": max(lp, -9999.0), "bytes": list(s.encode())}
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
@@ -56,8 +60,8 @@ def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -
         s = text(lp.token_id)
         tokens.append(s)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [max(lp.logprob, -9999.0) for lp in lps],
-            "top_logprobs": [{text(t): max(v, -9999.0) for t, v in lp.top} | {text(lp.token_id): max(lp.logprob, -9999.0)}
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} | {text(lp.token_id): _finite(lp.logprob)}
                              for lp in lps],
             "text_offset": offsets}
 
@@ -68,20 +72,18 @@ class ChoiceState:
 
     index: int
     text: list[str] = dataclasses.field(default_factory=list)
-    num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    chars: int = 0  # text length so far (completion logprobs' text_offset)
 
-    def add(self, delta_text: str, delta_ids: list[int], delta_lps: list[TokenLogprob] | None,
-            finish_reason: str | None, stop_reason: int | str | None) -> None:
+    def add(self, delta_text: str, delta_lps: list[TokenLogprob] | None, finish_reason: str | None,
+            stop_reason: int | str | None) -> None:
         if delta_text:
             self.text.append(delta_text)
-            self.chars += len(delta_text)
-        self.num_tokens += len(delta_ids)
         if delta_lps is not None:
-            self.logprobs = (self.logprobs or []) + list(delta_lps)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta_lps)
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.outputs import RequestOutput
+from server.convert import MAX_REQUEST_ID_CHARS, check_prompt_chars
 from server.errors import ErrorKind, ServeError, invalid
 from server.generation import Generation
 from server.http_api.protocol import (
@@ -144,8 +145,8 @@ class OpenAIFront:
 
     def _request_id(self, request: Request, body_id: str | None, prefix: str) -> str:
         rid = request.headers.get("x-request-id") or body_id
-        if rid is not None and len(rid) > 256:
-            raise invalid("request_id: at most 256 characters", "request_id")
+        if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
+            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
         return rid or f"{prefix}-{uuid.uuid4().hex}"
 
     async def _start(self, tenant: Tenant, rid: str, params, ids: list[int], text: str | None,
@@ -159,9 +160,10 @@ class OpenAIFront:
             raise
 
     def _check_chars(self, n: int, param: str) -> None:
-        if n > self.srv.max_prompt_chars:
-            raise invalid(f"{param}: {n} characters is over the limit of {self.srv.max_prompt_chars} "
-                          "(max_prompt_chars)", param)
+        try:
+            check_prompt_chars(n, self.srv.max_prompt_chars, param)
+        except ValueError as e:
+            raise invalid(str(e), param) from None
 
     async def _request(self, request: Request, model: type) -> tuple[Tenant, Any]:
         """The caller, and its body parsed and checked, while the server is serving."""
@@ -415,8 +417,7 @@ async def _collect(gens: list[Generation], n: int) -> list[ChoiceState]:
     choices = {pi * n + j: ChoiceState(pi * n + j) for pi in range(len(gens)) for j in range(n)}
     async for pi, out in _merge(gens):
         for c in out.outputs:
-            choices[pi * n + c.index].add(c.delta_text, c.delta_token_ids, c.delta_logprobs, c.finish_reason,
-                                          c.stop_reason)
+            choices[pi * n + c.index].add(c.delta_text, c.delta_logprobs, c.finish_reason, c.stop_reason)
     return [choices[k] for k in sorted(choices)]
 
 
