@@ -18,28 +18,35 @@ from jaxserve.sampler import SamplerFlags
 SWAP_SIZES = (8, 64, 512)  # pages per swap copy call (lists are padded up or split)
 
 
-def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, max_logprobs: int) -> SamplerFlags:
+def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, max_logprobs: int,
+                    bitmask: bool = False) -> SamplerFlags:
     """Collapses a batch's needs onto a few compiled sampler variants.
 
-    Three modes (greedy, sample, full) times logprobs off/on. Rows whose feature is off get
-    neutral values, so a richer variant never changes a row's result, only its cost.
+    Three modes (greedy, sample, full) times logprobs off/on, and for batches with a
+    structured-output row two masked modes (greedy+mask, full+mask) times logprobs. Rows
+    whose feature is off get neutral values, so a richer variant never changes a row's
+    result, only its cost.
     """
     num_lp = max_logprobs if logprobs else None
     if not sampling and not penalties and not top:
-        return SamplerFlags(True, False, False, num_lp)
-    if penalties or top:
-        return SamplerFlags(False, True, True, num_lp)
+        return SamplerFlags(True, False, False, num_lp, bitmask)
+    if penalties or top or bitmask:
+        return SamplerFlags(False, True, True, num_lp, bitmask)
     return SamplerFlags(False, False, False, num_lp)
 
 
-def sampler_variants(max_logprobs: int) -> tuple[SamplerFlags, ...]:
-    modes = ((False, False, False), (True, False, False), (True, True, True))
+def sampler_variants(max_logprobs: int, structured_outputs: bool = True) -> tuple[SamplerFlags, ...]:
+    modes = [(False, False, False, False), (True, False, False, False), (True, True, True, False)]
+    if structured_outputs:
+        modes += [(False, False, False, True), (True, True, True, True)]
     lps = (False, True)  # logprobs=0 (the sampled token's own) works with max_logprobs=0
-    return tuple(sampler_variant(s, t, p, lp, max_logprobs) for (s, t, p) in modes for lp in lps)
+    return tuple(sampler_variant(s, t, p, lp, max_logprobs, m) for (s, t, p, m) in modes for lp in lps)
 
 
 def variant_name(flags: SamplerFlags) -> str:
     mode = "greedy" if flags.all_greedy else ("full" if flags.use_penalties else "sample")
+    if flags.use_bitmask:
+        mode += "+mask"
     return mode if flags.num_logprobs is None else f"{mode}+lp{flags.num_logprobs}"
 
 
@@ -86,7 +93,7 @@ class CompilePlan:
         return cls(
             token_buckets=tuple(tokens),
             request_buckets=tuple(request_buckets(config.max_num_seqs)),
-            sampler_variants=sampler_variants(config.max_logprobs),
+            sampler_variants=sampler_variants(config.max_logprobs, config.structured_outputs),
             swap_sizes=SWAP_SIZES if swap_enabled else (),
         )
 

@@ -57,6 +57,9 @@ class EngineConfig:
     heartbeat_timeout_s: float = 5.0
     max_logprobs: int = 20
     max_n: int = 16
+    # Structured outputs (JSON schema, regex, choice, grammar): plans the masked sampler
+    # variants; off, such requests are refused.
+    structured_outputs: bool = True
     seed: int = 0
     min_token_bucket: int | None = None  # None: 4 on CPU (small decode steps), 16 on TPU/GPU
     token_bucket_gap: int = 256

@@ -4,7 +4,8 @@ run the same jitted step, and heartbeats so a dead peer makes the leader unhealt
 Process 0 (the leader) runs the scheduler, the runner's input stage and the front end. Each
 step is broadcast once, before it runs, as a fixed-size header plus one fixed-size int32
 payload holding the batch and the sampling rows (and a second one with the penalty history
-and the logit-bias rows, only when a row needs the full sampler variant): one compiled
+and the logit-bias rows, only when a row needs the full sampler variant, and a third with
+the token bitmasks, only when a row has structured output): one compiled
 broadcast per size class, primed at warmup, so serving compiles nothing. Every process then
 runs the same SPMD executables over the global mesh. Followers loop on `run_follower` until
 the leader sends STOP.
@@ -35,7 +36,7 @@ from scheduler.request import MAX_LOGIT_BIAS
 logger = logging.getLogger(__name__)
 
 OP_NOOP, OP_STEP, OP_STOP = 0, 1, 3
-HEADER_SIZE = 8  # [op, T, R, variant index, has penalties, num_reqs, num_tokens, 0]
+HEADER_SIZE = 8  # [op, T, R, variant index, has penalties, num_reqs, num_tokens, has bitmask]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +88,18 @@ class StepChannel:
     """Packs runner calls into fixed-size int32 buffers and broadcasts them from the leader."""
 
     def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, num_stop_ids: int,
-                 penalty_width: int, variants: tuple[SamplerFlags, ...]):
+                 penalty_width: int, variants: tuple[SamplerFlags, ...], bitmask_width: int = 1):
         self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, max_pages_per_seq
         self.variants = variants
         self.backbone_size = 3 * max_tokens + (max_reqs + 1) + max_reqs * (2 + max_pages_per_seq) + 1
         self._scalar_fields = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in
-                               ("stop_token_ids", "penalty_token_ids", "bias_token_ids", "bias_values")]
+                               ("stop_token_ids", "penalty_token_ids", "bias_token_ids", "bias_values",
+                                "token_bitmask")]
         self.sample_size = max_reqs * (len(self._scalar_fields) + num_stop_ids)
         # The full variant's payload: penalty history, then the logit-bias ids and values.
         self.penalty_width = penalty_width
         self.penalty_size = max_reqs * (penalty_width + 2 * MAX_LOGIT_BIAS)
+        self.bitmask_size = max_reqs * bitmask_width
 
     # -------------------------------------------------------------- broadcast primitives
     def _send(self, header: list[int], payloads: list[np.ndarray]) -> None:
@@ -108,7 +111,7 @@ class StepChannel:
 
     def prime(self) -> None:
         """Compiles each broadcast size class (both sides run this at warmup)."""
-        for size in (HEADER_SIZE, self.step_size, self.penalty_size):
+        for size in (HEADER_SIZE, self.step_size, self.penalty_size, self.bitmask_size):
             _broadcast(np.zeros(size, np.int32))
 
     @property
@@ -127,8 +130,13 @@ class StepChannel:
                 part = np.asarray(rows_of)[:rows]
                 pen[o : o + part.size] = part.ravel().view(np.int32)
             payloads.append(pen)
+        if flags.use_bitmask:
+            mask = np.zeros(self.bitmask_size, np.int32)
+            part = np.asarray(t.token_bitmask)[:rows]
+            mask[: part.size] = part.ravel()
+            payloads.append(mask)
         header = [OP_STEP, len(a.token_ids), rows, self.variants.index(flags), int(flags.use_penalties),
-                  a.num_reqs, a.num_tokens]
+                  a.num_reqs, a.num_tokens, int(flags.use_bitmask)]
         self._send(header, payloads)
 
     def recv_step(self, header: np.ndarray, tensors_by_rows: dict[int, SamplingTensors]
@@ -144,6 +152,10 @@ class StepChannel:
             for o, dst in zip(self._full_offsets(), (into.penalty_token_ids, into.bias_token_ids, into.bias_values)):
                 width = dst.shape[1]
                 dst[:rows] = pen[o : o + rows * width].view(dst.dtype).reshape(rows, width)
+        if header[7]:
+            mask = _broadcast(np.zeros(self.bitmask_size, np.int32))
+            width = into.token_bitmask.shape[1]
+            into.token_bitmask[:rows] = mask[: rows * width].reshape(rows, width)
         return arrays, into, rows, flags
 
     def _full_offsets(self) -> tuple[int, int, int]:

@@ -32,6 +32,8 @@ from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
+from jaxserve.sampler import bitmask_width
+from jaxserve.structured import StructuredOutputManager, make_manager
 from jaxserve.warmup import WarmupReport, compile_ahead
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 from scheduler import (
@@ -75,8 +77,14 @@ class Engine:
         if self.distributed is not None:
             self.channel = distributed.StepChannel(
                 config.max_num_batched_tokens, config.max_num_seqs, self.scheduler_config.max_blocks_per_seq,
-                STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants)
+                STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants, bitmask_width(mc.vocab_size))
             self._monitor = distributed.PeerMonitor(self.distributed, self._mark_unhealthy).start()
+        self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else getattr(
+            self.tokenizer, "eos_token_id", None)
+        # Grammars compile on the manager's threads; None: structured outputs are off.
+        self.structured: StructuredOutputManager | None = (
+            make_manager(self.tokenizer, mc.vocab_size, self.eos_token_id)
+            if config.structured_outputs and self.tokenizer is not None else None)
         self.runner = self._make_runner()
         self.attention = self._attention_implementation()
         logger.info("attention on %s: %s (%s)", self.platform, *self.attention)
@@ -84,8 +92,6 @@ class Engine:
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
         self._rng = np.random.default_rng(config.seed)
-        self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else getattr(
-            self.tokenizer, "eos_token_id", None)
 
     @staticmethod
     def _join_processes(config: EngineConfig) -> distributed.DistributedConfig | None:
@@ -113,6 +119,7 @@ class Engine:
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
             max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
+            structured=self.structured,
         )
 
     @property
@@ -166,6 +173,24 @@ class Engine:
         bad_bias = [t for t in params.logit_bias or () if not t < vocab]
         if bad_bias:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[:5]}")
+        if params.structured_outputs is not None:
+            self._check_structured_available()
+
+    def _check_structured_available(self) -> None:
+        if self.structured is None:
+            why = ("the model has no tokenizer" if self.tokenizer is None
+                   else "the engine runs with structured_outputs=False")
+            raise ValueError(f"structured_outputs: not available ({why})")
+
+    def validate_structured_outputs(self, params: SamplingParams, timeout_s: float | None = None) -> None:
+        """Compiles the request's grammar now (cached for when it runs); raises ValueError
+        naming the field. Thread-safe and independent of the engine thread: fronts call it
+        before admitting a request so a bad schema is refused up front."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        self._check_structured_available()
+        self.structured.validate(spec, timeout_s)
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -199,11 +224,13 @@ class Engine:
         if rid in self.outputs or any(self.scheduler.get_request(c) is not None for c in seq_ids):
             raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
+        grammar = self.structured.grammar_for(params.structured_outputs) if params.structured_outputs else None
         self.outputs.add_request(rid, prompt, ids, params, now, output_kind)
         for i, cid in enumerate(seq_ids):
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**32))
             seq_params = dataclasses.replace(params, seed=seed) if params.n > 1 or params.seed is None else params
-            req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now)
+            req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now,
+                          grammar=grammar)
             self.scheduler.add_request(req, share_prompt_with=seq_ids[0] if i else None)
         return rid
 
@@ -238,6 +265,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        failed = [out for rid, why in self.scheduler.take_grammar_errors() for out in self.outputs.fail([rid], why)]
         if so.new_requests:
             self.outputs.record_scheduled((nr.request_id for nr in so.new_requests), time.monotonic())
         try:
@@ -245,13 +273,16 @@ class Engine:
         except UnplannedCompilationError:
             raise
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-            return self._fail_step(so, e)
+            return failed + self._fail_step(so, e)
+        for seq_id, why in ro.grammar_errors.items():  # ended first: their rejected token is not output
+            self.scheduler.finish_requests(seq_id, FinishReason.ERROR)
+            failed += self.outputs.fail([seq_id], why)
         updates = self.scheduler.update_from_output(so, ro.sampled_token_ids)
         processed = self.outputs.process(updates, ro.logprobs)
         for seq_id, stop_str in processed.stopped_by_string:
             self.scheduler.finish_requests(seq_id, FinishReason.STOP, stop_str)
         self.last_step = dataclasses.replace(ro.timing, host_s=time.perf_counter() - t0 - ro.timing.device_s)
-        return processed.outputs
+        return failed + processed.outputs
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The step's requests end with `error`; the engine recovers or reports unhealthy."""
@@ -333,6 +364,8 @@ class Engine:
                 except Exception as e:  # a dead follower: nothing to stop
                     logger.warning("could not stop followers: %s", e)
             self._monitor.stop()
+        if self.structured is not None:
+            self.structured.close()
 
     @property
     def compiles_after_warmup(self) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxserve.compile_plan import sampler_variant
 from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
+from jaxserve.structured import Matcher, StructuredOutputManager
 from scheduler import NewRequestData, SamplingParams, ScheduledRequest
 from scheduler.request import MAX_LOGIT_BIAS
 
@@ -35,6 +36,7 @@ class CachedRequestState:
 
     bias_ids_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] int32, -1 padded
     bias_values_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] f32
+    matcher: Matcher | None = None  # structured output: the grammar state after the outputs
 
     @property
     def uses_penalties(self) -> bool:
@@ -44,12 +46,17 @@ class CachedRequestState:
 class InputBatch:
     """Per-request state plus one set of host sampling buffers per request bucket."""
 
-    def __init__(self, request_buckets: Sequence[int], max_model_len: int, max_logprobs: int, seed: int):
+    def __init__(self, request_buckets: Sequence[int], max_model_len: int, max_logprobs: int, seed: int,
+                 vocab_size: int = 32, structured: StructuredOutputManager | None = None):
+        """`vocab_size` sizes the token bitmasks; `structured` fills them (None: no request
+        of this engine has a grammar)."""
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
+        self.structured = structured
         self.requests: dict[str, CachedRequestState] = {}
-        self.tensors = {r: SamplingTensors.neutral(r, STOP_ID_WIDTH, max_model_len) for r in request_buckets}
-        self._neutral = SamplingTensors.neutral(1, STOP_ID_WIDTH, max_model_len)
+        self.tensors = {r: SamplingTensors.neutral(r, STOP_ID_WIDTH, max_model_len, vocab_size=vocab_size)
+                        for r in request_buckets}
+        self._neutral = SamplingTensors.neutral(1, STOP_ID_WIDTH, max_model_len, vocab_size=vocab_size)
         self._rng = np.random.default_rng(seed)
 
     def update(self, finished_request_ids: Sequence[str], new_requests: Sequence[NewRequestData]) -> None:
@@ -72,6 +79,8 @@ class InputBatch:
             st.bias_values_row = np.zeros(MAX_LOGIT_BIAS, np.float32)
             st.bias_ids_row[: len(p.logit_bias)] = list(p.logit_bias)
             st.bias_values_row[: len(p.logit_bias)] = list(p.logit_bias.values())
+        if nr.grammar is not None:
+            st.matcher = nr.grammar.new_matcher()
         return st
 
     def append_output(self, request_id: str, token_id: int) -> None:
@@ -81,7 +90,7 @@ class InputBatch:
         """Fills the buffers of bucket `num_rows` in batch order; rows that do not sample
         (non-final prefill chunks) and padding rows are neutral."""
         t = self.tensors[num_rows]
-        any_logprobs = any_penalties = any_sampling = any_top = False
+        any_logprobs = any_penalties = any_sampling = any_top = any_mask = False
         for i, sr in enumerate(scheduled):
             st = self.requests.get(sr.request_id) if sr.samples else None
             if st is None:
@@ -109,9 +118,21 @@ class InputBatch:
             any_sampling |= p.temperature >= SAMPLING_EPS
             any_top |= p.top_k > 0 or p.top_p < 1.0
             any_logprobs |= p.logprobs is not None
+            any_mask |= st.matcher is not None
         for i in range(len(scheduled), num_rows):
             self._set_neutral_row(t, i)
-        return t, sampler_variant(any_sampling, any_top, any_penalties, any_logprobs, self.max_logprobs)
+        return t, sampler_variant(any_sampling, any_top, any_penalties, any_logprobs, self.max_logprobs, any_mask)
+
+    def fill_bitmask(self, scheduled: Sequence[ScheduledRequest], t: SamplingTensors) -> None:
+        """The grammar's allowed next tokens into `t.token_bitmask` for each sampling row with
+        a matcher; every other row allows all (the host work that overlaps the device step)."""
+        rows = []
+        t.token_bitmask.fill(-1)
+        for i, sr in enumerate(scheduled):
+            st = self.requests.get(sr.request_id) if sr.samples else None
+            if st is not None and st.matcher is not None:
+                rows.append((st.matcher, i))
+        self.structured.fill_bitmask(rows, t.token_bitmask)
 
     def _fill_penalty_row(self, t: SamplingTensors, i: int, st: CachedRequestState) -> None:
         """Prompt then output ids, the most recent `max_model_len` of them."""
@@ -132,5 +153,8 @@ class InputBatch:
             t.bias_values[i] = 0.0
 
     def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
-        for f in dataclasses.fields(SamplingTensors):
-            getattr(t, f.name)[i] = getattr(self._neutral, f.name)[0]
+        for name in _ROW_FIELDS:  # the bitmask is rewritten whole by fill_bitmask
+            getattr(t, name)[i] = getattr(self._neutral, name)[0]
+
+
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingTensors) if f.name != "token_bitmask")

@@ -80,10 +80,11 @@ class ModelRunner:
         steps: StepConfig | None = None,
         channel: Any = None,
         kv_layout: str = "heads",
+        structured: Any = None,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
-        before it runs."""
+        before it runs; `structured` the `StructuredOutputManager` filling token bitmasks."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv_layout = kv_layout
@@ -115,7 +116,8 @@ class ModelRunner:
         self.channel = channel
         self.guard = CompileGuard(strict=steps.strict_compile_guard if steps else False)
         if steps is not None:
-            self.input_batch = InputBatch(steps.request_buckets, steps.max_model_len, steps.max_logprobs, steps.seed)
+            self.input_batch = InputBatch(steps.request_buckets, steps.max_model_len, steps.max_logprobs, steps.seed,
+                                          vocab_size=self.config.vocab_size, structured=structured)
             self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size)
         self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
 
@@ -139,26 +141,39 @@ class ModelRunner:
         R = pick(cfg.request_buckets, len(spans))
         tensors, flags = self.input_batch.sampling_rows(so.scheduled, R)
         td = time.perf_counter()
+        mask_s = 0.0
         if self.channel is not None:
+            if flags.use_bitmask:  # the followers need the masks before the step
+                mask_s = self._fill_bitmask(so, tensors)
             self.channel.send_step(arrays, tensors, R, flags)
-        out = self.run_step(arrays, tensors, R, flags)
+        h_last = self.run_backbone(arrays)  # dispatched: the device runs while the host goes on
+        if flags.use_bitmask and self.channel is None:
+            mask_s = self._fill_bitmask(so, tensors)
+        out = self.sample(h_last, tensors, R, flags)
         token_ids = np.asarray(out.token_ids)
         lp = None
         if flags.num_logprobs is not None:
             lp = jax.device_get((out.chosen_logprob, out.chosen_rank, out.top_logprobs, out.top_token_ids))
         timing = StepTiming(device_s + time.perf_counter() - td, num_tokens=so.num_scheduled_tokens,
-                            padded_tokens=T, num_rows=R)
+                            padded_tokens=T, num_rows=R, mask_s=mask_s)
         result = self._collect(so, token_ids, lp, timing)
         self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
         if self._traffic_log is not None:
             self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
         return result
 
+    def _fill_bitmask(self, so: SchedulerOutput, tensors: SamplingTensors) -> float:
+        t0 = time.perf_counter()
+        self.input_batch.fill_bitmask(so.scheduled, tensors)
+        return time.perf_counter() - t0
+
     def _collect(self, so: SchedulerOutput, token_ids: np.ndarray, lp, timing: StepTiming) -> ModelRunnerOutput:
         """Sampled ids (and logprobs where asked) of the spans that sample; each id is also
-        appended to the request's own history (penalties, output count)."""
+        appended to the request's own history (penalties, output count) and advances its
+        grammar."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        grammar_errors: dict[str, str] = {}
         states = self.input_batch.requests
         for i, sr in enumerate(so.scheduled):
             if not sr.samples:
@@ -169,11 +184,15 @@ class ModelRunner:
             if st is None:
                 continue
             st.output_token_ids.append(tok)
+            if st.matcher is not None and not st.matcher.accept_token(tok):
+                grammar_errors[sr.request_id] = (
+                    f"structured output: the grammar allowed no token the sampler could choose after "
+                    f"{len(st.output_token_ids) - 1} output tokens ({st.matcher.error or 'token rejected'})")
             k = st.params.logprobs
             if k is not None and lp is not None:
                 top = tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(k))
                 logprobs[sr.request_id] = TokenLogprob(tok, float(lp[0][i]), int(lp[1][i]), top)
-        return ModelRunnerOutput(sampled, logprobs, timing)
+        return ModelRunnerOutput(sampled, logprobs, timing, grammar_errors)
 
     def run_step(self, arrays: StepArrays, tensors: SamplingTensors, num_rows: int,
                  flags: SamplerFlags) -> SamplerOutput:

@@ -10,11 +10,14 @@ Python flags select static variants so the compile plan stays small:
 * ``use_top_k_top_p`` some row has top-k or top-p (min-p is cheap and always on).
 * ``num_logprobs``    None (no logprobs), or the K of top logprobs to return with each
                       sampled token's own logprob (K = 0: the sampled token's only).
+* ``use_bitmask``     some row has structured output: ``token_bitmask`` [R, ceil(V/32)]
+                      (bit j of word w allows token 32w + j; -1 = all allowed) masks the
+                      logits before anything else, as vLLM applies its grammar bitmask.
 
 A row whose feature is off gives bit-identical results whether or not the flag is on, so a
 seeded request yields the same tokens whatever else shares its batch.
 
-Processing order follows vLLM: penalties -> min_tokens ban -> temperature -> min-p ->
+Processing order follows vLLM: grammar bitmask -> penalties -> min_tokens ban -> temperature -> min-p ->
 top-k -> top-p -> sample. Greedy rows take the argmax of the penalised logits.
 
 CPU cost matters (V=49152, R up to 256), so nothing sorts [R, V]:
@@ -70,11 +73,15 @@ class SamplingTensors:
     penalty_prompt_len: jax.Array  # [R] int32; how many leading penalty ids are the prompt
     bias_token_ids: jax.Array  # [R, LB] int32, -1 padded: logit_bias keys
     bias_values: jax.Array  # [R, LB] f32: logit_bias values (0 where unused)
+    # [R, W] int32, W = ceil(V / 32): allowed tokens (-1 = all); read by use_bitmask variants only
+    token_bitmask: jax.Array
 
     @classmethod
     def neutral(cls, num_rows: int, num_stop_ids: int, penalty_width: int,
-                bias_width: int = MAX_LOGIT_BIAS) -> SamplingTensors:
+                bias_width: int = MAX_LOGIT_BIAS, vocab_size: int = 32) -> SamplingTensors:
         """Writable numpy buffers with every feature off (greedy rows).
+
+        ``vocab_size`` sizes the token bitmask (the default only suits variants without one).
 
         The engine keeps one of these per request bucket, fills rows in place each step
         and passes it to the jitted sampler (one transfer).
@@ -96,6 +103,7 @@ class SamplingTensors:
             penalty_prompt_len=np.zeros(r, np.int32),
             bias_token_ids=np.full((r, bias_width), -1, np.int32),
             bias_values=np.zeros((r, bias_width), np.float32),
+            token_bitmask=np.full((r, bitmask_width(vocab_size)), -1, np.int32),
         )
 
 
@@ -106,6 +114,7 @@ class SamplerFlags(NamedTuple):
     use_penalties: bool
     use_top_k_top_p: bool
     num_logprobs: int | None
+    use_bitmask: bool = False
 
     @classmethod
     def from_host(
@@ -123,6 +132,7 @@ class SamplerFlags(NamedTuple):
             ),
             use_top_k_top_p=bool(np.any(t.top_k > 0) or np.any(t.top_p < 1.0)),
             num_logprobs=None if num_logprobs is None else int(num_logprobs),
+            use_bitmask=bool(np.any(t.token_bitmask != -1)),
         )
 
 
@@ -139,6 +149,23 @@ class SamplerOutput:
     # The processed logits [R, V], only with keep_processed=True: returning them lets a caller
     # that donates the logits buffer have the penalty / min_tokens scatters done in place.
     processed_logits: jax.Array | None = None
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """32-bit words per row of a token bitmask."""
+    return -(-vocab_size // 32)
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the row's bitmask [R, W] disallows the token (logits [R, V], V <= 32 W)."""
+    r, v = logits.shape
+    if bitmask.shape[1] * 32 < v:
+        raise ValueError(f"token_bitmask has {bitmask.shape[1]} words per row, {v} tokens need "
+                         f"{bitmask_width(v)}")
+    shifts = jnp.arange(32, dtype=jnp.int32)  # [32]
+    bits = (jnp.asarray(bitmask, jnp.int32)[:, :, None] >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(r, -1)[:, :v].astype(jnp.bool_)  # [R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -322,6 +349,7 @@ def sample(
     use_penalties: bool = False,
     use_top_k_top_p: bool = False,
     num_logprobs: int | None = None,
+    use_bitmask: bool = False,
     keep_processed: bool = False,
 ) -> SamplerOutput:
     """Sample one token per row of ``logits`` [R, V] (traceable; see :data:`sample_jit`).
@@ -330,7 +358,8 @@ def sample(
     row whose feature is off receives.
     """
     raw = logits.astype(jnp.float32)  # [R, V]
-    x = apply_penalties(raw, tensors) if use_penalties else raw
+    x = apply_bitmask(raw, tensors.token_bitmask) if use_bitmask else raw
+    x = apply_penalties(x, tensors) if use_penalties else x
     x = apply_min_tokens(x, tensors)
     greedy = _argmax(x)  # [R]
     if all_greedy:
@@ -346,5 +375,5 @@ def sample(
 
 
 sample_jit = jax.jit(
-    sample, static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p", "num_logprobs")
+    sample, static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p", "num_logprobs", "use_bitmask")
 )

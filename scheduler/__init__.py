@@ -9,6 +9,7 @@ from scheduler.outputs import NewRequestData, RequestUpdate, ScheduledRequest, S
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
+from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 
 __all__ = [
     "ComputedBlocks",
@@ -21,6 +22,8 @@ __all__ = [
     "RequestUpdate",
     "SamplingParams",
     "ScheduledRequest",
+    "GrammarHandle",
+    "StructuredOutputsParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.request import FinishReason, SamplingParams
+from scheduler.structured_params import GrammarHandle
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
+    grammar: GrammarHandle | None = None  # compiled (the scheduler waited for it) or None
 
 
 @dataclass(slots=True)

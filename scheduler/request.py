@@ -1,6 +1,6 @@
 """Requests as the scheduler sees them: sampling parameters, status and finish reasons.
 
-This is a leaf module (it imports nothing from the rest of the package) so that the engine,
+This is a leaf module (it imports only the leaf `structured_params`) so that the engine,
 the server and the tests can all build requests without pulling in the scheduler.
 
 A request is one sequence. The engine fans ``n > 1`` out into ``n`` child requests, so the
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 
 _PENALTY_RANGE = (-2.0, 2.0)
 _INT32 = 2**31
@@ -108,8 +110,20 @@ class SamplingParams:
     # token id -> value added to its logit before penalties and temperature (OpenAI's
     # logit_bias: -100 bans a token in practice, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # Output constrained to a JSON schema, regex, choice or grammar (a dict of the same
+    # fields is accepted and converted).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, "
+                             f"got {type(self.structured_outputs).__name__}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -243,6 +257,7 @@ class Request:
         "finish_reason",
         "stop_reason",
         "block_hashes",
+        "grammar",
         "_stop_ids",
         "__weakref__",
     )
@@ -255,6 +270,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int | None = None,
+        grammar: GrammarHandle | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -276,6 +292,9 @@ class Request:
         # the engine through Scheduler.finish_requests.
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
+        # The compiled grammar of a structured-output request (None: unconstrained); the
+        # scheduler holds the request back until it is ready.
+        self.grammar = grammar
         self._stop_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property

@@ -71,6 +71,10 @@ class Scheduler:
         # n > 1 siblings waiting for their first sibling's prompt: leader id -> siblings.
         self._parked: dict[str, list[Request]] = {}
         self._parked_under: dict[str, str] = {}  # sibling id -> leader id
+        # Structured-output requests whose grammar is still compiling, in arrival order:
+        # id -> (request, the sibling it shares its prompt with).
+        self._awaiting_grammar: dict[str, tuple[Request, str | None]] = {}
+        self._grammar_errors: list[tuple[str, str]] = []  # (id, why) since the last take
         # Ended since the last schedule(): reported in the next SchedulerOutput.
         self._finished_ids: list[str] = []
         # Ended inside the scheduler (capacity): reported by the next update_from_output.
@@ -99,6 +103,13 @@ class Scheduler:
         if n > self.config.max_model_len or not self.kv.can_ever_fit(n):
             self._end_capacity(request)
             return
+        if request.grammar is not None and not request.grammar.ready():
+            self._awaiting_grammar[rid] = (request, share_prompt_with)
+            return
+        self._enqueue(request, share_prompt_with)
+
+    def _enqueue(self, request: Request, share_prompt_with: str | None) -> None:
+        rid, n = request.request_id, request.num_prompt_tokens
         leader = self._requests.get(share_prompt_with) if share_prompt_with else None
         if (leader is not None and leader.num_output_tokens == 0 and self.kv.enable_caching
                 and n > self.config.block_size):
@@ -136,6 +147,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
+        elif req.request_id in self._awaiting_grammar:
+            del self._awaiting_grammar[req.request_id]
         elif req.request_id in self._parked_under:
             leader = self._parked_under.pop(req.request_id)
             self._parked[leader].remove(req)
@@ -167,6 +180,28 @@ class Scheduler:
             del self._parked_under[req.request_id]
             self.waiting.push_front(req)
 
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar is ready join the waiting queue in arrival order; those
+        whose grammar failed to compile end with ERROR (see `take_grammar_errors`)."""
+        for rid, (req, share_with) in list(self._awaiting_grammar.items()):
+            if not req.grammar.ready():
+                continue
+            del self._awaiting_grammar[rid]
+            if req.grammar.error is not None:
+                self._grammar_errors.append((rid, req.grammar.error))
+                self._finish(req, FinishReason.ERROR)
+            else:
+                self._enqueue(req, share_with)
+
+    def take_grammar_errors(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests ended because their grammar did not compile."""
+        out, self._grammar_errors = self._grammar_errors, []
+        return out
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        return len(self._awaiting_grammar)
+
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
@@ -180,6 +215,8 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
+        if self._awaiting_grammar:
+            self._admit_compiled_grammars()
         finished_ids, self._finished_ids = self._finished_ids, []
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         if self.config.policy == "priority":
@@ -310,7 +347,8 @@ class Scheduler:
                 kv.record_prefix_query(req.num_tokens, num_hit)
                 req.num_cached_tokens = num_hit
                 plan.new_requests.append(NewRequestData(
-                    req.request_id, list(req.prompt_token_ids), req.sampling_params, req.eos_token_id))
+                    req.request_id, list(req.prompt_token_ids), req.sampling_params, req.eos_token_id,
+                    req.grammar))
             req.num_computed_tokens = num_hit
             req.status = _RUNNING
             running.append(req)
@@ -455,7 +493,7 @@ class Scheduler:
         u = self.kv.usage()
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self._parked_under),
+            num_waiting=len(self.waiting) + len(self._parked_under) + len(self._awaiting_grammar),
             num_swapped=len(self.swapped),
             num_used_blocks=u.num_used,
             num_cached_free_blocks=u.num_cached_free,

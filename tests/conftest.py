@@ -77,15 +77,27 @@ def hf_greedy_refs(smollm, hf_smollm):
     return [hf_greedy(hf_smollm, smollm.tokenizer(p)["input_ids"], HF_MAX_NEW) for p in PROMPTS]
 
 
+@pytest.fixture(scope="session")
+def _warm_engines():
+    """Warmed-up engines by configuration: modules with equal `SMALL` dicts share one."""
+    engines: dict = {}
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
 @pytest.fixture(scope="module")
-def warm_engine(request, smollm):
-    """One warmed-up engine per test module, configured by the module's `SMALL` dict."""
+def warm_engine(request, smollm, _warm_engines):
+    """A warmed-up engine configured by the test module's `SMALL` dict."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
 
-    e = Engine(EngineConfig(**request.module.SMALL), loaded=smollm)
-    e.warmup()
-    return e
+    key = tuple(sorted(request.module.SMALL.items()))
+    if key not in _warm_engines:
+        e = Engine(EngineConfig(**request.module.SMALL), loaded=smollm)
+        e.warmup()
+        _warm_engines[key] = e
+    return _warm_engines[key]
 
 
 @pytest.fixture
