@@ -56,6 +56,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 VERSION = "0.2.0"
 EXIT_ENGINE_FAILED = 1  # serve()'s exit code when the engine thread stopped on an error
 EXIT_SECOND_SIGNAL = 130  # a second SIGTERM / SIGINT: exit at once, no drain
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0  # a structured-output grammar that compiles longer is refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class ServerOptions:
     http_port: int = 8000  # the OpenAI-compatible HTTP API (same host); 0: pick a free port; -1: off
     served_model_name: tuple[str, ...] = ()  # names clients may give as `model`; the first is shown
     chat_template: str | None = None  # a Jinja chat template that replaces the model's
+    tool_call_parser: str = "hermes"  # the model's own tool-call format, for tool_choice "auto"
     api_key: str | None = None  # one key (tenant "default"); or `tenants` for several
     tenants: tuple[tuple[Tenant, str], ...] = ()  # (tenant, key) pairs: --api-keys FILE
     shared_prefix_cache: bool = False  # tenants share cached prefixes (and learn of each other's)
@@ -465,16 +467,28 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
             self.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
             raise ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars") from e
 
+    async def check_grammar(self, params: SamplingParams, param: str | None = None) -> None:
+        """Compiles a structured-output grammar off the event loop (cached for the engine);
+        a spec that does not compile is INVALID_ARGUMENT / 400 naming the field."""
+        try:
+            await asyncio.to_thread(self.engine.validate_structured_outputs, params, GRAMMAR_COMPILE_TIMEOUT_S)
+        except ValueError as e:
+            raise invalid(str(e), param or "structured_outputs") from e
+
     async def start_generation(self, tenant: Tenant, request_id: str, params: SamplingParams, ids: list[int], *,
-                               text: str | None = None, param: str | None = None) -> Generation:
+                               text: str | None = None, param: str | None = None,
+                               structured_param: str | None = None) -> Generation:
         """Admits one request (reserving its work) and hands it to the engine thread; the
-        caller iterates the returned `Generation` inside `async with`. Raises ServeError."""
+        caller iterates the returned `Generation` inside `async with`. Raises ServeError.
+        `structured_param` names the client's field a grammar error is reported against."""
         err = self.serving_error()  # again: the drain may have begun while it tokenized
         if err is not None:
             raise err
         if len(ids) >= self.engine.max_model_len:  # refused here, not on the engine thread
             raise invalid(f"prompt is {len(ids)} tokens, which leaves no room for output within "
                           f"max_model_len {self.engine.max_model_len}", param, "context_length_exceeded")
+        if params.structured_outputs is not None:
+            await self.check_grammar(params, structured_param)
         try:
             work = request_work(len(ids), params.n, params.max_tokens, self.engine.max_model_len)
             reservation = self.admission.reserve(tenant, work)

@@ -24,6 +24,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="model names the HTTP API accepts and lists (default: the model's path or name)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the model's")
+    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=d.tool_call_parser,
+                   help="how the model writes tool calls, parsed for tool_choice 'auto' (default hermes: "
+                        "<tool_call>{json}</tool_call>; llama3_json: the reply is the call's JSON)")
     s.add_argument("--metrics-host", default=d.metrics_host,
                    help="address of the /metrics endpoint (default 127.0.0.1: operators only)")
     s.add_argument("--metrics-port", type=int, default=d.metrics_port,
@@ -125,6 +128,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     opts = ServerOptions(
         http_port=ns.http_port or -1, served_model_name=tuple(ns.served_model_name or ()),
         chat_template=_read_chat_template(ns.chat_template),
+        tool_call_parser=ns.tool_call_parser,
         host=ns.host, port=ns.port, metrics_host=ns.metrics_host, metrics_port=ns.metrics_port,
         api_key=api_key, tenants=tenants, shared_prefix_cache=ns.shared_prefix_cache,
         priority_range=parse_priority_range(ns.priority_range, "--priority-range"),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.outputs import RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 from server.proto import jaxserve_pb2 as pb
 
 _SCALAR_FIELDS = (
@@ -31,7 +32,17 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kwargs["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.logit_bias:
         kwargs["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(sp.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputsParams(**{kind: value})
 
 
 def check_stop_strings(stops: Sequence[str]) -> None:
@@ -57,6 +68,15 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
             getattr(out, k).extend([v] if isinstance(v, str) else v)
         elif k == "logit_bias":
             out.logit_bias.update(v)
+        elif k == "structured_outputs":
+            spec = v if isinstance(v, StructuredOutputsParams) else StructuredOutputsParams(**v)
+            so = out.structured_outputs
+            if spec.kind == "choice":
+                so.choice.choices.extend(spec.choice)
+            elif spec.kind == "json":
+                so.json = json.dumps(spec.json)
+            else:
+                setattr(so, spec.kind, getattr(spec, spec.kind))
         else:
             setattr(out, k, v)
     return out

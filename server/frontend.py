@@ -73,9 +73,13 @@ class FrontendPool:
         return await self._run(owner, len(text), self._encode, text, add_special_tokens)
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, owner: str = "",
-                   continue_final_message: bool = False) -> list[int]:
+                   continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                   messages_without_tool_support: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools` go to the template; when it ignores them (its prompt does not change), the
+        prompt is `messages_without_tool_support` instead (the tools written into it)."""
         chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
-        return await self._run(owner, chars, self._chat, messages, add_generation_prompt, continue_final_message)
+        return await self._run(owner, chars, self._chat, messages, add_generation_prompt, continue_final_message,
+                               tools, messages_without_tool_support)
 
     async def decode(self, token_ids: list[int], owner: str = "", skip_special_tokens: bool = False) -> str:
         return await self._run(owner, len(token_ids), self._decode, token_ids, skip_special_tokens)
@@ -83,9 +87,16 @@ class FrontendPool:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok()(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def _chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
-        return apply_chat_template(self._tok(), messages, add_generation_prompt, self.chat_template,
-                                   continue_final_message)
+    def _chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
+              tools: list[dict[str, Any]] | None = None,
+              messages_without_tool_support: list[dict[str, Any]] | None = None) -> list[int]:
+        ids = apply_chat_template(self._tok(), messages, add_generation_prompt, self.chat_template,
+                                  continue_final_message, tools)
+        if tools and messages_without_tool_support is not None and ids == apply_chat_template(
+                self._tok(), messages, add_generation_prompt, self.chat_template, continue_final_message):
+            ids = apply_chat_template(self._tok(), messages_without_tool_support, add_generation_prompt,
+                                      self.chat_template, continue_final_message)
+        return ids
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok().decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -104,11 +115,14 @@ def _lower_priority() -> None:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        chat_template: str | None = None, continue_final_message: bool = False) -> list[int]:
+                        chat_template: str | None = None, continue_final_message: bool = False,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("chat: this model has no chat template (give one with --chat-template); "
                          "send text or token_ids")
-    kwargs = {"continue_final_message": True} if continue_final_message else {}
+    kwargs: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
+    if tools:
+        kwargs["tools"] = tools
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=chat_template,
                                             add_generation_prompt=add_generation_prompt, return_dict=False,

@@ -260,9 +260,9 @@ def test_completion_errors_are_openai_json_naming_the_parameter(srv, base, body,
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+     "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
 ])
 def test_chat_errors_name_the_parameter(srv, base, body, param):

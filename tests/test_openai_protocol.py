@@ -86,7 +86,7 @@ def test_messages_as_the_template_sees_them():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u1"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
-    ], "tools": [{"type": "function"}], "tool_choice": "none"})
+    ], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
     req.check()  # tool_choice "none": the tools are ignored, not refused
     assert req.template_messages() == [
         {"role": "system", "content": "Be brief."},

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 from server.convert import MAX_CHAT_MESSAGES, check_stop_strings
 from server.errors import ServeError, invalid
 
@@ -24,6 +24,18 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions call (each is one engine req
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # outputs always follow the schema, strict or not
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -59,6 +71,8 @@ class _Sampling(_Body):
     priority: int | None = None
     request_id: str | None = None
     best_of: int | None = None  # accepted only when equal to n: the engine returns all n it samples
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, json_object, regex, choice, grammar
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -88,12 +102,43 @@ class _Sampling(_Body):
                 "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
                 "include_stop_str_in_output", "cache_salt", "priority", "stop")
             if getattr(self, name) is not None}
-        fields.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self.logit_bias_ids())
+        fields.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self.logit_bias_ids(),
+                      structured_outputs=self.structured_spec())
         try:
             return SamplingParams(**fields)
         except ValueError as e:
             msg = str(e)
             raise invalid(msg, _leading_name(msg)) from e
+
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """`structured_outputs` (vLLM) or `response_format` (OpenAI), at most one of them."""
+        rf = self.response_format if self.response_format is not None and self.response_format.type != "text" else None
+        if rf is not None and self.structured_outputs is not None:
+            raise invalid("response_format and structured_outputs: give at most one", "structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+                if unknown:
+                    raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
+                return StructuredOutputsParams(**self.structured_outputs)
+            if rf is None:
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None:
+                raise ValueError("response_format.json_schema: required with type 'json_schema'")
+            if rf.json_schema.schema_ is None:  # OpenAI: no schema means any JSON object
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except ValueError as e:
+            param = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            msg = str(e).replace("structured_outputs.json", "response_format.json_schema.schema") if rf else str(e)
+            raise invalid(msg, param) from None
+
+    @property
+    def structured_param(self) -> str:
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
 
 class CompletionRequest(_Sampling):
@@ -179,8 +224,25 @@ class ChatMessage(_Body):
         return out
 
 
-class ResponseFormat(_Body):
-    type: str
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -189,9 +251,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -200,13 +261,16 @@ class ChatCompletionRequest(_Sampling):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs: requires logprobs=true", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise invalid(f"response_format: type {self.response_format.type!r} (structured output) is not "
-                          "supported yet; only 'text'", "response_format")
-        if self.tools and self.tool_choice != "none":
-            raise invalid("tools: tool calling is not supported yet (tool_choice 'none' is)", "tools")
-        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
-            raise invalid(f"tool_choice: {self.tool_choice!r} is not supported (no tool calling yet)", "tool_choice")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise invalid("tool_choice: needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise invalid(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise invalid("tools: function names must be unique", "tools")
+        if self.tool_mode in ("required", "named") and self.structured_spec() is not None:
+            raise invalid("tool_choice: a required or named tool call cannot be combined with "
+                          "response_format / structured_outputs", "tool_choice")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise invalid("continue_final_message: needs add_generation_prompt=false and a final assistant message",
                           "continue_final_message")
@@ -214,6 +278,15 @@ class ChatCompletionRequest(_Sampling):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise invalid(f"{name} must be an integer >= 1, got {v}", name)
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (OpenAI's default: auto when tools are given)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def output_limit(self) -> int | None:

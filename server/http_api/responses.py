@@ -8,6 +8,7 @@ stream does. Token strings for logprobs come from `TokenText`, which decodes eac
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.outputs import TokenLogprob, Usage
@@ -101,11 +102,18 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceStat
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
-              text: TokenText) -> dict[str, Any]:
-    out = [{"index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None, "tool_calls": []},
-            "logprobs": {"content": chat_logprobs(c.logprobs, text)} if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices]
+              text: TokenText, tools: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """`tools` makes each choice's tool handling (`tools.ChoiceTools`), for calls in the reply."""
+    out = []
+    for c in choices:
+        content, calls, finish = "".join(c.text), [], c.finish_reason
+        if tools is not None:
+            content, calls, finish = tools().reply(content, finish)
+        out.append({"index": c.index,
+                    "message": {"role": "assistant", "content": content, "refusal": None,
+                                "tool_calls": [call.json() for call in calls]},
+                    "logprobs": {"content": chat_logprobs(c.logprobs, text)} if c.logprobs is not None else None,
+                    "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage_json(usage), "system_fingerprint": None}
 

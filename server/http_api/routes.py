@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.outputs import RequestOutput
+from scheduler import StructuredOutputsParams
 from server.convert import MAX_REQUEST_ID_CHARS, check_prompt_chars
 from server.errors import ErrorKind, ServeError, invalid
 from server.generation import Generation
@@ -49,6 +52,12 @@ from server.http_api.responses import (
     completion_logprobs,
     sum_usage,
     usage_json,
+)
+from server.http_api.tools import (
+    ChoiceTools,
+    messages_for_plain_template,
+    named_schema,
+    required_schema,
 )
 from server.tenants import Tenant
 
@@ -150,9 +159,10 @@ class OpenAIFront:
         return rid or f"{prefix}-{uuid.uuid4().hex}"
 
     async def _start(self, tenant: Tenant, rid: str, params, ids: list[int], text: str | None,
-                     param: str) -> Generation:
+                     param: str, structured_param: str | None = None) -> Generation:
         try:
-            return await self.srv.start_generation(tenant, rid, params, ids, text=text, param=param)
+            return await self.srv.start_generation(tenant, rid, params, ids, text=text, param=param,
+                                                   structured_param=structured_param)
         except ServeError as e:
             if e.kind is ErrorKind.INVALID and e.param is None:  # the engine's message names the field
                 name = _leading_name(e.message)
@@ -176,10 +186,12 @@ class OpenAIFront:
         return tenant, req
 
     async def _chat_ids(self, tenant: Tenant, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                        messages_without_tool_support: list[dict[str, Any]] | None = None) -> list[int]:
         self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         try:
-            return await self.srv.frontend.chat(messages, add_generation_prompt, tenant.name, continue_final_message)
+            return await self.srv.frontend.chat(messages, add_generation_prompt, tenant.name, continue_final_message,
+                                                tools, messages_without_tool_support)
         except Exception as e:
             raise _frontend_error(self.srv, e, "messages") from e
 
@@ -204,7 +216,7 @@ class OpenAIFront:
                 max_tokens = req.max_tokens if req.max_tokens is not None else self.srv.engine.max_model_len - len(ids)
                 params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.logprobs), tenant)
                 gen = await self._start(tenant, rid if len(prompts) == 1 else f"{rid}-{i}", params, ids,
-                                        p if isinstance(p, str) else None, "prompt")
+                                        p if isinstance(p, str) else None, "prompt", req.structured_param)
                 stack.push_async_callback(gen.__aexit__)
                 gens.append(gen)
             created, model = int(time.time()), req.model or self.srv.served_model_names[0]
@@ -218,25 +230,39 @@ class OpenAIFront:
 
     async def chat(self, request: Request) -> Response:
         tenant, req = await self._request(request, ChatCompletionRequest)
-        ids = await self._chat_ids(tenant, req.template_messages(), req.add_generation_prompt,
-                                   req.continue_final_message)
+        mode = req.tool_mode
+        messages = req.template_messages()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if mode != "none" else None
+        ids = await self._chat_ids(tenant, messages, req.add_generation_prompt, req.continue_final_message, tools,
+                                   messages_for_plain_template(messages, req.tools) if tools else None)
         limit = req.output_limit
         max_tokens = limit if limit is not None else self.srv.engine.max_model_len - len(ids)
         if req.num_logprobs is not None and req.num_logprobs > self.srv.engine_config.max_logprobs:
             raise invalid(f"top_logprobs must be <= {self.srv.engine_config.max_logprobs} (max_logprobs), "
                           f"got {req.num_logprobs}", "top_logprobs")
         params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.num_logprobs), tenant)
+        structured_param = req.structured_param
+        if mode in ("required", "named"):  # every call parses and validates
+            name = req.tool_choice.function.name if mode == "named" else None
+            schema = named_schema(req.tools, name) if name else required_schema(req.tools, req.parallel_tool_calls)
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+            structured_param = "tools"
+        choice_tools = None
+        if mode != "none":
+            parser, name = self.srv.options.tool_call_parser, name if mode == "named" else None
+            choice_tools = functools.partial(ChoiceTools, mode, parser, name)
         rid = self._request_id(request, req.request_id, "chatcmpl")
-        gen = await self._start(tenant, rid, params, ids, None, "messages")
+        gen = await self._start(tenant, rid, params, ids, None, "messages", structured_param)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(gen.__aexit__)
             created, model = int(time.time()), req.model or self.srv.served_model_names[0]
             if req.stream:
-                events = self._chat_events(gen, req, rid, created, model)
+                events = self._chat_events(gen, req, rid, created, model, choice_tools)
                 return EventStream(events, stack.pop_all(), self.srv.options.stream_idle_timeout,
                                    self.srv.metrics.stream_idle_aborts.inc)
             choices = await until_disconnect(request, _collect([gen], req.n))
-            return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text))
+            return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text,
+                                          choice_tools))
 
     async def _decode(self, tenant: Tenant, ids: list[int], param: str) -> str:
         vocab = self.srv.engine.model_config.vocab_size
@@ -288,7 +314,7 @@ class OpenAIFront:
         yield b"data: [DONE]\n\n"
 
     async def _chat_events(self, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
-                           model: str) -> AsyncIterator[bytes]:
+                           model: str, choice_tools=None) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         obj = "chat.completion.chunk"
@@ -297,6 +323,7 @@ class OpenAIFront:
                                                        "logprobs": None, "finish_reason": None}],
                             None, include_usage))
         reported: set[int] = set()
+        tools = {i: choice_tools() for i in range(req.n)} if choice_tools is not None else None
         async for out in gen:
             for c in out.outputs:
                 new_finish = c.finish_reason is not None and c.index not in reported
@@ -305,12 +332,24 @@ class OpenAIFront:
                 if new_finish:
                     reported.add(c.index)
                 lps = {"content": chat_logprobs(c.delta_logprobs, self.token_text)} if c.delta_logprobs else None
-                choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                          "logprobs": lps, "finish_reason": c.finish_reason if new_finish else None}
-                if new_finish:
-                    choice["stop_reason"] = c.stop_reason
                 usage = usage_json(gen.last_usage) if continuous else None
-                yield sse(chunk(rid, obj, created, model, [choice], usage, include_usage))
+                if tools is None:
+                    deltas, finish = ([{"content": c.delta_text}] if c.delta_text else [{}]), c.finish_reason
+                else:
+                    deltas = tools[c.index].feed(c.delta_text)
+                    finish = c.finish_reason
+                    if new_finish:
+                        more, finish = tools[c.index].finish(c.finish_reason)
+                        deltas += more
+                    if not deltas and (lps or new_finish):
+                        deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    choice = {"index": c.index, "delta": delta, "logprobs": lps if last else None,
+                              "finish_reason": finish if new_finish and last else None}
+                    if new_finish and last:
+                        choice["stop_reason"] = c.stop_reason
+                    yield sse(chunk(rid, obj, created, model, [choice], usage, include_usage))
         if include_usage:
             yield sse(chunk(rid, obj, created, model, [], usage_json(gen.last_usage), True))
         yield b"data: [DONE]\n\n"
