@@ -7,7 +7,7 @@
 
 from jaxserve.config import EngineConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -23,4 +23,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

@@ -279,7 +279,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             raise ValueError(f"unknown shapes {unknown}: the plan has {', '.join(known)}")
         keys = [known[s] for s in shapes]
     tensors = InputBatch(resolved.plan.request_buckets, resolved.max_model_len, config.max_logprobs,
-                         config.seed).tensors
+                         config.seed, vocab_size=programs.vocab_size).tensors
     device = target.devices()[0]
     kv = programs.kv_cache[0]
     rank_kv = kv.sharding.shard_shape(kv.shape)  # [L, P, S, Hkv, D] or [L, P, S, C] on one device

@@ -93,7 +93,8 @@ _CHILD = textwrap.dedent("""
     from scheduler import SamplingParams
     cache, page, budget, workload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, num_pages=64, page_size=page,
-                                 max_model_len=256, compilation_cache_dir=cache, strict_compile_guard=True))
+                                 max_model_len=256, compilation_cache_dir=cache, strict_compile_guard=True,
+                                 structured_outputs=False))
     rep = engine.warmup()
     done = aborted = 0
     if workload:

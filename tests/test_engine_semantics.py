@@ -98,7 +98,7 @@ def test_n_siblings_compute_the_prompt_once(engine):
 
 def test_failed_step_fails_only_its_requests_and_recovers(engine, monkeypatch):
     ref = run(engine, PROMPT, greedy(max_tokens=5), rid="ref")[-1].outputs[0].token_ids
-    real = engine.runner.run_step
+    real = engine.runner.run_backbone
     calls = []
 
     def fail_once(*args, **kwargs):
@@ -109,7 +109,7 @@ def test_failed_step_fails_only_its_requests_and_recovers(engine, monkeypatch):
             raise RuntimeError("injected device failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "run_step", fail_once)
+    monkeypatch.setattr(engine.runner, "run_backbone", fail_once)
     for i in range(10):  # the first step takes what its budget allows, the rest wait
         engine.add_request(PROMPT, greedy(max_tokens=5), request_id=f"f{i}")
     finished = {}
