@@ -268,6 +268,8 @@ class Engine:
         failed = [out for rid, why in self.scheduler.take_grammar_errors() for out in self.outputs.fail([rid], why)]
         if so.new_requests:
             self.outputs.record_scheduled((nr.request_id for nr in so.new_requests), time.monotonic())
+        elif not so.scheduled and self.scheduler.num_awaiting_grammar:
+            time.sleep(0.001)  # only grammars compiling: let their threads run instead of spinning
         try:
             ro = self.runner.execute(so)
         except UnplannedCompilationError:
@@ -320,6 +322,8 @@ class Engine:
         """Compiles every shape of the compile plan ahead of time (from the persistent cache
         when it is warm; loaded instead from `compiled_dir` when set), installs the
         executables and arms the compile guard."""
+        if self.structured is not None:
+            self.structured.prepare_in_background()
         if self._compiled is not None:
             from jaxserve.aot import load_compiled
 

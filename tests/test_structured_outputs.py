@@ -200,3 +200,28 @@ def test_a_grammar_that_allows_no_token_ends_with_an_error(engine):
                                                   structured_outputs={"choice": ["ok"]}))])[0]
     assert out.outputs[0].finish_reason == "error"
     assert "allowed no token" in out.error and out.outputs[0].text == "ok"
+
+
+def test_multi_host_step_carries_the_bitmask(monkeypatch):
+    """The leader's broadcast of a masked step, replayed to a follower: same rows, same flags."""
+    from jaxserve import distributed
+    from jaxserve.batch import BatchBuilder, SequenceSpan
+    from jaxserve.compile_plan import sampler_variants
+    from jaxserve.input_batch import STOP_ID_WIDTH
+
+    sent: list[np.ndarray] = []
+    monkeypatch.setattr(distributed, "_broadcast", lambda x: sent.append(x.copy()) or x)
+    v, rows, variants = 100, 4, sampler_variants(0)
+    ch = distributed.StepChannel(16, 4, 2, STOP_ID_WIDTH, 32, variants, bitmask_width(v))
+    arrays = BatchBuilder(16, 4, 2, 8).build([SequenceSpan(np.arange(1, 4, dtype=np.int32), 0, np.array([1, 0]))],
+                                             16, 4)
+    leader = SamplingTensors.neutral(rows, STOP_ID_WIDTH, 32, vocab_size=v)
+    leader.token_bitmask[1] = np.arange(bitmask_width(v), dtype=np.int32) * 7 - 5
+    flags = next(f for f in variants if f.use_bitmask and f.all_greedy)
+    ch.send_step(arrays, leader, rows, flags)
+    replay = iter(sent[1:])  # the header was read by the follower's loop
+    monkeypatch.setattr(distributed, "_broadcast", lambda x: next(replay))
+    follower = {rows: SamplingTensors.neutral(rows, STOP_ID_WIDTH, 32, vocab_size=v)}
+    _, got, got_rows, got_flags = ch.recv_step(sent[0], follower)
+    assert got_rows == rows and got_flags == flags
+    np.testing.assert_array_equal(got.token_bitmask, leader.token_bitmask)

@@ -42,6 +42,10 @@ class CompiledGrammar(Protocol):
 class GrammarBackend(Protocol):
     name: str
 
+    def prepare(self) -> None:
+        """One-time setup (the tokenizer's token trie); compile does it if not done yet."""
+        ...
+
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Raises GrammarError for a spec the backend cannot compile."""
         ...

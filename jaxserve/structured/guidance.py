@@ -61,6 +61,9 @@ class GuidanceBackend:
         self._executor: Any = None
         self._lock = threading.Lock()
 
+    def prepare(self) -> None:
+        self._ll_tokenizer()
+
     def _ll_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:

@@ -87,6 +87,11 @@ class StructuredOutputManager:
         except Exception as e:  # noqa: BLE001 - a backend failure is the spec's problem to the client
             raise GrammarError(f"structured_outputs.{spec.kind}: {e}") from None
 
+    def prepare_in_background(self) -> None:
+        """Starts the backend's one-time setup (~0.5 s for llguidance) on a worker, so the
+        first structured request does not wait for it."""
+        self._pool.submit(self.backend.prepare)
+
     def fill_bitmask(self, rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         self.backend.fill_bitmask(rows, bitmask)
 
