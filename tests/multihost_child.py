@@ -26,7 +26,7 @@ def main() -> None:
                 heartbeat_timeout_s=2.0) if n > 1 else {}
     engine = Engine(EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
                                  max_model_len=128, compilation_cache_dir=None, strict_compile_guard=True,
-                                 max_logprobs=0, **dist))
+                                 max_logprobs=0, structured_outputs=False, **dist))
     engine.warmup()
     if mode == "watch":
         print("READY", flush=True)

@@ -114,12 +114,13 @@ def _schemas():
 SEEN_SCHEMAS: set[str] = set()
 
 
-# 10 batches of 7 (each batch one engine run; no shrinking: a failing schema is printed whole)
-@settings(max_examples=10, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+# 8 batches of 7 (each batch one engine run; no shrinking: a failing schema is printed whole)
+@settings(max_examples=8, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
           suppress_health_check=list(HealthCheck))
 @given(schemas=st.lists(_schemas(), min_size=7, max_size=7, unique_by=lambda s: json.dumps(s, sort_keys=True)))
 def test_random_json_schemas_always_validate(warm_engine, schemas):
     engine = warm_engine
+    compiles = engine.compiles_after_warmup  # the engine is shared: count this test's own
     SEEN_SCHEMAS.update(json.dumps(s, sort_keys=True) for s in schemas)
     try:
         reqs = [(PROMPT, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=96,
@@ -133,7 +134,7 @@ def test_random_json_schemas_always_validate(warm_engine, schemas):
                 jsonschema.validate(json.loads(c.text), s)
                 completed += 1
         assert completed >= len(schemas) - 2, completed
-        assert engine.compiles_after_warmup == 0
+        assert engine.compiles_after_warmup == compiles
     finally:
         from conftest import hand_back_idle
 
@@ -146,6 +147,7 @@ def test_the_random_schemas_were_many_and_distinct():
 
 # ---------------------------------------------------------------------- the other kinds
 def test_regex_choice_grammar_and_unconstrained_in_one_batch(engine):
+    compiles = engine.compiles_after_warmup
     alone = run(engine, [("The capital of France is", SamplingParams(temperature=0, max_tokens=12))])[0]
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
     reqs = [
@@ -168,7 +170,7 @@ def test_regex_choice_grammar_and_unconstrained_in_one_batch(engine):
         assert isinstance(json.loads(obj.outputs[0].text), dict)
     # an unconstrained request is untouched by sharing masked steps
     assert free.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert engine.compiles_after_warmup == 0
+    assert engine.compiles_after_warmup == compiles
 
 
 def test_constrained_requests_survive_preemption(engine):

@@ -49,14 +49,27 @@ class GuidanceGrammar:
 class GuidanceBackend:
     """`tokenizer` is a transformers fast tokenizer; `vocab_size` the model's (its logits'
     width, which may exceed the tokenizer's); `eos_token_id` the token that ends a
-    grammar's output."""
+    grammar's output.
+
+    The tokenizer is serialised here, on the caller's thread (the engine's constructor):
+    the worker that builds llguidance's tokenizer later must not touch the transformers
+    object the engine thread detokenizes with (its Rust core is not shareable across
+    threads).
+    """
 
     name = "guidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None):
-        self._hf = tokenizer
         self._vocab_size = vocab_size
         self._eos = eos_token_id
+        self._spec: str | None = None
+        self._spec_error: str | None = None
+        try:
+            spec = json.loads(tokenizer.backend_tokenizer.to_str())
+            spec["padding"] = spec["truncation"] = None  # as llguidance.hf does on its copy
+            self._spec = json.dumps(spec)
+        except AttributeError:
+            self._spec_error = f"structured outputs need a fast (tokenizers) tokenizer, got {type(tokenizer).__name__}"
         self._tokenizer: Any = None  # the llguidance tokenizer (~0.5 s to build): on first use
         self._executor: Any = None
         self._lock = threading.Lock()
@@ -68,13 +81,14 @@ class GuidanceBackend:
         with self._lock:
             if self._tokenizer is None:
                 import llguidance
-                import llguidance.hf
 
+                if self._spec is None:
+                    raise GrammarError(self._spec_error)
                 try:
-                    self._tokenizer = llguidance.hf.from_tokenizer(
-                        self._hf, n_vocab=self._vocab_size, eos_token=self._eos)
+                    self._tokenizer = llguidance.LLTokenizer(self._spec, n_vocab=self._vocab_size,
+                                                             eos_token=self._eos)
                 except ValueError as e:
-                    raise GrammarError(f"structured outputs need a fast (tokenizers) tokenizer: {e}") from None
+                    raise GrammarError(f"structured outputs: llguidance cannot use this tokenizer: {e}") from None
                 self._executor = llguidance.LLExecutor()
             return self._tokenizer
 

@@ -63,10 +63,9 @@ def named_schema(tools, name: str) -> dict[str, Any]:
 def parse_required(text: str) -> list[ToolCall]:
     """The calls of a constrained "required" output (a complete JSON array), or [] if cut short."""
     try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    except (json.JSONDecodeError, KeyError, TypeError):
         return []
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
 
 
 def _call_from_json(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall | None:
