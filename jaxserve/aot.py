@@ -35,6 +35,7 @@ from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.fused import fused_layer_shapes
 from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes, kv_cache_shape
 from jaxserve.step_programs import StepPrograms, sds
 from jaxserve.targets import Target, software_versions
@@ -89,10 +90,11 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
         kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
     shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
+    shapes = {**shapes, "layers": fused_layer_shapes(shapes["layers"])}
     specs = parallel.param_specs(shapes, rank_config, tp) if tp > 1 else jax.tree.map(
         lambda _: P(), shapes, is_leaf=_is_shape)
     params = jax.tree.map(lambda shape, spec: sds(shape, dtype, place(spec)), shapes, specs, is_leaf=_is_shape)
-    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params))
+    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp))
     c = rank_config
     kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), dtype, kv_sharding)
     programs = StepPrograms(

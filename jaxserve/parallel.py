@@ -86,16 +86,13 @@ def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: 
     return {**params, "layers": layers}
 
 
+# The model's (fused) layer weights; the column-parallel ones are interleaved per shard
+# (models/fused.py), so a plain split of the last axis gives each device its own heads.
 _LAYER_SPECS = {
-    "q_proj": P(None, None, MODEL_AXIS),
-    "k_proj": P(None, None, MODEL_AXIS),
-    "v_proj": P(None, None, MODEL_AXIS),
-    "q_bias": P(None, MODEL_AXIS),
-    "k_bias": P(None, MODEL_AXIS),
-    "v_bias": P(None, MODEL_AXIS),
+    "qkv_proj": P(None, None, MODEL_AXIS),
+    "qkv_bias": P(None, MODEL_AXIS),
     "o_proj": P(None, MODEL_AXIS, None),
-    "gate_proj": P(None, None, MODEL_AXIS),
-    "up_proj": P(None, None, MODEL_AXIS),
+    "gate_up_proj": P(None, None, MODEL_AXIS),
     "down_proj": P(None, MODEL_AXIS, None),
 }
 

@@ -34,6 +34,7 @@ from jaxserve.compile_cache import CompileGuard
 from jaxserve.compile_plan import SWAP_SIZES, ShapeKey
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading import LoadedModel
+from jaxserve.models.fused import fuse_projections
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.outputs import TokenLogprob
@@ -91,16 +92,19 @@ class ModelRunner:
         self.max_pages_per_seq = max_pages_per_seq
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         if self.mesh is None:
+            tp = 1
             self.config = loaded.config
-            params = jax.tree.map(jnp.asarray, loaded.params)
+            params = {**loaded.params, "layers": fuse_projections(loaded.params["layers"])}
+            params = jax.tree.map(jnp.asarray, params)
             self.input_sharding = None
         else:  # tensor parallel: KV heads replicated up to tp when fewer, params sharded
             tp = self.mesh.shape[parallel.MODEL_AXIS]
             self.config = parallel.tp_model_config(loaded.config, tp)
             params = parallel.expand_kv_heads(loaded.params, loaded.config, self.config.num_kv_heads)
+            params = {**params, "layers": fuse_projections(params["layers"], tp)}
             params = parallel.shard_params(params, self.config, self.mesh)
             self.input_sharding = parallel.replicated(self.mesh)
-        model = LlamaForCausalLM(self.config, params)
+        model = LlamaForCausalLM(self.config, params, shards=tp)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["embed"].dtype
         self.kv_cache = self._new_kv_cache()

@@ -16,9 +16,11 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.fused import split_gate_up, split_qkv
 from jaxserve.models.metadata import AttentionMetadata
 
-# Names of the stacked per-layer weights, with their shapes (E hidden, I intermediate).
+# Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
+# shapes (E hidden, I intermediate). The model itself runs them fused (`models/fused.py`).
 LAYER_WEIGHTS = (
     "input_norm",  # [L, E]
     "q_proj",  # [L, E, Hq*D]
@@ -83,10 +85,15 @@ KVUpdateFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Holds the weights as nnx.Params; `__call__` is the ragged, paged forward."""
+    """Holds the weights as nnx.Params; `__call__` is the ragged, paged forward.
 
-    def __init__(self, config: ModelConfig, params: dict[str, Any]):
+    `params["layers"]` holds the fused projections (`fuse_projections(layers, shards)`),
+    `shards` the tensor-parallel degree their columns are interleaved for.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1):
         self.config = config
+        self.shards = shards
         self.embed = nnx.Param(params["embed"])  # [V, E]
         self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
         self.final_norm = nnx.Param(params["final_norm"])  # [E]
@@ -111,6 +118,7 @@ class LlamaForCausalLM(nnx.Module):
         Hkv, D = cfg.num_kv_heads, cfg.head_dim
         T = token_ids.shape[0]
         Hq = cfg.num_heads
+        shards = self.shards
         dtype = self.embed[...].dtype
 
         h = jnp.take(self.embed[...], token_ids, axis=0)  # [T, E]
@@ -128,11 +136,10 @@ class LlamaForCausalLM(nnx.Module):
             h, k_flat, v_flat = carry
             lp, layer_id = xs
             x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps)
-            q = x @ lp["q_proj"]  # [T, Hq*D]
-            k = x @ lp["k_proj"]  # [T, Hkv*D]
-            v = x @ lp["v_proj"]
+            qkv = x @ lp["qkv_proj"]  # [T, (Hq + 2 Hkv) * D], interleaved per shard
             if cfg.attention_bias:
-                q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+                qkv = qkv + lp["qkv_bias"]
+            q, k, v = split_qkv(qkv, cfg, shards)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
             q = q.reshape(T, Hq, D)
             k = k.reshape(T, Hkv, D)
             v = v.reshape(T, Hkv, D)
@@ -149,8 +156,7 @@ class LlamaForCausalLM(nnx.Module):
             )  # [T, Hq, D]
             h = h + attn.reshape(T, Hq * D).astype(dtype) @ lp["o_proj"]
             x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            gate = x @ lp["gate_proj"]
-            up = x @ lp["up_proj"]
+            gate, up = split_gate_up(x @ lp["gate_up_proj"], shards)  # [T, I] each
             h = h + (jax.nn.silu(gate) * up) @ lp["down_proj"]
             return (h, k_flat, v_flat), None
 

@@ -1,0 +1,69 @@
+"""Fused projections: one QKV matmul and one gate+up matmul per layer instead of five.
+
+Checkpoints and loaders keep the separate q/k/v and gate/up weights; they are concatenated
+here, once, before the params go to the devices. Under tensor parallelism with `shards`
+devices the columns are interleaved per shard: shard j's slice of the fused weight is
+[q_j | k_j | v_j] (and [gate_j | up_j]), so the usual column split along the last axis
+hands each device exactly the heads and halves it had before, and splitting the fused
+output back needs no communication.
+
+    qkv_proj      [L, E, shards * (q + 2 kv) / shards]
+    qkv_bias      [L, shards * (q + 2 kv) / shards]          (Qwen2's attention bias)
+    gate_up_proj  [L, E, shards * 2I / shards]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxserve.models.config import ModelConfig
+
+QKV = ("q_proj", "k_proj", "v_proj")
+QKV_BIAS = ("q_bias", "k_bias", "v_bias")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _interleave(parts: list[Any], shards: int) -> Any:
+    """[..., w_i] parts -> [..., sum(w_i)], each shard's columns of every part together."""
+    lead = parts[0].shape[:-1]
+    pieces = [p.reshape(*lead, shards, p.shape[-1] // shards) for p in parts]
+    return np.concatenate(pieces, axis=-1).reshape(*lead, -1)
+
+
+def fuse_projections(layers: dict[str, Any], shards: int = 1) -> dict[str, Any]:
+    """The layer params with q/k/v (and their biases) and gate/up fused (host numpy arrays)."""
+    out = {k: v for k, v in layers.items() if k not in QKV + QKV_BIAS + GATE_UP}
+    out["qkv_proj"] = _interleave([np.asarray(layers[k]) for k in QKV], shards)
+    if "q_bias" in layers:
+        out["qkv_bias"] = _interleave([np.asarray(layers[k]) for k in QKV_BIAS], shards)
+    out["gate_up_proj"] = _interleave([np.asarray(layers[k]) for k in GATE_UP], shards)
+    return out
+
+
+def fused_layer_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`fuse_projections` on shapes (for abstract params)."""
+    out = {k: v for k, v in shapes.items() if k not in QKV + QKV_BIAS + GATE_UP}
+    out["qkv_proj"] = (*shapes["q_proj"][:-1], sum(shapes[k][-1] for k in QKV))
+    if "q_bias" in shapes:
+        out["qkv_bias"] = (*shapes["q_bias"][:-1], sum(shapes[k][-1] for k in QKV_BIAS))
+    out["gate_up_proj"] = (*shapes["gate_proj"][:-1], 2 * shapes["gate_proj"][-1])
+    return out
+
+
+def split_qkv(qkv: Any, cfg: ModelConfig, shards: int) -> tuple[Any, Any, Any]:
+    """The fused projection's output [T, shards * w] -> q [T, Hq*D], k, v [T, Hkv*D]."""
+    T = qkv.shape[0]
+    wq, wk = cfg.q_size // shards, cfg.kv_size // shards
+    x = qkv.reshape(T, shards, wq + 2 * wk)
+    q, k, v = x[..., :wq], x[..., wq:wq + wk], x[..., wq + wk:]
+    return q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)
+
+
+def split_gate_up(gu: Any, shards: int) -> tuple[Any, Any]:
+    """[T, shards * 2I / shards] -> gate, up [T, I]."""
+    T = gu.shape[0]
+    x = gu.reshape(T, shards, -1)
+    half = x.shape[-1] // 2
+    return x[..., :half].reshape(T, -1), x[..., half:].reshape(T, -1)
