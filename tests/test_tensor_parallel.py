@@ -23,7 +23,7 @@ _CHILD = textwrap.dedent("""
     from scheduler import SamplingParams
 
     def greedy(loaded, tp, prompts):
-        e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
+        e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
                                 tensor_parallel_size=tp, max_logprobs=0, compilation_cache_dir=None,
                                 structured_outputs=False),
                    loaded=loaded)
