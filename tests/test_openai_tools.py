@@ -10,6 +10,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+import test_openai_http
 from conftest import EMBEDDED_SERVER_KEY as KEY
 from test_openai_http import post, sse_events
 
@@ -19,6 +20,7 @@ from server.proto import jaxserve_pb2 as pb
 from server.proto import jaxserve_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
+srv, base, client = test_openai_http.srv, test_openai_http.base, test_openai_http.client  # the same fixtures
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -31,22 +33,6 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def srv(embedded_server):
-    return embedded_server
-
-
-@pytest.fixture(scope="module")
-def base(srv) -> str:
-    return f"http://127.0.0.1:{srv.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    with openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
 
 
 def test_response_format_and_structured_outputs(client, base):

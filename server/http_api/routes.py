@@ -242,15 +242,14 @@ class OpenAIFront:
                           f"got {req.num_logprobs}", "top_logprobs")
         params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.num_logprobs), tenant)
         structured_param = req.structured_param
+        name = req.tool_choice.function.name if mode == "named" else None
         if mode in ("required", "named"):  # every call parses and validates
-            name = req.tool_choice.function.name if mode == "named" else None
             schema = named_schema(req.tools, name) if name else required_schema(req.tools, req.parallel_tool_calls)
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
             structured_param = "tools"
         choice_tools = None
         if mode != "none":
-            parser, name = self.srv.options.tool_call_parser, name if mode == "named" else None
-            choice_tools = functools.partial(ChoiceTools, mode, parser, name)
+            choice_tools = functools.partial(ChoiceTools, mode, self.srv.options.tool_call_parser, name)
         rid = self._request_id(request, req.request_id, "chatcmpl")
         gen = await self._start(tenant, rid, params, ids, None, "messages", structured_param)
         async with contextlib.AsyncExitStack() as stack:
