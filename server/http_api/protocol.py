@@ -110,7 +110,6 @@ class _Sampling(_Body):
             msg = str(e)
             raise invalid(msg, _leading_name(msg)) from e
 
-
     def structured_spec(self) -> StructuredOutputsParams | None:
         """`structured_outputs` (vLLM) or `response_format` (OpenAI), at most one of them."""
         rf = self.response_format if self.response_format is not None and self.response_format.type != "text" else None
