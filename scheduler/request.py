@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 
@@ -116,10 +116,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
-            if unknown:
-                raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, "

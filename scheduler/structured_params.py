@@ -57,6 +57,14 @@ class StructuredOutputsParams:
         if len(self.key) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_outputs.{self.kind}: longer than {MAX_SPEC_CHARS} characters")
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a mapping of the same fields (the APIs' JSON); unknown fields are an error."""
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
+        return cls(**fields)
+
     def _is_set(self, kind: str) -> bool:
         v = getattr(self, kind)
         return v is not False and v is not None

@@ -57,7 +57,6 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        self.num_compiles = 0  # distinct specs compiled (cache misses)
 
     def grammar_for(self, spec: StructuredOutputsParams) -> GrammarFuture:
         """The (possibly still compiling) grammar of `spec`; never blocks."""
@@ -66,7 +65,6 @@ class StructuredOutputManager:
             fut = self._cache.get(key)
             if fut is None:
                 fut = self._pool.submit(self.backend.compile, spec)
-                self.num_compiles += 1
                 self._cache[key] = fut
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)

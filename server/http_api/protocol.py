@@ -117,10 +117,7 @@ class _Sampling(_Body):
             raise invalid("response_format and structured_outputs: give at most one", "structured_outputs")
         try:
             if self.structured_outputs is not None:
-                unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
-                if unknown:
-                    raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}")
-                return StructuredOutputsParams(**self.structured_outputs)
+                return StructuredOutputsParams.from_dict(self.structured_outputs)
             if rf is None:
                 return None
             if rf.type == "json_object":
