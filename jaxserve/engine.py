@@ -129,11 +129,12 @@ class Engine:
         return next(iter(devices)).platform
 
     def _attention_implementation(self) -> tuple[str, str]:
-        """("pallas" | "reference", why) for this engine's platform and cache layout."""
+        """("pallas" | "native" | "reference", why) for this engine's platform and cache layout."""
         if self.config.attention_backend == "reference":
             return "reference", "attention_backend='reference'"
         cfg = self.runner.config  # per-device under tensor parallelism
-        impl, why = attention_implementation(self.platform, cfg.num_kv_heads, cfg.head_dim, self.runner.dtype)
+        impl, why = attention_implementation(self.platform, cfg.num_kv_heads, cfg.head_dim, self.runner.dtype,
+                                             num_q_heads=cfg.num_heads)
         if impl == "reference" and self.platform != "cpu":
             logger.warning("attention falls back to the reference on %s: %s", self.platform, why)
         return impl, why

@@ -7,17 +7,18 @@ import jax
 BACKENDS = ("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu")
 
 
-def by_target_platform(args: tuple, *, reference, tpu, gpu):
+def by_target_platform(args: tuple, *, reference, tpu, gpu, cpu=None):
     """`backend="auto"`: the implementation of the platform the program is compiled for.
 
     `jax.lax.platform_dependent` picks the branch when the program is lowered, so a program
     compiled for TPU or GPU devices from a CPU host (compile-only targets, serialized
-    executables) gets the kernel, and one compiled for CPU gets the reference. Every branch
-    is traced, none is lowered but the target's. `tpu` / `gpu` are None where that kernel
-    does not support the call's layout.
+    executables) gets the kernel, and one compiled for CPU gets `cpu` (the native CPU
+    kernel, attention only) or the reference. Every branch is traced, none is lowered but
+    the target's. `tpu` / `gpu` / `cpu` are None where that kernel does not support the
+    call (or, for `cpu`, could not be built on this host).
     """
     return jax.lax.platform_dependent(
-        *args, cpu=reference, tpu=tpu or reference, cuda=gpu or reference, default=reference)
+        *args, cpu=cpu or reference, tpu=tpu or reference, cuda=gpu or reference, default=reference)
 
 
 def resolve_backend(backend: str, interpret: bool) -> str:

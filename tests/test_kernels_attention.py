@@ -1,4 +1,5 @@
-"""Ragged paged attention kernels (Triton GPU, Mosaic TPU) in interpret mode vs the reference.
+"""Ragged paged attention kernels vs the reference: Triton GPU and Mosaic TPU in interpret
+mode, the native CPU kernel (cpu_kernel.cc) compiled for this host.
 
 Small shapes only (interpret mode is slow): a few sequences, contexts <= ~200, page 16.
 """
@@ -15,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels as pk
 from pallas_kernels.kv_layout import lanes_width, to_lanes
+from pallas_kernels.ragged_paged_attention import cpu as native_cpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.testing import make_case
@@ -35,9 +37,16 @@ def _tpu_on_lanes(q, k_pages, v_pages, *rest, **kw):
                                       interpret=pltpu.InterpretParams(), block_q=16, chunk_pages=2, **kw)
 
 
+def _native_cpu(*args, **kw):
+    ok, why = native_cpu.available()
+    assert ok, why  # the Makefile's test setup has a C++ compiler: not building is a failure
+    return jax.jit(functools.partial(native_cpu.ragged_paged_attention_cpu, **kw))(*args)
+
+
 KERNELS = {
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=not ON_GPU),
     "tpu": _tpu_on_lanes,
+    "cpu": _native_cpu,
 }
 
 CASES = {
@@ -155,6 +164,43 @@ def test_gpu_block_schedule_is_flat():
     seq, idx, total = block_schedule(cu, jnp.array([3], jnp.int32), num_blocks=10, block_q=4)
     assert int(total) == 2 + 1 + 3
     assert seq[:6].tolist() == [0, 0, 1, 2, 2, 2] and idx.tolist() == [0, 1, 0, 0, 1, 2, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("head_dim,page_size", [(72, 8), (32, 32), (64, 16)])
+def test_cpu_kernel_shapes(head_dim, page_size):
+    """D not a multiple of 16 takes the portable loops; pages of 8 and 32 slots; a decode
+    batch larger than the query block (8 tokens per work item) and longer than a page."""
+    seqs = [(1, 5 + 23 * i) for i in range(12)] + [(19, 40), (9, 9)]  # 14 rows, 40 tokens
+    case = make_case(seqs=seqs, num_tokens=48, num_rows=16, num_q_heads=6, num_kv_heads=2,
+                     head_dim=head_dim, page_size=page_size, seed=head_dim)
+    _check("cpu", case)
+    _check("cpu", case, sliding_window=17)
+
+
+def test_cpu_kernel_clamps_bad_metadata():
+    """Page ids past the pool and kv_lens past the block table read clamped addresses (wrong
+    numbers at worst), never outside the buffers: the process must survive to report."""
+    case = make_case(**CASES["mixed"], head_dim=64, seed=19)
+    q, k, v, kv_lens, tables, cu, n = _args(case)
+    tables = tables.at[0, 0].set(10**6).at[1, 0].set(-5)
+    kv_lens = kv_lens.at[2].set(10**6)
+    got = _native_cpu(q, k, v, kv_lens, tables, cu, n, sm_scale=0.125)
+    assert np.isfinite(np.asarray(got)).all()
+    # num_seqs past the rows and q_len past the tokens are clamped the same way.
+    got = _native_cpu(q, k, v, kv_lens, tables, cu.at[-1].set(10**6), jnp.array([99], jnp.int32), sm_scale=0.125)
+    assert got.shape == q.shape
+
+
+def test_cpu_kernel_is_what_auto_lowers_on_cpu():
+    """backend="auto" compiled for this CPU calls the native kernel, and agrees with it."""
+    case = make_case(**CASES["mixed"], head_dim=64, seed=21)
+    args = _args(case)
+    fn = jax.jit(functools.partial(pk.ragged_paged_attention, sm_scale=0.125))
+    assert "jaxserve_ragged_paged_attention_cpu_" in fn.lower(*args).as_text()
+    want = _native_cpu(*args, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(fn(*args)), np.asarray(want))
+    ref = jax.jit(functools.partial(pk.ragged_paged_attention, sm_scale=0.125, backend="reference"))
+    assert "jaxserve_ragged_paged_attention_cpu_" not in ref.lower(*args).as_text()
 
 
 def test_public_op_pallas_interpret_matches_reference():

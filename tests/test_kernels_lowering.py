@@ -66,7 +66,7 @@ def test_kv_update_kernels_lower(dtype):
 
 def test_auto_lowers_each_targets_kernel():
     """backend="auto" is resolved per lowering platform: Triton for CUDA, Mosaic for TPU, the
-    reference (no custom call) for CPU, from the same traced program."""
+    native CPU kernel (an FFI call) for CPU, from the same traced program."""
     import pallas_kernels as pk
 
     fn = functools.partial(pk.ragged_paged_attention, sm_scale=0.125, num_kv_heads=3)
@@ -77,5 +77,6 @@ def test_auto_lowers_each_targets_kernel():
     assert "tpu_custom_call" not in lower_for_tpu(fn, *args)  # heads pages: the reference reads them
     cpu = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
     assert "tpu_custom_call" not in cpu and "ragged_paged_attention_gpu" not in cpu
+    assert "jaxserve_ragged_paged_attention_cpu_" in cpu
     update = lower_for_cuda(pk.update_kv_cache, *_update_args(jnp.bfloat16, 3, 64))
     assert "update_kv_cache_gpu" in update

@@ -89,7 +89,7 @@ def test_health_reflection_and_info(srv, channel, stub):
     assert mi.has_chat_template and mi.max_logprobs == CFG.max_logprobs
     si = server_info(stub)
     assert si.state == "serving" and si.engine_config["max_num_seqs"] == "8"
-    assert si.engine_config["attention_implementation"].startswith("reference (no Pallas kernel on cpu")
+    assert si.engine_config["attention_implementation"].startswith("native (native CPU kernel jaxserve_ragged_paged_attention_cpu_")
     assert si.num_total_blocks == 127 and si.compilations_after_warmup == 0
 
 

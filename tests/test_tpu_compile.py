@@ -83,11 +83,12 @@ def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     assert "ragged_paged_attention_tpu" not in hlo
 
 
-def test_auto_on_the_host_cpu_is_the_reference():
-    assert attention_implementation("cpu", 3, 64, jnp.float32)[0] == "reference"
+def test_auto_on_the_host_cpu_is_the_native_cpu_kernel():
+    assert attention_implementation("cpu", 3, 64, jnp.float32, num_q_heads=9)[0] == "native"
     assert pk.kv_cache_layout("cpu") == "heads"
     hlo = compiled_hlo(ATTENTION, attention_args(jnp.float32, 9, 3, 64, "heads"), jax.devices("cpu")[0])
     assert KERNEL not in hlo and "ragged_paged_attention_tpu" not in hlo and "triton" not in hlo
+    assert "jaxserve_ragged_paged_attention_cpu_" in hlo
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

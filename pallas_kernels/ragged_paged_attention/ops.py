@@ -9,6 +9,8 @@ import jax
 from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_layout import KVLayout, lanes_width, layout_of
+from pallas_kernels.ragged_paged_attention import cpu as native_cpu
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 
@@ -77,8 +79,9 @@ def ragged_paged_attention(
     Pages in either layout of `pallas_kernels.kv_layout`; the TPU kernel reads the lanes
     layout, the GPU kernel the heads layout, the reference both. `num_kv_heads` is required
     with lanes pages.
-    backend: "auto" (the kernel of the platform compiled for, TPU or GPU, where it supports
-    the layout, else the reference: see `attention_implementation`), "pallas" (the host
+    backend: "auto" (the kernel of the platform compiled for: TPU or GPU where it supports
+    the layout, the native CPU kernel (cpu.py) where it could be built, else the reference:
+    see `attention_implementation`), "pallas" (the host
     platform's kernel; on CPU only with interpret=True), "reference", or
     "pallas_tpu"/"pallas_gpu" to force one kernel.
     interpret: run the kernel in Pallas interpret mode (CPU); for the TPU kernel it may be a
@@ -99,6 +102,7 @@ def ragged_paged_attention(
         return by_target_platform(
             args,
             reference=functools.partial(ragged_paged_attention_reference, num_kv_heads=num_kv_heads, **kw),
+            cpu=functools.partial(ragged_paged_attention_cpu, **kw) if _native_cpu_fits(layout, q.shape[1]) else None,
             tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw) if fits("tpu") else None,
             gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
         )
@@ -121,9 +125,15 @@ def ragged_paged_attention(
     return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret))
 
 
-def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype) -> tuple[str, str]:
+def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype,
+                             num_q_heads: int | None = None) -> tuple[str, str]:
     """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for a cache in
-    that platform's layout (`kv_cache_layout`): ("pallas" | "reference", why)."""
+    that platform's layout (`kv_cache_layout`): ("pallas" | "native" | "reference", why)."""
+    if platform == "cpu":
+        if _native_cpu_fits("heads", num_q_heads or num_kv_heads):
+            return "native", native_cpu.available()[1]
+        ok, why = native_cpu.available()
+        return "reference", why if not ok else f"the native CPU kernel does not support {num_q_heads} query heads"
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
@@ -131,6 +141,14 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
         return "reference", (f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
                              f"in {jax.numpy.dtype(dtype).name}")
     return "pallas", f"the {impl} kernel"
+
+
+def _native_cpu_fits(layout: KVLayout, num_q_heads: int) -> bool:
+    """Whether `auto` may lower the native CPU kernel: only where this process compiles for
+    its own CPU (a TPU/GPU host never builds it; a CPU host compiling for one traces it, which
+    is harmless) and only where it was built."""
+    return (jax.default_backend() == "cpu" and native_cpu.supports(layout, num_q_heads)
+            and native_cpu.available()[0])
 
 
 def kv_cache_layout(platform: str) -> KVLayout:

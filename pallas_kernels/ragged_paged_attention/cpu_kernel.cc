@@ -1,0 +1,380 @@
+// Ragged paged attention for XLA:CPU, as an XLA FFI custom call.
+//
+// XLA:CPU turns the attention of a decode batch (per sequence: 1-8 query heads per KV head
+// against a few hundred keys) into tiny reductions it runs at 3-5 GB/s of K/V; this kernel
+// walks each sequence's live pages once, all heads together, and reaches the memory
+// bandwidth. Same contract as `reference.py` (heads-layout pages [P, S, Hkv, D]): token j of
+// sequence i sits at position kv_lens[i] - q_len_i + j and attends to keys k <= p (and
+// p - k < sliding_window); logits q.k * sm_scale, optionally soft-capped; rows past
+// cu_q_lens[num_seqs] are zero. Page ids and lengths are clamped to the buffers, so bad
+// metadata gives wrong numbers, never an out-of-bounds read.
+//
+// Work is split into items (one sequence, a block of up to kQueryBlock of its query tokens,
+// every head) that the calling thread and XLA's intra-op pool take from a shared counter.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kQueryBlock = 8;  // query tokens of one sequence that share each K/V row
+constexpr int64_t kLanes = 16;      // scratch rows are padded to this many floats
+constexpr float kMasked = -1e30f;   // finite "minus infinity", as in the reference
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {  // bfloat16 bits
+  const uint32_t b = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline void store(float x, float* out) { *out = x; }
+inline void store(float x, uint16_t* out) {  // round to nearest even; NaN stays NaN
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) {
+    *out = 0x7fc0;
+    return;
+  }
+  b += 0x7fffu + ((b >> 16) & 1u);
+  *out = static_cast<uint16_t>(b >> 16);
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) to ~2 ulp (Cephes' polynomial on x - n ln2, then a scale by 2^n).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+// out[g] = q[g] . k for NG query heads (q rows `stride` apart): each K vector loaded once.
+template <int NG, typename KV>
+inline void dots_avx512(const float* q, int64_t stride, const KV* k, int64_t D, float* out) {
+  __m512 a[NG];
+  for (int g = 0; g < NG; ++g) a[g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 kv = load16(k + d);
+    for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * stride + d), kv, a[g]);
+  }
+  for (int g = 0; g < NG; ++g) out[g] = _mm512_reduce_add_ps(a[g]);
+}
+
+// acc[g] += sum_j w[g][j] * v_j over n keys (v rows `v_stride` apart, w rows `w_stride`):
+// per 16-lane slice of D, NG accumulators stay in registers across the keys.
+template <int NG, typename KV>
+inline void pv_avx512(float* acc, int64_t stride, const float* w, int64_t w_stride, const KV* v,
+                      int64_t v_stride, int64_t n, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm512_loadu_ps(acc + g * stride + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 vv = load16(v + j * v_stride + d);
+      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + j]), vv, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + g * stride + d, a[g]);
+  }
+}
+#endif
+
+// out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart).
+template <typename KV>
+inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) dots_avx512<4>(q + g * stride, stride, k, D, out + g);
+    switch (G - g) {
+      case 3: dots_avx512<3>(q + g * stride, stride, k, D, out + g); break;
+      case 2: dots_avx512<2>(q + g * stride, stride, k, D, out + g); break;
+      case 1: dots_avx512<1>(q + g * stride, stride, k, D, out + g); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float part[kLanes] = {};
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes)
+      for (int64_t i = 0; i < kLanes; ++i) part[i] += q[g * stride + d + i] * to_f32(k[d + i]);
+    float s = 0.0f;
+    for (; d < D; ++d) s += q[g * stride + d] * to_f32(k[d]);
+    for (int64_t i = 0; i < kLanes; ++i) s += part[i];
+    out[g] = s;
+  }
+}
+
+// acc[g] += sum_j w[g][j] * v_j for the g < G rows of one KV head over n keys.
+template <typename KV>
+inline void pv(float* acc, int64_t stride, const float* w, int64_t w_stride, const KV* v, int64_t v_stride,
+               int64_t n, int64_t G, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) pv_avx512<4>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D);
+    switch (G - g) {
+      case 3: pv_avx512<3>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
+      case 2: pv_avx512<2>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
+      case 1: pv_avx512<1>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) acc[g * stride + d] += w[g * w_stride + j] * to_f32(v[j * v_stride + d]);
+}
+
+// Online-softmax update of one score row over a segment of n keys: returns the row's
+// weights in place (0 where masked) and the factor its accumulator must be scaled by.
+inline float softmax_update(float* s, int64_t n, float* m, float* l) {
+  float mx = *m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const float alpha = std::exp(*m - mx);
+  float sum = 0.0f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx), half = _mm512_set1_ps(0.5f * kMasked);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(s + j);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, half, _CMP_GT_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, vmx)));
+    _mm512_storeu_ps(s + j, p);
+    vsum = _mm512_add_ps(vsum, p);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; j < n; ++j) {
+    s[j] = s[j] > 0.5f * kMasked ? std::exp(s[j] - mx) : 0.0f;
+    sum += s[j];
+  }
+  *l = *l * alpha + sum;
+  *m = mx;
+  return alpha;
+}
+
+struct Problem {
+  int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages;
+  float sm_scale;
+  int64_t sliding_window;  // 0: none
+  float soft_cap;          // 0: none
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  const int32_t* cu_q_lens;
+  std::vector<int64_t> item_seq, item_first, item_count;  // one entry per work item
+};
+
+struct Scratch {  // per thread, reused across calls
+  std::vector<float> q, acc, scores, m, l;
+};
+
+template <typename Q, typename KV>
+void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* out, int64_t item) {
+  const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
+  const int64_t ps = p.page_size, Dp = round_up(D, kLanes), Sp = round_up(ps, kLanes);
+  const int64_t s = p.item_seq[item], t0 = p.item_first[item], nb = p.item_count[item];
+  const int64_t kv_len = std::min<int64_t>(std::max(p.kv_lens[s], 0), p.max_pages * ps);
+  const int64_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
+  const int64_t rows = nb * Hq;
+
+  thread_local Scratch w;
+  w.q.assign(rows * Dp, 0.0f);
+  w.acc.assign(rows * Dp, 0.0f);
+  w.scores.assign(rows * Sp, 0.0f);
+  w.m.assign(rows, kMasked);
+  w.l.assign(rows, 0.0f);
+  int64_t pos[kQueryBlock], lo[kQueryBlock];
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    pos[i] = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
+    lo[i] = p.sliding_window > 0 ? std::max<int64_t>(0, pos[i] - p.sliding_window + 1) : 0;
+    key_lo = std::min(key_lo, lo[i]);
+    key_hi = std::max(key_hi, std::min(pos[i] + 1, kv_len));
+    const Q* qt = q + (t0 + i) * Hq * D;
+    for (int64_t r = 0; r < Hq; ++r)
+      for (int64_t d = 0; d < D; ++d) w.q[(i * Hq + r) * Dp + d] = to_f32(qt[r * D + d]) * p.sm_scale;
+  }
+  const int32_t* table = p.tables + s * p.max_pages;
+  const int64_t slot = Hkv * D;  // elements per cache slot
+  for (int64_t start = key_lo; start < key_hi;) {
+    const int64_t off = start % ps, n = std::min(ps - off, key_hi - start);
+    const int64_t page = std::clamp<int64_t>(table[start / ps], 0, p.num_pages - 1);
+    const KV* kb = kp + (page * ps + off) * slot;
+    const KV* vb = vp + (page * ps + off) * slot;
+    if (start + n < key_hi) {  // the next page is random: ask for it while this one is used
+      const int64_t next = std::clamp<int64_t>(table[(start + n) / ps], 0, p.num_pages - 1);
+      const char* kn = reinterpret_cast<const char*>(kp + next * ps * slot);
+      const char* vn = reinterpret_cast<const char*>(vp + next * ps * slot);
+      const int64_t bytes = std::min(ps, key_hi - start - n) * slot * static_cast<int64_t>(sizeof(KV));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = start + j;
+      for (int64_t i = 0; i < nb; ++i) {
+        float* sc = w.scores.data() + i * Hq * Sp + j;  // row r at sc[r * Sp]
+        if (key > pos[i] || key < lo[i]) {
+          for (int64_t r = 0; r < Hq; ++r) sc[r * Sp] = kMasked;
+          continue;
+        }
+        float d[256];
+        for (int64_t h = 0; h < Hkv; ++h) dots(w.q.data() + (i * Hq + h * G) * Dp, Dp, kb + j * slot + h * D, G, D, d + h * G);
+        for (int64_t r = 0; r < Hq; ++r)
+          sc[r * Sp] = p.soft_cap > 0.0f ? p.soft_cap * std::tanh(d[r] / p.soft_cap) : d[r];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float alpha = softmax_update(w.scores.data() + r * Sp, n, &w.m[r], &w.l[r]);
+      if (alpha != 1.0f)
+        for (int64_t d = 0; d < D; ++d) w.acc[r * Dp + d] *= alpha;
+    }
+    // Masked keys have weight 0 (softmax_update), so the PV sum runs over all n keys.
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t r = i * Hq + h * G;
+        pv(w.acc.data() + r * Dp, Dp, w.scores.data() + r * Sp, Sp, vb + h * D, slot, n, G, D);
+      }
+    start += n;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    Q* o = out + (t0 + i) * Hq * D;
+    for (int64_t r = 0; r < Hq; ++r) {
+      const float l = w.l[i * Hq + r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < D; ++d) store(w.acc[(i * Hq + r) * Dp + d] * inv, o + r * D + d);
+    }
+  }
+}
+
+struct Progress {  // shared with pool tasks, which may start after the call returned
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename Q, typename KV>
+void run(const Problem& p, const void* q, const void* kp, const void* vp, void* out, ffi::ThreadPool& pool) {
+  const int64_t items = static_cast<int64_t>(p.item_seq.size());
+  auto progress = std::make_shared<Progress>();
+  // Pool tasks hold `progress` only; they touch the buffers just while holding an item, and
+  // the call returns only when every item is done.
+  auto work = [&p, q, kp, vp, out, items](Progress& pr) {
+    for (int64_t i; (i = pr.next.fetch_add(1)) < items;) {
+      attend_item<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp),
+                         static_cast<Q*>(out), i);
+      pr.done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([progress, work]() { work(*progress); });
+  }
+  work(*progress);
+  while (progress->done.load() < items) std::this_thread::yield();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                int64_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
+    return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
+  if (qd[1] > 256) return ffi::Error::InvalidArgument("at most 256 query heads");
+  const auto qt = q.element_type(), kt = k_pages.element_type();
+  if ((qt != ffi::F32 && qt != ffi::BF16) || (kt != ffi::F32 && kt != ffi::BF16) || v_pages.element_type() != kt)
+    return ffi::Error::InvalidArgument("q and pages must be float32 or bfloat16, K and V alike");
+  Problem p;
+  p.num_tokens = qd[0];
+  p.num_q_heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_pages = kd[0];
+  p.page_size = kd[1];
+  p.num_kv_heads = kd[2];
+  p.max_pages = block_tables.dimensions()[1];
+  p.sm_scale = sm_scale;
+  p.sliding_window = sliding_window;
+  p.soft_cap = soft_cap;
+  p.kv_lens = kv_lens.typed_data();
+  p.tables = block_tables.typed_data();
+  p.cu_q_lens = cu_q_lens.typed_data();
+  const int64_t num_rows = kv_lens.dimensions()[0];
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, num_rows);
+  int64_t covered = 0;  // tokens before this are real: cu_q_lens is nondecreasing
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t a = std::clamp<int64_t>(p.cu_q_lens[s], covered, p.num_tokens);
+    const int64_t b = std::clamp<int64_t>(p.cu_q_lens[s + 1], a, p.num_tokens);
+    for (int64_t t = a; t < b; t += kQueryBlock) {
+      p.item_seq.push_back(s);
+      p.item_first.push_back(t);
+      p.item_count.push_back(std::min(kQueryBlock, b - t));
+    }
+    covered = b;
+  }
+  // Rows past the real tokens are zero.
+  const size_t elem = qt == ffi::F32 ? 4 : 2;
+  std::memset(static_cast<char*>(out->untyped_data()) + covered * p.num_q_heads * p.head_dim * elem, 0,
+              (p.num_tokens - covered) * p.num_q_heads * p.head_dim * elem);
+  if (p.item_seq.empty()) return ffi::Error::Success();
+  const void *qp = q.untyped_data(), *kp = k_pages.untyped_data(), *vp = v_pages.untyped_data();
+  void* op = out->untyped_data();
+  if (qt == ffi::F32 && kt == ffi::F32) run<float, float>(p, qp, kp, vp, op, pool);
+  else if (qt == ffi::F32) run<float, uint16_t>(p, qp, kp, vp, op, pool);
+  else if (kt == ffi::F32) run<uint16_t, float>(p, qp, kp, vp, op, pool);
+  else run<uint16_t, uint16_t>(p, qp, kp, vp, op, pool);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
