@@ -63,7 +63,13 @@ SERVE_ARGS ?=
 serve: $(RUN_STAMP)
 	$(VENV)/bin/jaxserve serve $(SERVE_ARGS)
 
+# The native CPU attention kernel is built with the host's C++ compiler on first use; without
+# one the engine falls back to the (slower) jnp reference, but the tests need the kernel.
+CXX_CHECK = command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
+	{ echo "make test needs a C++ compiler for the native CPU attention kernel (Debian: apt-get install g++)"; exit 2; }
+
 test: $(TEST_STAMP)
+	@$(CXX_CHECK)
 	$(VENV)/bin/ruff check jaxserve scheduler pallas_kernels server tests scripts
 	$(PY) -m pytest -q
 
