@@ -130,10 +130,14 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
     """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for a cache in
     that platform's layout (`kv_cache_layout`): ("pallas" | "native" | "reference", why)."""
     if platform == "cpu":
-        if _native_cpu_fits("heads", num_q_heads or num_kv_heads):
-            return "native", native_cpu.available()[1]
+        if jax.default_backend() != "cpu":
+            return "reference", "the native CPU kernel is built only where the CPU is the default backend"
         ok, why = native_cpu.available()
-        return "reference", why if not ok else f"the native CPU kernel does not support {num_q_heads} query heads"
+        if not ok:
+            return "reference", why
+        if not native_cpu.supports("heads", num_q_heads or num_kv_heads):
+            return "reference", f"the native CPU kernel takes at most 256 query heads, got {num_q_heads}"
+        return "native", why
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
