@@ -86,6 +86,8 @@ class Engine:
             make_manager(self.tokenizer, mc.vocab_size, self.eos_token_id)
             if config.structured_outputs and self.tokenizer is not None else None)
         self.runner = self._make_runner()
+        # On CPU this also builds and registers the native attention kernel, which programs
+        # loaded from `compiled_dir` (never traced here) call by name.
         self.attention = self._attention_implementation()
         logger.info("attention on %s: %s (%s)", self.platform, *self.attention)
         self.outputs = OutputProcessor(self.tokenizer)
