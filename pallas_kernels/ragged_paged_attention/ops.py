@@ -102,7 +102,8 @@ def ragged_paged_attention(
         return by_target_platform(
             args,
             reference=functools.partial(ragged_paged_attention_reference, num_kv_heads=num_kv_heads, **kw),
-            cpu=functools.partial(ragged_paged_attention_cpu, **kw) if _native_cpu_fits(layout, q.shape[1]) else None,
+            cpu=functools.partial(ragged_paged_attention_cpu, **kw) if _native_cpu_choice(layout, q.shape[1])[0]
+            else None,
             tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw) if fits("tpu") else None,
             gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
         )
@@ -130,14 +131,8 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
     """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for a cache in
     that platform's layout (`kv_cache_layout`): ("pallas" | "native" | "reference", why)."""
     if platform == "cpu":
-        if jax.default_backend() != "cpu":
-            return "reference", "the native CPU kernel is built only where the CPU is the default backend"
-        ok, why = native_cpu.available()
-        if not ok:
-            return "reference", why
-        if not native_cpu.supports("heads", num_q_heads or num_kv_heads):
-            return "reference", f"the native CPU kernel takes at most 256 query heads, got {num_q_heads}"
-        return "native", why
+        ok, why = _native_cpu_choice("heads", num_q_heads or num_kv_heads)
+        return ("native" if ok else "reference"), why
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
@@ -147,12 +142,16 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
     return "pallas", f"the {impl} kernel"
 
 
-def _native_cpu_fits(layout: KVLayout, num_q_heads: int) -> bool:
-    """Whether `auto` may lower the native CPU kernel: only where this process compiles for
-    its own CPU (a TPU/GPU host never builds it; a CPU host compiling for one traces it, which
-    is harmless) and only where it was built."""
-    return (jax.default_backend() == "cpu" and native_cpu.supports(layout, num_q_heads)
-            and native_cpu.available()[0])
+def _native_cpu_choice(layout: KVLayout, num_q_heads: int) -> tuple[bool, str]:
+    """(whether `auto` may lower the native CPU kernel, why). Only where this process compiles
+    for its own CPU (a TPU/GPU host never builds it; a CPU host compiling for one traces it,
+    which is harmless), only where it was built, and only for what it supports."""
+    if jax.default_backend() != "cpu":
+        return False, "the native CPU kernel is built only where the CPU is the default backend"
+    ok, why = native_cpu.available()
+    if ok and not native_cpu.supports(layout, num_q_heads):
+        return False, f"the native CPU kernel takes heads-layout pages and at most 256 query heads, got {num_q_heads}"
+    return ok, why
 
 
 def kv_cache_layout(platform: str) -> KVLayout:
