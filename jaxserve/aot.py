@@ -57,6 +57,7 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
         "dtype": resolved.dtype,
         "kv_layout": resolved.kv_layout,
         "tensor_parallel_size": tensor_parallel_size,
+        "enable_expert_parallel": config.enable_expert_parallel,
         "attention_backend": config.attention_backend,
         "num_pages": resolved.num_pages,
         "num_host_pages": resolved.num_host_pages,
@@ -77,7 +78,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     if config.tensor_parallel_size not in (1, tp):
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the target "
                          f"{target.name}'s {tp} devices (the model is sharded over all of them)")
-    rank_config = parallel.tp_model_config(model_config, tp)  # validates the split
+    ep = config.enable_expert_parallel
+    rank_config = parallel.tp_model_config(model_config, tp, ep)  # validates the split
     config = dataclasses.replace(config, tensor_parallel_size=tp)
     resolved = config.resolve(model_config, rank_config, platform=target.platform)
     devices = target.devices()
@@ -91,10 +93,10 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
     shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
     shapes = {**shapes, "layers": fused_layer_shapes(shapes["layers"])}
-    specs = parallel.param_specs(shapes, rank_config, tp) if tp > 1 else jax.tree.map(
+    specs = parallel.param_specs(shapes, rank_config, tp, ep) if tp > 1 else jax.tree.map(
         lambda _: P(), shapes, is_leaf=_is_shape)
     params = jax.tree.map(lambda shape, spec: sds(shape, dtype, place(spec)), shapes, specs, is_leaf=_is_shape)
-    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp))
+    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1))
     c = rank_config
     kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), dtype, kv_sharding)
     programs = StepPrograms(
@@ -321,7 +323,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             results.append(r)
             if progress:
                 print(f"  {r.name}: {'compiled' if r.compiled else 'FAILED'} in {r.seconds:.1f} s", flush=True)
-    rank = parallel.tp_model_config(model_config, target.num_devices)
+    rank = parallel.tp_model_config(model_config, target.num_devices, config.enable_expert_parallel)
     impl = ("reference", "attention_backend='reference'") if config.attention_backend == "reference" else \
         attention_implementation(target.platform, rank.num_kv_heads // target.num_devices, rank.head_dim,
                                  programs.dtype)

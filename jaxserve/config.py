@@ -50,6 +50,9 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: AttentionBackend = "auto"
     tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)
+    # MoE models: whole experts per device over the tensor-parallel devices (expert
+    # parallelism) instead of a width slice of every expert.
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1  # in-engine DP is not supported: run replicas (docs/distributed.md)
     coordinator: str | None = None  # multi-host: HOST:PORT of process 0's jax.distributed service
     num_processes: int = 1

@@ -63,7 +63,8 @@ class Engine:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
         self.tokenizer = self.model.tokenizer
         # Everything derived from the model, once (tp_model_config validates the TP split).
-        self.resolved = config.resolve(mc, tp_model_config(mc, config.tensor_parallel_size))
+        self.resolved = config.resolve(mc, tp_model_config(mc, config.tensor_parallel_size,
+                                                           config.enable_expert_parallel))
         self.scheduler_config = self.resolved.scheduler
         self.max_model_len = self.resolved.max_model_len
         self.num_pages = self.resolved.num_pages
@@ -121,7 +122,7 @@ class Engine:
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
             max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
-            structured=self.structured,
+            structured=self.structured, expert_parallel=config.enable_expert_parallel,
         )
 
     @property

@@ -7,6 +7,12 @@ sharded by KV head. When there are fewer KV heads than ranks, each KV head is re
 result is mathematically the same model. Embeddings and logits are sharded over the
 vocabulary. Attention and the KV-cache update run per shard under `shard_map`, so the
 kernels see ordinary single-device arrays.
+
+Routed experts (models/moe.py) are split one of two ways over the same axis: tensor
+parallelism inside the experts (each device holds every expert's 1/tp of the intermediate
+width; the default) or expert parallelism (`expert_parallel`: each device holds X/tp whole
+experts). Both run per shard under `shard_map` with every token on every device and end in
+one all-reduce, like the row-parallel projections.
 """
 
 from __future__ import annotations
@@ -38,18 +44,26 @@ def build_mesh(tensor_parallel_size: int, devices: list[Any] | None = None) -> M
                          devices=devices[:tensor_parallel_size])
 
 
-def tp_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> ModelConfig:
     """The config each rank computes with: KV heads replicated up to `tp` when fewer.
 
-    Raises ValueError when `tp` cannot split the model's heads or MLP evenly.
+    Raises ValueError when `tp` cannot split the model's heads, MLP or experts evenly.
     """
+    if expert_parallel and not cfg.is_moe:
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model; {cfg.architecture} has no experts")
     if tp == 1:
         return cfg
     if cfg.num_heads % tp:
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the model's {cfg.num_heads} attention heads"
         )
-    if cfg.intermediate_size % tp:
+    if cfg.is_moe and expert_parallel and cfg.num_experts % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {cfg.num_experts} experts "
+                         "(expert parallelism places whole experts on each device)")
+    if cfg.is_moe and not expert_parallel and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the experts' width {cfg.moe_intermediate_size}"
+                         " (try expert parallelism)")
+    if not cfg.is_moe and cfg.intermediate_size % tp:
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the MLP size {cfg.intermediate_size}"
         )
@@ -94,25 +108,34 @@ _LAYER_SPECS = {
     "o_proj": P(None, MODEL_AXIS, None),
     "gate_up_proj": P(None, None, MODEL_AXIS),
     "down_proj": P(None, MODEL_AXIS, None),
+    "expert_gate_up": P(None, None, None, MODEL_AXIS),  # [L, X, E, 2I]: width split
+    "expert_down": P(None, None, MODEL_AXIS, None),  # [L, X, I, E]
+}
+# Expert parallelism: whole experts per device.
+_EXPERT_PARALLEL_SPECS = {
+    "expert_gate_up": P(None, MODEL_AXIS, None, None),
+    "expert_down": P(None, MODEL_AXIS, None, None),
 }
 
 
-def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, Any]:
+def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> dict[str, Any]:
     vocab_split = cfg.vocab_size % tp == 0
     if not vocab_split:
         logger.warning("vocabulary %d not divisible by tp=%d: embeddings replicated", cfg.vocab_size, tp)
     specs: dict[str, Any] = {
         "embed": P(MODEL_AXIS, None) if vocab_split else P(),
         "final_norm": P(),
-        "layers": {k: _LAYER_SPECS.get(k, P()) for k in params["layers"]},
+        "layers": {k: (_EXPERT_PARALLEL_SPECS if expert_parallel else {}).get(k, _LAYER_SPECS.get(k, P()))
+                   for k in params["layers"]},
     }
     if "lm_head" in params:
         specs["lm_head"] = P(None, MODEL_AXIS) if vocab_split else P()
     return specs
 
 
-def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
-    specs = param_specs(params, cfg, mesh.shape[MODEL_AXIS])
+def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False
+                 ) -> dict[str, Any]:
+    specs = param_specs(params, cfg, mesh.shape[MODEL_AXIS], expert_parallel)
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -139,7 +162,16 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
         if kwargs.get("num_kv_heads") is not None:
             kwargs["num_kv_heads"] //= tp  # each rank's own heads
         pages = page_spec(k_pages)
-        fn = jax.shard_map(functools.partial(attention_fn, **kwargs), mesh=mesh,
+        # A per-layer (traced) sliding window enters as a replicated operand, not a closure.
+        window = kwargs.pop("sliding_window", None)
+        if isinstance(window, jax.Array):
+            def fn_(q, k, v, lens, tables, cu, n, w):
+                return attention_fn(q, k, v, lens, tables, cu, n, sliding_window=w, **kwargs)
+
+            fn = jax.shard_map(fn_, mesh=mesh, in_specs=(heads, pages, pages, P(), P(), P(), P(), P()),
+                               out_specs=heads, check_vma=False)
+            return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, window)
+        fn = jax.shard_map(functools.partial(attention_fn, sliding_window=window, **kwargs), mesh=mesh,
                            in_specs=(heads, pages, pages, P(), P(), P(), P()), out_specs=heads,
                            check_vma=False)
         return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
@@ -151,3 +183,23 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
         return fn(k_new, v_new, k_pages, v_pages, slot_mapping)
 
     return attention, kv_update
+
+
+def per_shard_moe(mesh: Mesh, expert_parallel: bool):
+    """The routed experts run per device on the expert weights it holds (whole experts under
+    expert parallelism, a width slice of every expert otherwise), then one all-reduce."""
+    from jaxserve.models.moe import experts_forward
+
+    if expert_parallel:
+        weights_spec = P(MODEL_AXIS, None, None)  # [X, E, 2I] / [X, I, E]: experts split
+        down_spec = weights_spec
+    else:
+        weights_spec, down_spec = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+
+    def local(x, weights, experts, gate_up, down):
+        first = jax.lax.axis_index(MODEL_AXIS) * gate_up.shape[0] if expert_parallel else 0
+        y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu)
+        return jax.lax.psum(y, MODEL_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), weights_spec, down_spec), out_specs=P(),
+                         check_vma=False)

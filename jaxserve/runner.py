@@ -82,6 +82,7 @@ class ModelRunner:
         channel: Any = None,
         kv_layout: str = "heads",
         structured: Any = None,
+        expert_parallel: bool = False,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
@@ -99,12 +100,12 @@ class ModelRunner:
             self.input_sharding = None
         else:  # tensor parallel: KV heads replicated up to tp when fewer, params sharded
             tp = self.mesh.shape[parallel.MODEL_AXIS]
-            self.config = parallel.tp_model_config(loaded.config, tp)
+            self.config = parallel.tp_model_config(loaded.config, tp, expert_parallel)
             params = parallel.expand_kv_heads(loaded.params, loaded.config, self.config.num_kv_heads)
-            params = {**params, "layers": fuse_projections(params["layers"], tp)}
-            params = parallel.shard_params(params, self.config, self.mesh)
+            params = {**params, "layers": fuse_projections(params["layers"], tp, 1 if expert_parallel else tp)}
+            params = parallel.shard_params(params, self.config, self.mesh, expert_parallel)
             self.input_sharding = parallel.replicated(self.mesh)
-        model = LlamaForCausalLM(self.config, params, shards=tp)
+        model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["embed"].dtype
         self.kv_cache = self._new_kv_cache()

@@ -96,10 +96,13 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
     model = nnx.merge(graphdef, state)
     attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
     kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
+    extra = {}
     if mesh is not None:
         attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
+        if model.config.is_moe:
+            extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
     h_last, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
-                             attention_fn=attention_fn, kv_update_fn=kv_update_fn)
+                             attention_fn=attention_fn, kv_update_fn=kv_update_fn, **extra)
     if mesh is not None:  # the head receives replicated hidden states, as its warmup assumed
         h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
     return h_last, kv_cache

@@ -34,6 +34,23 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2,
                                                        hidden_size=96)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # Routed experts: 6 experts, 2 per token; widths unlike the dense MLP's so a mix-up fails.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    "qwen3-moe-unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=False)),
+    "mixtral-sliding": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=5, num_experts_per_tok=2, intermediate_size=40, sliding_window=8)),
+    # Gemma: window 6 on the sliding layers (contexts reach 22), soft-caps low enough to bite,
+    # query_pre_attn_scalar unlike head_dim.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=6,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, num_hidden_layers=4, query_pre_attn_scalar=20, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
 }
 
 
@@ -42,6 +59,7 @@ def _make_hf_model(tmp_path, case):
     kwargs = {**COMMON, **extra}
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**kwargs)
+    cfg._attn_implementation = "eager"  # the path that applies Gemma 2's attention soft-cap
     model = getattr(transformers, model_cls)(cfg).eval().float()
     with torch.no_grad():  # random biases/norm weights so those code paths matter
         for name, p in model.named_parameters():

@@ -29,7 +29,14 @@ _LAYER_NAMES = {
     "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
+    # routed experts (llama.cpp stacks each layer's experts in one tensor)
+    "router": "ffn_gate_inp.weight",
+    "expert_gate": "ffn_gate_exps.weight",
+    "expert_up": "ffn_up_exps.weight",
+    "expert_down": "ffn_down_exps.weight",
 }
+# Expert tensors arrive [X, out, in] (HF layout per expert); jaxserve keeps [X, in, out].
+_STACKED_TRANSPOSED = frozenset({"expert_gate", "expert_up", "expert_down"})
 
 
 class GGUFFile:
@@ -95,7 +102,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
 
 
 def load_gguf_params(gf: GGUFFile, cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
-    permuted = cfg.architecture in ("llama", "mistral")
+    permuted = cfg.architecture in ("llama", "mistral", "mixtral")
 
     def get(name: str, layer: int | None) -> np.ndarray:
         gname = _GLOBAL_NAMES[name] if layer is None else f"blk.{layer}.{_LAYER_NAMES[name]}"
@@ -104,6 +111,8 @@ def load_gguf_params(gf: GGUFFile, cfg: ModelConfig, dtype: Any) -> dict[str, An
             w = unpermute_qk(w, cfg.num_heads)
         elif permuted and name == "k_proj":
             w = unpermute_qk(w, cfg.num_kv_heads)
-        return w.T if name in TRANSPOSED else w
+        if name in _STACKED_TRANSPOSED:
+            return np.swapaxes(w, 1, 2)
+        return w.T if name in TRANSPOSED or name == "router" else w
 
     return assemble_params(cfg, get, dtype)

@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
 from jaxserve.loading.params import TRANSPOSED, assemble_params
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import MOE_WEIGHTS
 
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                  "lm_head": "lm_head.weight"}
@@ -30,6 +31,19 @@ _LAYER_NAMES = {
     "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+}
+# Gemma 2/3 name their four norms after where they sit; jaxserve's pre-MLP norm is `post_norm`.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
+}
+# Routed experts, per expert as published checkpoints hold them: (router, expert module,
+# gate, up, down) names of each MoE family.
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),
 }
 
 
@@ -70,6 +84,9 @@ class _SafetensorsIndex:
                 self._where[key] = h
         self.path = path
 
+    def has(self, name: str) -> bool:
+        return name in self._where
+
     def get(self, name: str) -> np.ndarray:
         h = self._where.get(name)
         if h is None:
@@ -79,10 +96,31 @@ class _SafetensorsIndex:
 
 def load_hf_params(path: str, cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
     index = _SafetensorsIndex(path)
+    names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
 
     def get(name: str, layer: int | None) -> np.ndarray:
-        key = _GLOBAL_NAMES[name] if layer is None else f"model.layers.{layer}.{_LAYER_NAMES[name]}"
+        if layer is not None and name in MOE_WEIGHTS:
+            return _expert_tensor(index, cfg, name, f"model.layers.{layer}.")
+        key = _GLOBAL_NAMES[name] if layer is None else f"model.layers.{layer}.{names[name]}"
         w = index.get(key)
         return w.T if name in TRANSPOSED else w
 
     return assemble_params(cfg, get, dtype)
+
+
+def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix: str) -> np.ndarray:
+    """One layer's router [E, X] or stacked expert weights ([X, E, I] gate/up, [X, I, E] down),
+    from per-expert tensors or from the stacked `experts.gate_up_proj` / `experts.down_proj`
+    that transformers' own in-memory layout uses."""
+    router, module, gate, up, down = _MOE_NAMES[cfg.architecture]
+    if name == "router":
+        return index.get(prefix + router).T
+    per_expert = {"expert_gate": gate, "expert_up": up, "expert_down": down}[name]
+    stacked_gate_up = f"{prefix}{module}.gate_up_proj"
+    if not index.has(f"{prefix}{module}.0.{per_expert}.weight") and index.has(stacked_gate_up):
+        if name == "expert_down":
+            return np.swapaxes(index.get(f"{prefix}{module}.down_proj"), 1, 2)  # [X, E, I] -> [X, I, E]
+        gu = np.swapaxes(index.get(stacked_gate_up), 1, 2)  # [X, 2I, E] -> [X, E, 2I]
+        half = gu.shape[-1] // 2
+        return gu[..., :half] if name == "expert_gate" else gu[..., half:]
+    return np.stack([index.get(f"{prefix}{module}.{j}.{per_expert}.weight").T for j in range(cfg.num_experts)])

@@ -13,6 +13,7 @@ from jaxserve.models.llama import expected_param_shapes
 
 # Projections stored [out, in] by HF and GGUF, kept [in, out] here so activations multiply as x @ W.
 TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# Routed experts come stacked per layer ([X, ...]); loaders return them in jaxserve's layout.
 
 # getter(name, layer) -> array in jaxserve's layout ([in, out] for projections), or raises
 TensorGetter = Callable[[str, int | None], np.ndarray]

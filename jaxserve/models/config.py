@@ -1,7 +1,10 @@
 """The frozen model configuration, built from an HF config.json or from GGUF metadata.
 
-One dataclass covers the Llama family (Llama, Mistral, Qwen2, Qwen3): the differences between
-them are a handful of flags (attention bias, q/k norm, tied embeddings, RoPE scaling).
+One dataclass covers every family served: the Llama family (Llama, Mistral, Qwen2, Qwen3),
+the mixture-of-experts decoders (Qwen3-MoE, Mixtral) and Gemma 2 / Gemma 3 (text). They are
+one decoder with a handful of switches: attention bias, q/k norm, tied embeddings, RoPE
+scaling; routed experts in place of the dense MLP; Gemma's (1 + w) norms, sandwich norms,
+GeGLU, scaled embeddings, soft-caps and per-layer sliding windows and RoPE bases.
 """
 
 from __future__ import annotations
@@ -12,14 +15,25 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# HF model_type -> architecture, for configs without `architectures`.
+_HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
+# GGUF general.architecture -> architecture (Mixtral is "llama" with experts in GGUF).
+_GGUF_ARCH_NAMES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                    "qwen3moe": "qwen3_moe"}
 
 
 class UnsupportedModelError(ValueError):
@@ -57,6 +71,24 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): every layer's MLP is `num_experts` SwiGLU
+    # experts of width `moe_intermediate_size`, `num_experts_per_tok` of them per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    # Gemma 2 / 3
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's is 1
+    embed_scale: bool = False  # embeddings times sqrt(E), in the params' dtype
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too
+    query_pre_attn_scalar: float | None = None  # logits scale is its -1/2 power (else head_dim's)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Per-layer sliding windows (0: global attention); None: `sliding_window` on every layer.
+    layer_windows: tuple[int, ...] | None = None
+    # RoPE base of the sliding-window layers (Gemma 3's local layers; unscaled). None: rope_theta.
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +103,33 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.is_moe:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"MoE config needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                    f"({self.num_experts}) and moe_intermediate_size > 0 (got {self.moe_intermediate_size})")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.num_layers or any(w < 0 for w in self.layer_windows):
+                raise ValueError(f"layer_windows must hold {self.num_layers} windows >= 0 (0: global), "
+                                 f"got {self.layer_windows}")
+            object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def windows(self) -> tuple[int, ...]:
+        """The sliding window of each layer, 0 where it attends globally."""
+        if self.layer_windows is not None:
+            return self.layer_windows
+        return (self.sliding_window or 0,) * self.num_layers
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention logits' scale."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -87,6 +146,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        if d.get("layer_windows") is not None:
+            d["layer_windows"] = tuple(d["layer_windows"])
         return cls(**d)
 
     # ------------------------------------------------------------------ HF config.json
@@ -95,57 +156,73 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
         if arch is None:
-            model_type = hf.get("model_type")
-            if model_type in SUPPORTED_ARCHITECTURES:
-                arch = model_type
-            else:
+            arch = _HF_MODEL_TYPES.get(hf.get("model_type"))
+            if arch is None:
                 raise UnsupportedModelError(
-                    f"unsupported architecture {archs or model_type!r}; supported: "
+                    f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
                     f"{sorted(_HF_ARCH_NAMES)}"
                 )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        sliding = hf.get("sliding_window") if arch == "mistral" else None
-        if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf.get("intermediate_size") or 0) or int(hf.get("moe_intermediate_size") or 0),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=_parse_rope_scaling(rope),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
-            sliding_window=int(sliding) if sliding else None,
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
         )
+        if arch in GEMMA_ARCHITECTURES:
+            fields.update(_gemma_fields(hf, arch))
+        else:
+            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            fields["rope_theta"] = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+            fields["rope_scaling"] = _parse_rope_scaling(rope)
+            sliding = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
+            fields["sliding_window"] = int(sliding) if sliding else None
+            if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+                raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
+            act = hf.get("hidden_act", "silu")
+            if act != "silu":
+                raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (silu only)")
+        if arch in MOE_ARCHITECTURES:
+            fields.update(_moe_fields(hf, arch))
+        return cls(**fields)
 
     # ------------------------------------------------------------------ GGUF metadata
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, tie_word_embeddings: bool) -> ModelConfig:
-        arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        gguf_arch = meta.get("general.architecture")
+        if gguf_arch not in _GGUF_ARCH_NAMES:
             raise UnsupportedModelError(
-                f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}"
+                f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(_GGUF_ARCH_NAMES)}"
             )
+        arch = _GGUF_ARCH_NAMES[gguf_arch]
 
         def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"{arch}.{key}", default)
+            return meta.get(f"{gguf_arch}.{key}", default)
+
+        num_experts = int(get("expert_count") or 0)
+        if arch == "llama" and num_experts:
+            arch = "mixtral"  # llama.cpp stores Mixtral as a llama with experts
+        moe: dict[str, Any] = {}
+        if num_experts:
+            width = get("expert_feed_forward_length") or get("feed_forward_length")
+            moe = dict(num_experts=num_experts, num_experts_per_tok=int(get("expert_used_count")),
+                       moe_intermediate_size=int(width), norm_topk_prob=bool(get("expert_weights_norm", True)))
 
         num_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
@@ -161,7 +238,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            intermediate_size=int(get("feed_forward_length") or get("expert_feed_forward_length")),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv") or num_heads),
@@ -172,10 +249,66 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=tie_word_embeddings,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **moe,
         )
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    if arch == "mixtral":
+        return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    # Qwen3-MoE: one scan body means every layer must be a sparse one.
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise UnsupportedModelError(
+            "qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")  # the latter: transformers 5
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 2 / 3: per-layer windows from `layer_types` (or the family's default pattern),
+    RoPE from `rope_parameters` (per layer type in Gemma 3) or the older flat keys."""
+    n = int(hf["num_hidden_layers"])
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{arch} with hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{arch} with use_bidirectional_attention=True is not supported")
+    pattern = 2 if arch == "gemma2" else int(hf.get("sliding_window_pattern") or 6)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != n:
+        raise UnsupportedModelError(f"{arch} layer_types {sorted(unknown) or types} not supported")
+    window = int(hf.get("sliding_window") or 0)
+    rope = hf.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope) if isinstance(rope, dict) else {}
+    local = rope.get("sliding_attention") if isinstance(rope, dict) else None
+    theta = float(full.get("rope_theta") or hf.get("rope_theta") or (1e6 if arch == "gemma3" else 1e4))
+    scaling = _parse_rope_scaling(full if full.get("rope_type") not in (None, "default") else
+                                  (hf.get("rope_scaling") or {}))
+    fields: dict[str, Any] = dict(
+        hidden_act="gelu_tanh", norm_weight_offset=1.0, embed_scale=True, sandwich_norms=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256),
+        attn_logit_softcap=_positive(hf.get("attn_logit_softcapping")),
+        final_logit_softcap=_positive(hf.get("final_logit_softcapping")),
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        rope_theta=theta, rope_scaling=scaling,
+    )
+    if arch == "gemma3":
+        if local is not None and local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("gemma3 with scaled RoPE on its sliding-window layers is not supported")
+        fields["rope_local_theta"] = float((local or {}).get("rope_theta") or hf.get("rope_local_base_freq") or 1e4)
+    return fields
+
+
+def _positive(x: Any) -> float | None:
+    return float(x) if x else None
 
 
 def _parse_rope_scaling(rope: dict[str, Any]) -> RopeScaling:

@@ -10,6 +10,10 @@ output back needs no communication.
     qkv_proj      [L, E, shards * (q + 2 kv) / shards]
     qkv_bias      [L, shards * (q + 2 kv) / shards]          (Qwen2's attention bias)
     gate_up_proj  [L, E, shards * 2I / shards]
+    expert_gate_up [L, X, E, expert_shards * 2I / expert_shards]   (routed experts)
+
+Routed experts are interleaved for `expert_shards`: the tensor-parallel degree when each
+device holds a slice of every expert, 1 under expert parallelism (whole experts per device).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from jaxserve.models.config import ModelConfig
 QKV = ("q_proj", "k_proj", "v_proj")
 QKV_BIAS = ("q_bias", "k_bias", "v_bias")
 GATE_UP = ("gate_proj", "up_proj")
+EXPERT_GATE_UP = ("expert_gate", "expert_up")
+FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP
 
 
 def _interleave(parts: list[Any], shards: int) -> Any:
@@ -32,23 +38,30 @@ def _interleave(parts: list[Any], shards: int) -> Any:
     return np.concatenate(pieces, axis=-1).reshape(*lead, -1)
 
 
-def fuse_projections(layers: dict[str, Any], shards: int = 1) -> dict[str, Any]:
-    """The layer params with q/k/v (and their biases) and gate/up fused (host numpy arrays)."""
-    out = {k: v for k, v in layers.items() if k not in QKV + QKV_BIAS + GATE_UP}
+def fuse_projections(layers: dict[str, Any], shards: int = 1, expert_shards: int | None = None) -> dict[str, Any]:
+    """The layer params with q/k/v (and their biases) and gate/up fused (host numpy arrays).
+    `expert_shards` (default: `shards`) is what routed experts' gate/up are interleaved for."""
+    out = {k: v for k, v in layers.items() if k not in FUSED_AWAY}
     out["qkv_proj"] = _interleave([np.asarray(layers[k]) for k in QKV], shards)
     if "q_bias" in layers:
         out["qkv_bias"] = _interleave([np.asarray(layers[k]) for k in QKV_BIAS], shards)
-    out["gate_up_proj"] = _interleave([np.asarray(layers[k]) for k in GATE_UP], shards)
+    if "gate_proj" in layers:
+        out["gate_up_proj"] = _interleave([np.asarray(layers[k]) for k in GATE_UP], shards)
+    if "expert_gate" in layers:
+        parts = [np.asarray(layers[k]) for k in EXPERT_GATE_UP]
+        out["expert_gate_up"] = _interleave(parts, shards if expert_shards is None else expert_shards)
     return out
 
 
 def fused_layer_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """`fuse_projections` on shapes (for abstract params)."""
-    out = {k: v for k, v in shapes.items() if k not in QKV + QKV_BIAS + GATE_UP}
+    out = {k: v for k, v in shapes.items() if k not in FUSED_AWAY}
     out["qkv_proj"] = (*shapes["q_proj"][:-1], sum(shapes[k][-1] for k in QKV))
     if "q_bias" in shapes:
         out["qkv_bias"] = (*shapes["q_bias"][:-1], sum(shapes[k][-1] for k in QKV_BIAS))
-    out["gate_up_proj"] = (*shapes["gate_proj"][:-1], 2 * shapes["gate_proj"][-1])
+    for a, b in (("gate_proj", "gate_up_proj"), ("expert_gate", "expert_gate_up")):
+        if a in shapes:
+            out[b] = (*shapes[a][:-1], 2 * shapes[a][-1])
     return out
 
 

@@ -1,12 +1,17 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as a Flax NNX module over a paged KV cache.
+"""The decoder of every served family as a Flax NNX module over a paged KV cache: the Llama
+family (Llama, Mistral, Qwen2, Qwen3), the routed-expert decoders (Qwen3-MoE, Mixtral) and
+Gemma 2 / 3. What differs is data in `ModelConfig` (see its docstring), never a separate graph.
 
 The layers' weights are stacked along a leading [L] axis and run with `jax.lax.scan`, so the
-compiled program holds one layer body whatever the depth. The forward takes a flat ragged batch
+compiled program holds one layer body whatever the depth. What differs between layers (Gemma's
+sliding windows and RoPE bases) is scanned per-layer data. The forward takes a flat ragged batch
 (any mix of prefill chunks and decodes) and writes K/V into the cache it carries, in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models import moe
+from jaxserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
 from jaxserve.models.fused import split_gate_up, split_qkv
 from jaxserve.models.metadata import AttentionMetadata
 
@@ -33,7 +39,17 @@ LAYER_WEIGHTS = (
     "down_proj",  # [L, I, E]
 )
 BIAS_WEIGHTS = ("q_bias", "k_bias", "v_bias")  # [L, Hq*D], [L, Hkv*D], [L, Hkv*D] (Qwen2)
-QK_NORM_WEIGHTS = ("q_norm", "k_norm")  # [L, D] (Qwen3)
+QK_NORM_WEIGHTS = ("q_norm", "k_norm")  # [L, D] (Qwen3, Qwen3-MoE, Gemma 3)
+# Routed experts replace gate/up/down (Qwen3-MoE, Mixtral); X experts of width I.
+MOE_WEIGHTS = (
+    "router",  # [L, E, X]
+    "expert_gate",  # [L, X, E, I]
+    "expert_up",  # [L, X, E, I]
+    "expert_down",  # [L, X, I, E]
+)
+# Gemma's sandwich norms: on the attention output and on the MLP output ([L, E] each); its
+# pre-MLP norm is `post_norm`, as in every family.
+SANDWICH_NORM_WEIGHTS = ("post_attn_norm", "post_ffn_norm")
 
 
 def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -46,10 +62,15 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         "v_proj": (L, E, cfg.kv_size),
         "o_proj": (L, cfg.q_size, E),
         "post_norm": (L, E),
-        "gate_proj": (L, E, I),
-        "up_proj": (L, E, I),
-        "down_proj": (L, I, E),
     }
+    if cfg.is_moe:
+        X, Im = cfg.num_experts, cfg.moe_intermediate_size
+        layers.update(router=(L, E, X), expert_gate=(L, X, E, Im), expert_up=(L, X, E, Im),
+                      expert_down=(L, X, Im, E))
+    else:
+        layers.update(gate_proj=(L, E, I), up_proj=(L, E, I), down_proj=(L, I, E))
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=(L, E), post_ffn_norm=(L, E))
     if cfg.attention_bias:
         layers.update(q_bias=(L, cfg.q_size), k_bias=(L, cfg.kv_size), v_bias=(L, cfg.kv_size))
     if cfg.qk_norm:
@@ -60,11 +81,20 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in f32 (as HF does), cast back to the input dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in f32 (as HF does), scaled by (offset + weight) (Gemma's offset is 1),
+    cast back to the input dtype."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+    scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
+    return (scale * xf).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -82,23 +112,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 AttentionFn = Callable[..., jax.Array]
 # kv_update_fn(k_new, v_new, k_pages, v_pages, slot_mapping) -> (k_pages, v_pages)
 KVUpdateFn = Callable[..., tuple[jax.Array, jax.Array]]
+# moe_fn(x [T, E], weights [T, k], experts [T, k], gate_up, down) -> [T, E]: the routed experts
+# over the expert weights as this program holds them (`parallel.per_shard_moe` under a mesh).
+MoEFn = Callable[..., jax.Array]
+
+
+def single_device_moe(x, weights, experts, gate_up, down):
+    return moe.experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu)
 
 
 class LlamaForCausalLM(nnx.Module):
     """Holds the weights as nnx.Params; `__call__` is the ragged, paged forward.
 
     `params["layers"]` holds the fused projections (`fuse_projections(layers, shards)`),
-    `shards` the tensor-parallel degree their columns are interleaved for.
+    `shards` the tensor-parallel degree their columns are interleaved for; `expert_parallel`
+    whether routed experts are split whole over the devices (else by width, like the MLP).
     """
 
-    def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1):
+    def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False):
         self.config = config
         self.shards = shards
+        self.expert_parallel = expert_parallel
         self.embed = nnx.Param(params["embed"])  # [V, E]
         self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
         self.final_norm = nnx.Param(params["final_norm"])  # [E]
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None  # [E, V]
         self._inv_freq = rope_inv_freq(config)  # numpy constant, [D/2]
+        # Sliding-window layers of Gemma 3 rotate with their own (unscaled) base.
+        self._local_inv_freq = (rope_inv_freq(dataclasses.replace(
+            config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling()))
+            if config.rope_local_theta is not None else None)
 
     def __call__(
         self,
@@ -110,69 +153,105 @@ class LlamaForCausalLM(nnx.Module):
         *,
         attention_fn: AttentionFn,
         kv_update_fn: KVUpdateFn,
+        moe_fn: MoEFn = single_device_moe,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Returns the final-normed hidden states of rows `logits_indices` ([R, E]) and the cache."""
         cfg = self.config
         k_cache, v_cache = kv_cache
         L, P, S, *row = k_cache.shape
-        Hkv, D = cfg.num_kv_heads, cfg.head_dim
-        T = token_ids.shape[0]
-        Hq = cfg.num_heads
-        shards = self.shards
         dtype = self.embed[...].dtype
 
         h = jnp.take(self.embed[...], token_ids, axis=0)  # [T, E]
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self._inv_freq)[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [T, D/2]
-        sm_scale = float(D) ** -0.5
+        if cfg.embed_scale:  # the normaliser is rounded to the params' dtype, as HF does
+            h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
+        rope = _rope_tables(positions, self._inv_freq)  # cos, sin: [T, D/2] each
+        local_rope = _rope_tables(positions, self._local_inv_freq) if self._local_inv_freq is not None else None
 
         # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are
         # offset by l*P, so no per-layer slice of the cache is ever copied.
         k_flat = k_cache.reshape(L * P, S, *row)
         v_flat = v_cache.reshape(L * P, S, *row)
         layer_params = {k: v[...] for k, v in self.layers.items()}
+        windows = cfg.windows()
+        # One window for every layer is a compile-time constant; interleaved ones are data.
+        static_window = windows[0] or None if len(set(windows)) == 1 else None
+        per_layer = {"layer_id": jnp.arange(L, dtype=jnp.int32)}
+        if len(set(windows)) > 1:
+            per_layer["window"] = jnp.asarray(windows, jnp.int32)  # [L], 0: global
 
         def layer(carry, xs):
             h, k_flat, v_flat = carry
-            lp, layer_id = xs
-            x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps)
-            qkv = x @ lp["qkv_proj"]  # [T, (Hq + 2 Hkv) * D], interleaved per shard
-            if cfg.attention_bias:
-                qkv = qkv + lp["qkv_bias"]
-            q, k, v = split_qkv(qkv, cfg, shards)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-            q = q.reshape(T, Hq, D)
-            k = k.reshape(T, Hkv, D)
-            v = v.reshape(T, Hkv, D)
-            if cfg.qk_norm:
-                q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            page_offset = layer_id * P
-            k_flat, v_flat = kv_update_fn(k, v, k_flat, v_flat, md.slot_mapping + page_offset * S)
-            attn = attention_fn(
-                q, k_flat, v_flat, md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
-                md.num_seqs, sm_scale=sm_scale, num_kv_heads=Hkv, sliding_window=cfg.sliding_window,
-            )  # [T, Hq, D]
-            h = h + attn.reshape(T, Hq * D).astype(dtype) @ lp["o_proj"]
-            x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps)
-            gate, up = split_gate_up(x @ lp["gate_up_proj"], shards)  # [T, I] each
-            h = h + (jax.nn.silu(gate) * up) @ lp["down_proj"]
-            return (h, k_flat, v_flat), None
+            lp, per = xs
+            window = per.get("window", static_window)
+            cos_sin = rope
+            if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
+                cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
+            page_offset = per["layer_id"] * P
+            attn, k_flat, v_flat = self._attention(
+                h, lp, cos_sin, k_flat, v_flat, md, page_offset, S, window, attention_fn, kv_update_fn)
+            if cfg.sandwich_norms:
+                attn = rms_norm(attn, lp["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            h = h + attn
+            x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            y = self._mlp(x, lp, moe_fn)
+            if cfg.sandwich_norms:
+                y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            return (h + y, k_flat, v_flat), None
 
-        layer_ids = jnp.arange(L, dtype=jnp.int32)
-        (h, k_flat, v_flat), _ = jax.lax.scan(layer, (h, k_flat, v_flat), (layer_params, layer_ids))
+        (h, k_flat, v_flat), _ = jax.lax.scan(layer, (h, k_flat, v_flat), (layer_params, per_layer))
 
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
-        h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps)
+        h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps,
+                          cfg.norm_weight_offset)
         kv_cache = (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
         return h_last, kv_cache
+
+    def _attention(self, h, lp, cos_sin, k_flat, v_flat, md, page_offset, S, window, attention_fn,
+                   kv_update_fn):
+        """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, cache)."""
+        cfg = self.config
+        T = h.shape[0]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+        qkv = x @ lp["qkv_proj"]  # [T, (Hq + 2 Hkv) * D], interleaved per shard
+        if cfg.attention_bias:
+            qkv = qkv + lp["qkv_bias"]
+        q, k, v = split_qkv(qkv, cfg, self.shards)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q = q.reshape(T, Hq, D)
+        k = k.reshape(T, Hkv, D)
+        v = v.reshape(T, Hkv, D)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+        q = apply_rope(q, *cos_sin)
+        k = apply_rope(k, *cos_sin)
+        k_flat, v_flat = kv_update_fn(k, v, k_flat, v_flat, md.slot_mapping + page_offset * S)
+        attn = attention_fn(
+            q, k_flat, v_flat, md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
+            md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,
+            soft_cap=cfg.attn_logit_softcap,
+        )  # [T, Hq, D]
+        return attn.reshape(T, Hq * D).astype(h.dtype) @ lp["o_proj"], k_flat, v_flat
+
+    def _mlp(self, x, lp, moe_fn):
+        """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E]."""
+        cfg = self.config
+        if cfg.is_moe:
+            weights, experts = moe.route(x, lp["router"], cfg)  # [T, k] each
+            return moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"])
+        gate, up = split_gate_up(x @ lp["gate_up_proj"], self.shards)  # [T, I] each
+        return (ACTIVATIONS[cfg.hidden_act](gate) * up) @ lp["down_proj"]
 
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """h: [R, E] final-normed hidden states -> logits [R, V] in f32."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-        return (h @ head).astype(jnp.float32)
+        return soft_cap((h @ head).astype(jnp.float32), self.config.final_logit_softcap)
+
+
+def _rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)  # [T, D/2] each
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",

@@ -1,0 +1,74 @@
+"""Routed experts (Qwen3-MoE, Mixtral): dropless top-k routing and grouped matmuls.
+
+Every token's k (expert, weight) assignments are sorted by expert, so each expert's rows are
+one contiguous group, and the experts run as two `jax.lax.ragged_dot` grouped matmuls (gate+up,
+then down) over the sorted rows: no token is dropped and no capacity is padded. The weighted
+rows are summed back into their tokens with one scatter-add.
+
+Under parallelism the same function runs per device (`parallel.per_shard_moe`) on the
+experts that device holds:
+
+- expert parallelism: device r holds experts [r*X/n, (r+1)*X/n). Its rows are a contiguous
+  run of the sorted assignments; they are rotated to the front, so the grouped matmul covers
+  exactly them and leaves the other rows zero;
+- tensor parallelism inside the experts: every device holds every expert's slice of the
+  intermediate width, so each computes a partial sum of the down projection.
+
+Either way each device returns a partial [T, E] and one all-reduce (psum) completes it.
+
+    router          [E, X]         (X experts, E hidden)
+    expert_gate_up  [X, E, 2I]     gate and up, interleaved per tensor-parallel shard
+    expert_down     [X, I, E]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.fused import split_gate_up
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts of each token and their weights, as HF computes them: softmax in f32 over
+    all experts, top-k, renormalised when the config says so, cast to the activations' dtype.
+
+    x: [T, E] -> weights [T, k] (x.dtype), experts [T, k] int32."""
+    logits = (x @ router).astype(jnp.float32)  # [T, X]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def experts_forward(
+    x: jax.Array,  # [T, E]
+    weights: jax.Array,  # [T, k]
+    experts: jax.Array,  # [T, k] int32, global expert ids
+    gate_up: jax.Array,  # [Xl, E, 2 * Il] the experts this device holds
+    down: jax.Array,  # [Xl, Il, E]
+    first_expert: jax.Array | int,  # global id of this device's first expert
+    *,
+    activation,
+) -> jax.Array:  # [T, E], this device's share of the output (f32 accumulation, x.dtype)
+    T, k = experts.shape
+    num_local = gate_up.shape[0]
+    flat = experts.reshape(-1)  # [M], M = T*k
+    order = jnp.argsort(flat, stable=True)  # rows grouped by expert
+    counts = jnp.zeros((num_local,), jnp.int32).at[flat - first_expert].add(
+        1, mode="drop")  # [Xl] rows per local expert (ids outside this device's range drop)
+    # The local experts' rows start after every row of a lower expert id.
+    start = jnp.sum((flat < first_expert).astype(jnp.int32))
+    M = flat.shape[0]
+    rows = order[(jnp.arange(M, dtype=jnp.int32) + start) % M]  # local rows first
+    token = rows // k  # [M] token of each row
+    xs = jnp.take(x, token, axis=0)  # [M, E]
+    gu = jax.lax.ragged_dot(xs, gate_up, counts)  # [M, 2 Il]; rows past sum(counts) are zero
+    gate, up = split_gate_up(gu, 1)
+    y = jax.lax.ragged_dot(activation(gate) * up, down, counts)  # [M, E]
+    w = jnp.take(weights.reshape(-1), rows)  # [M]
+    y = y.astype(jnp.float32) * w.astype(jnp.float32)[:, None]
+    out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
+    return out.astype(x.dtype)
