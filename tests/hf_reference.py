@@ -54,3 +54,42 @@ def save_tiny_llama(path, num_kv_heads: int) -> str:
                 p.mul_(8.0)
     model.save_pretrained(path)
     return str(path)
+
+
+# Tiny random configs of the families beyond Llama (8 query heads, 2 KV heads, 3 layers, so
+# tensor parallelism up to 8 splits heads and replicates KV heads; 8 experts, so expert
+# parallelism up to 8 places whole experts).
+FAMILY_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def save_tiny_family(path, family: str):
+    """A random model of `family` saved as an HF directory (weights scaled up so greedy picks
+    are not near-ties); returns the transformers model (f32, eager attention)."""
+    import transformers
+
+    cfg_cls, model_cls, extra = FAMILY_CONFIGS[family]
+    kwargs = {**dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512), **extra}
+    cfg = getattr(transformers, cfg_cls)(**kwargs)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(1)
+    model = getattr(transformers, model_cls)(cfg).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return model

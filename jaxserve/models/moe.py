@@ -57,8 +57,9 @@ def experts_forward(
     num_local = gate_up.shape[0]
     flat = experts.reshape(-1)  # [M], M = T*k
     order = jnp.argsort(flat, stable=True)  # rows grouped by expert
-    counts = jnp.zeros((num_local,), jnp.int32).at[flat - first_expert].add(
-        1, mode="drop")  # [Xl] rows per local expert (ids outside this device's range drop)
+    local = flat - first_expert
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others: out of range
+    counts = jnp.zeros((num_local,), jnp.int32).at[local].add(1, mode="drop")  # [Xl] rows per local expert
     # The local experts' rows start after every row of a lower expert id.
     start = jnp.sum((flat < first_expert).astype(jnp.int32))
     M = flat.shape[0]

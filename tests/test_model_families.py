@@ -1,0 +1,145 @@
+"""The families beyond Llama served end to end: `LLM(model=<HF dir>)` gives transformers'
+greedy tokens for Qwen3-MoE, Mixtral, Gemma 2 and Gemma 3 with chunked prefill and prefix-cache
+hits in play; tensor and expert parallelism on 8 virtual CPU devices give TP=1's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_reference import FAMILY_CONFIGS, hf_greedy, save_tiny_family  # noqa: E402
+
+SHARED = [(7 * i + 3) % 128 for i in range(26)]  # a shared 26-token prefix
+PROMPTS = [SHARED + [5, 9, 11], SHARED + [60, 2], [17, 4, 99]]
+MAX_NEW = 12
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, num_pages=96, page_size=4, max_model_len=128,
+              max_logprobs=0, structured_outputs=False, compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: (str(root / f), save_tiny_family(root / f, f)) for f in FAMILY_CONFIGS}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_llm_greedy_matches_transformers(family_dirs, family):
+    from jaxserve import LLM, SamplingParams
+
+    path, hf = family_dirs[family]
+    llm = LLM(model=path, dtype="float32", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)  # 29 tokens: two prefill chunks
+    rest = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], params)
+    outs = first + rest
+    assert outs[1].usage.cached_tokens >= 24, "the shared prefix was not served from the prefix cache"
+    for prompt, out in zip(PROMPTS, outs):
+        want, _ = hf_greedy(hf, prompt, MAX_NEW)
+        assert list(out.outputs[0].token_ids) == want, f"{family}: prompt of {len(prompt)} tokens"
+    assert llm.engine.scheduler.stats().num_used_blocks == 0
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    from jaxserve.loading import load_model
+    from scheduler import SamplingParams
+
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
+    result = {}
+    for arg in sys.argv[1:]:
+        path, layouts = arg.split("=")
+        loaded = load_model(path, "float32")
+        for layout in ["tp1", *layouts.split(",")]:
+            tp, ep = int(layout[2:]), layout.startswith("ep")
+            e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
+                                    tensor_parallel_size=tp, enable_expert_parallel=ep, max_logprobs=0,
+                                    compilation_cache_dir=None, structured_outputs=False), loaded=loaded)
+            e.warmup(progress=False)
+            for i, ids in enumerate(prompts):
+                e.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                              prompt_token_ids=ids, request_id=str(i))
+            outs = {}
+            while e.has_unfinished_requests():
+                for o in e.step():
+                    if o.finished:
+                        outs[o.request_id] = list(o.outputs[0].token_ids)
+            result[f"{path}-{layout}"] = [[outs[str(i)] for i in range(len(prompts))], e.compiles_after_warmup]
+    print(json.dumps(result))
+""")
+
+# tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism.
+# Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window
+# entering the per-shard attention (and KV heads replicated 2x at tp4).
+LAYOUTS = {"qwen3_moe": ("tp2", "ep8"), "gemma3": ("tp4",)}
+
+
+def test_tensor_and_expert_parallel_match_single_device(family_dirs):
+    args = [f"{family_dirs[f][0]}={','.join(layouts)}" for f, layouts in LAYOUTS.items()]
+    res = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    for family, layouts in LAYOUTS.items():
+        path = family_dirs[family][0]
+        base, _ = result[f"{path}-tp1"]
+        for layout in layouts:
+            tokens, compiles = result[f"{path}-{layout}"]
+            assert tokens == base, f"{family} {layout}: {tokens} != {base}"
+            assert compiles == 0, f"{family} {layout}: {compiles} compilations after warmup"
+
+
+def test_expert_parallel_needs_experts_that_divide(family_dirs):
+    from jaxserve.loading import load_model
+    from jaxserve.parallel import tp_model_config
+
+    cfg = dataclasses.replace(load_model(family_dirs["qwen3_moe"][0], "float32").config, num_experts=6)
+    with pytest.raises(ValueError, match="does not divide the model's 6 experts"):
+        tp_model_config(cfg, 4, expert_parallel=True)
+    assert tp_model_config(cfg, 4).num_experts == 6  # a width slice of each expert still works
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        tp_model_config(load_model(family_dirs["gemma2"][0], "float32").config, 2, expert_parallel=True)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+def test_expert_shards_sum_to_all_experts(num_shards):
+    """Each device's share (its whole experts) summed over devices is the full MoE output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.moe import experts_forward, route
+
+    cfg = ModelConfig("qwen3_moe", vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=8)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((11, 16)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((8, 16, 16)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((8, 8, 16)), jnp.float32)
+    weights, experts = route(x, router, cfg)
+    full = experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu)
+    # The oracle: each token's k experts run one by one.
+    want = np.zeros((11, 16), np.float32)
+    for t in range(11):
+        for j in range(3):
+            e = int(experts[t, j])
+            g, u = np.split(np.asarray(x[t] @ gate_up[e]), 2)
+            want[t] += float(weights[t, j]) * (np.asarray(jax.nn.silu(g)) * u) @ np.asarray(down[e])
+    np.testing.assert_allclose(np.asarray(full), want, rtol=1e-4, atol=1e-4)
+    n = 8 // num_shards
+    parts = [experts_forward(x, weights, experts, gate_up[r * n:(r + 1) * n], down[r * n:(r + 1) * n], r * n,
+                             activation=jax.nn.silu) for r in range(num_shards)]
+    np.testing.assert_allclose(np.asarray(sum(parts)), want, rtol=1e-4, atol=1e-4)
