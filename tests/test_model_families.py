@@ -143,3 +143,92 @@ def test_expert_shards_sum_to_all_experts(num_shards):
     parts = [experts_forward(x, weights, experts, gate_up[r * n:(r + 1) * n], down[r * n:(r + 1) * n], r * n,
                              activation=jax.nn.silu) for r in range(num_shards)]
     np.testing.assert_allclose(np.asarray(sum(parts)), want, rtol=1e-4, atol=1e-4)
+
+
+def _write_moe_gguf(path, hf_dir: str, family: str) -> None:
+    """The HF checkpoint as llama.cpp's converter lays it out: experts stacked per layer
+    (`ffn_*_exps`), the router as `ffn_gate_inp`, Mixtral as a "llama" with Q/K rows permuted."""
+    import glob
+
+    import numpy as np
+    from gguf import GGUFWriter
+    from safetensors.numpy import load_file
+
+    t = load_file(glob.glob(f"{hf_dir}/*.safetensors")[0])
+    cfg = json.load(open(f"{hf_dir}/config.json"))
+    arch = "llama" if family == "mixtral" else "qwen3moe"
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    w.add_feed_forward_length(width)
+    if family == "qwen3_moe":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_expert_feed_forward_length(width)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+
+    def permute(x, n):  # llama.cpp's rotate-half -> interleaved pair order for Q/K rows
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    w.add_tensor("output.weight", t["lm_head.weight"])
+    moe, e_names = (("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral"
+                    else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        q, k = t[p + "self_attn.q_proj.weight"], t[p + "self_attn.k_proj.weight"]
+        if family == "mixtral":
+            q, k = permute(q, heads), permute(k, kv_heads)
+        for name, x in [("attn_norm", t[p + "input_layernorm.weight"]), ("attn_q", q), ("attn_k", k),
+                        ("attn_v", t[p + "self_attn.v_proj.weight"]), ("attn_output", t[p + "self_attn.o_proj.weight"]),
+                        ("ffn_norm", t[p + "post_attention_layernorm.weight"]),
+                        ("ffn_gate_inp", t[p + f"{moe}.gate.weight"])]:
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(x))
+        if family == "qwen3_moe":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.q_norm.weight"])
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.k_norm.weight"])
+        for gname, hname in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), e_names):
+            stacked = np.stack([t[f"{p}{moe}.experts.{j}.{hname}.weight"] for j in range(experts)])
+            w.add_tensor(f"blk.{i}.{gname}.weight", stacked)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_gguf_loads_the_same_params_as_safetensors(family_dirs, tmp_path, family):
+    import numpy as np
+
+    from jaxserve.loading import load_model
+
+    hf_dir = family_dirs[family][0]
+    _write_moe_gguf(tmp_path / "m.gguf", hf_dir, family)
+    from_gguf, from_hf = load_model(str(tmp_path / "m.gguf"), "float32"), load_model(hf_dir, "float32")
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "qk_norm", "num_kv_heads", "head_dim"):
+        assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
+    flat_g, flat_h = dict(_flatten(from_gguf.params)), dict(_flatten(from_hf.params))
+    assert flat_g.keys() == flat_h.keys()
+    for name, arr in flat_h.items():
+        np.testing.assert_array_equal(flat_g[name], arr, err_msg=name)
+
+
+def _flatten(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k, v
