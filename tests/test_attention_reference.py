@@ -61,6 +61,26 @@ def test_sliding_window(window, block_q):
 
 
 @pytest.mark.parametrize("block_q", [1, 4])
+def test_traced_window(block_q):
+    """The window as data (Gemma's per-layer windows): one executable for a window, global
+    (0) and a negative value (also global); chunk skipping follows the traced value."""
+    case = make_case(CASES["long_context"]["seqs"], num_tokens=32, num_rows=4, seed=5)
+    fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.25, block_q=block_q,
+                                   chunk_pages=2))
+    args = list(map(jnp.asarray, case.args()))
+    static_fn = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.25, block_q=block_q,
+                                          chunk_pages=2), static_argnames="sliding_window")
+    for w in (5, 0, -3):
+        got = np.asarray(fn(*args, sliding_window=jnp.int32(w)))  # shape []
+        static = w if w > 0 else None
+        np.testing.assert_allclose(got, attention_numpy(case, sm_scale=0.25, sliding_window=static), atol=1e-5,
+                                   rtol=1e-5)
+        want = static_fn(*args, sliding_window=static)
+        np.testing.assert_allclose(got, np.asarray(want), atol=1e-6, rtol=1e-6)
+    assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("block_q", [1, 4])
 def test_soft_cap(block_q):
     case = make_case(CASES["mixed"]["seqs"], num_tokens=48, num_rows=6, seed=7)
     case.q[:] *= 20.0  # large logits so the cap matters
@@ -141,6 +161,30 @@ def test_public_op_dispatch_and_validation():
         pk.ragged_paged_attention(*bad, sm_scale=0.25)
     with pytest.raises(ValueError, match="backend"):
         pk.ragged_paged_attention(*args, sm_scale=0.25, backend="cuda")
+
+
+def test_public_op_window_validation():
+    """A window is a positive int, None, or an int32 array of shape [] or [1] whose value
+    (possibly traced) is not checked."""
+    import pallas_kernels as pk
+
+    case = make_case(CASES["mixed"]["seqs"], num_tokens=48, num_rows=6, seed=19)
+    args = list(map(jnp.asarray, case.args()))
+    op = functools.partial(pk.ragged_paged_attention, sm_scale=0.25, backend="reference")
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
+            op(*args, sliding_window=bad)
+    with pytest.raises(ValueError, match="sliding_window must be int32"):
+        op(*args, sliding_window=jnp.array([8.0]))
+    with pytest.raises(ValueError, match=r"shape \[\] or \[1\], got \[2\]"):
+        op(*args, sliding_window=jnp.array([8, 0], jnp.int32))
+    with pytest.raises(ValueError, match="got float"):
+        op(*args, sliding_window=8.0)
+    traced = jax.jit(lambda w: op(*args, sliding_window=w))  # no bool() on the tracer
+    for w in (jnp.int32(0), jnp.array([-1], jnp.int32), np.array([8], np.int32)):
+        traced(w)
+    want = attention_numpy(case, sm_scale=0.25, sliding_window=8)
+    np.testing.assert_allclose(np.asarray(traced(jnp.array([8], jnp.int32))), want, atol=1e-5, rtol=1e-5)
 
 
 def test_update_kv_cache_reference_and_op():

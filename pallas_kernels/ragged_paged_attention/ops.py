@@ -10,6 +10,7 @@ from pallas_kernels._dispatch import by_target_platform, resolve_backend
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_layout import KVLayout, lanes_width, layout_of
 from pallas_kernels.ragged_paged_attention import cpu as native_cpu
+from pallas_kernels.ragged_paged_attention import window
 from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -51,11 +52,26 @@ def _validate(
         check_float(name, x)
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    _check_window(sliding_window)
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
     return num_kv_heads
+
+
+def _check_window(sliding_window) -> None:
+    """A static window is a positive Python int or None; a per-layer one an int32 array of
+    shape [] or [1] (traced or concrete: only its dtype and shape are checked, its value is
+    data, <= 0 meaning no window)."""
+    if window.is_static(sliding_window):
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+        return
+    if not hasattr(sliding_window, "dtype") or not hasattr(sliding_window, "shape"):
+        raise ValueError("sliding_window must be a positive int, None or an int32 array of shape [] or [1], "
+                         f"got {type(sliding_window).__name__}")
+    if tuple(sliding_window.shape) not in ((), (1,)):
+        raise ValueError(f"sliding_window as an array must have shape [] or [1], got {list(sliding_window.shape)}")
+    check_int32("sliding_window", sliding_window)
 
 
 def ragged_paged_attention(
@@ -69,7 +85,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     num_kv_heads: int | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     backend: str = "auto",
     interpret: bool | object = False,
@@ -86,6 +102,9 @@ def ragged_paged_attention(
     "pallas_tpu"/"pallas_gpu" to force one kernel.
     interpret: run the kernel in Pallas interpret mode (CPU); for the TPU kernel it may be a
     `pltpu.InterpretParams()`. "pallas" raises when the kernel does not support the layout.
+    sliding_window: a positive int or None (static), or an int32 array of shape [] or [1]
+    (per-layer data, e.g. `windows[layer]` inside a `lax.scan` over layers) where <= 0 means
+    no window. Position p sees key k iff p - k < window. `soft_cap` is always static.
     """
     num_kv_heads = _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window,
                              soft_cap, num_kv_heads)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_layout import to_heads
+from pallas_kernels.ragged_paged_attention import window
 
 _MASKED = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of NaNs
 
@@ -91,7 +92,7 @@ def _online_softmax_attention(
     start_chunk: jax.Array,  # [] int32
     end_chunk: jax.Array,  # [] int32
     chunk_pages: int,
-    sliding_window: int | None,
+    sliding_window: int | jax.Array | None,  # a static int, or the effective window ([] int32)
     soft_cap: float | None,
 ) -> jax.Array:  # [NB, Bq, Hkv, G, D] f32
     """Online softmax over KV chunks; scores laid out per path so no transposes run in the loop.
@@ -165,7 +166,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     num_kv_heads: int | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
     chunk_pages: int | None = None,
@@ -173,7 +174,9 @@ def ragged_paged_attention_reference(
     """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
 
     Token `j` of sequence `i` sits at position `kv_lens[i] - q_len_i + j` and attends to
-    cache positions `k <= p` (and `p - k < sliding_window`). Logits are `q.k * sm_scale`,
+    cache positions `k <= p` (and `p - k < sliding_window`). The window is a static int or
+    None, or an int32 array of shape [] or [1] (per-layer data; <= 0 means no window).
+    Logits are `q.k * sm_scale`,
     then `soft_cap * tanh(logits / soft_cap)`. Rows past `cu_q_lens[num_seqs]` give zeros.
     `block_q` / `chunk_pages` are static tuning knobs (defaults picked from T, R, page size).
     `num_kv_heads` is needed with lanes-layout pages (their rows may be padded).
@@ -186,6 +189,10 @@ def ragged_paged_attention_reference(
         raise ValueError("num_kv_heads is required with lanes-layout pages [P, S, C]")
     num_rows, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
+    if not window.is_static(sliding_window):
+        # A traced window: INT32_MAX where it is <= 0, so the same mask and chunk skipping
+        # below serve global layers too (every key passes, the first chunk is 0).
+        sliding_window = window.effective_array(sliding_window).reshape(())
     if block_q is None:
         block_q = default_block_q(num_tokens, num_rows)
     if chunk_pages is None:

@@ -105,10 +105,14 @@ def attention_numpy(
     case: RaggedCase,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | np.ndarray | None = None,
     soft_cap: float | None = None,
 ) -> np.ndarray:  # [T, Hq, D] float64
-    """Dead-simple oracle: per sequence, per token, per head, in float64."""
+    """Dead-simple oracle: per sequence, per token, per head, in float64. A window <= 0 is
+    no window, as a per-layer window array's value is in the ops."""
+    if sliding_window is not None:
+        sliding_window = int(np.asarray(sliding_window).reshape(()))
+        sliding_window = sliding_window if sliding_window > 0 else None
     q = case.q.astype(np.float64)
     kp = case.k_pages.astype(np.float64)
     vp = case.v_pages.astype(np.float64)
