@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention import window
+
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
@@ -125,14 +127,17 @@ def ragged_paged_attention_cpu(
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
-    """The reference's contract (see reference.py), computed by the native kernel."""
+    """The reference's contract (see reference.py), computed by the native kernel.
+
+    The window is an operand ([1] int32, <= 0: none), not an attribute, so one compiled call
+    serves every layer of a scan whose layers differ in window; a static int is a constant.
+    """
     name, why = _register()
     if name is None:
         raise RuntimeError(why)
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, window.raw_array(sliding_window),
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))

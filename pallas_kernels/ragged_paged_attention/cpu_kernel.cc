@@ -5,7 +5,8 @@
 // walks each sequence's live pages once, all heads together, and reaches the memory
 // bandwidth. Same contract as `reference.py` (heads-layout pages [P, S, Hkv, D]): token j of
 // sequence i sits at position kv_lens[i] - q_len_i + j and attends to keys k <= p (and
-// p - k < sliding_window); logits q.k * sm_scale, optionally soft-capped; rows past
+// p - k < sliding_window, an operand so that it may differ per layer of one scan; <= 0 is no
+// window); logits q.k * sm_scale, optionally soft-capped; rows past
 // cu_q_lens[num_seqs] are zero. Page ids and lengths are clamped to the buffers, so bad
 // metadata gives wrong numbers, never an out-of-bounds read.
 //
@@ -312,12 +313,13 @@ void run(const Problem& p, const void* q, const void* kp, const void* vp, void* 
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                int64_t sliding_window, float soft_cap) {
+                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
+                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
   if (qd[1] > 256) return ffi::Error::InvalidArgument("at most 256 query heads");
+  if (sliding_window.element_count() != 1) return ffi::Error::InvalidArgument("sliding_window must hold one int32");
   const auto qt = q.element_type(), kt = k_pages.element_type();
   if ((qt != ffi::F32 && qt != ffi::BF16) || (kt != ffi::F32 && kt != ffi::BF16) || v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("q and pages must be float32 or bfloat16, K and V alike");
@@ -330,7 +332,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, 
   p.num_kv_heads = kd[2];
   p.max_pages = block_tables.dimensions()[1];
   p.sm_scale = sm_scale;
-  p.sliding_window = sliding_window;
+  p.sliding_window = std::max<int64_t>(sliding_window.typed_data()[0], 0);
   p.soft_cap = soft_cap;
   p.kv_lens = kv_lens.typed_data();
   p.tables = block_tables.typed_data();
@@ -374,7 +376,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));
