@@ -93,6 +93,22 @@ def test_window_and_soft_cap_compile_for_an_h100():
     assert TRITON in compiled_hlo(fn, attention_args(jnp.bfloat16, 9, 3, 64, 16), gpu_device("h100"))
 
 
+def test_a_traced_per_layer_window_compiles_for_an_h200():
+    """Windows [L] int32 as data in a scan over two layers (Gemma 2/3 interleave a window and
+    global attention): the window is a kernel input, read as a scalar by the Triton kernel."""
+    def layers(*args):
+        *attn_args, windows = args
+
+        def body(_, w):
+            return None, ATTENTION(*attn_args, sliding_window=w, soft_cap=50.0)
+
+        return jax.lax.scan(body, None, windows)[1]
+
+    args = (*attention_args(jnp.bfloat16, 16, 8, 128, 16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = compiled_hlo(layers, args, gpu_device())
+    assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo
+
+
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_auto_kv_update_compiles_the_kernel_for_gpu(head_dim):
     S = jax.ShapeDtypeStruct

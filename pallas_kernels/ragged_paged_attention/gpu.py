@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention import window
+
 _MASKED = -1e30
 # Programs a split decode batch aims for: a few per SM on a 132-SM H100/H200.
 _TARGET_PROGRAMS = 512
@@ -67,6 +69,7 @@ def _kernel(
     block_seq_ref,  # [NB] int32: the sequence of query block b
     block_idx_ref,  # [NB] int32: its index within the sequence's chunk; -1 past the last block
     num_splits_ref,  # [1] int32: splits this batch uses (<= max_splits)
+    window_ref,  # [1] int32: the effective sliding window (INT32_MAX: none), read if has_window
     kv_lens_ref,  # [R] int32
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
@@ -83,7 +86,7 @@ def _kernel(
     num_kv_heads: int,
     pieces: tuple[tuple[int, int], ...],
     sm_scale: float,
-    sliding_window: int | None,
+    has_window: bool,
     soft_cap: float | None,
     split: bool,
 ):
@@ -92,6 +95,8 @@ def _kernel(
     o_ref, lse_ref = refs[1], (refs[2] if split else None)
     item, h = pl.program_id(0), pl.program_id(1)
     num_splits = num_splits_ref[0]
+    # Data, not a constant: one kernel serves the sliding-window and global layers of a scan.
+    sliding_window = window_ref[0] if has_window else None
     b, s = item // num_splits, item % num_splits
     b_safe = jnp.minimum(b, num_blocks - 1)
     r = block_seq_ref[b_safe]
@@ -212,7 +217,6 @@ def _combine(o_part: jax.Array, lse: jax.Array) -> jax.Array:
     jax.jit,
     static_argnames=(
         "sm_scale",
-        "sliding_window",
         "soft_cap",
         "block_q",
         "block_k",
@@ -232,7 +236,7 @@ def ragged_paged_attention_gpu(
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -241,7 +245,12 @@ def ragged_paged_attention_gpu(
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
-    """Triton (Pallas) ragged paged attention; same contract as the reference."""
+    """Triton (Pallas) ragged paged attention; same contract as the reference.
+
+    `sliding_window` (an int, or an int32 array of shape [] or [1], <= 0: none) is a kernel
+    input read as a scalar either way: an int is a traced argument of this jit, so layers with
+    different windows share one compiled kernel. Only None compiles the mask away.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_rows, max_pages = block_tables.shape
@@ -278,11 +287,11 @@ def ragged_paged_attention_gpu(
         init = jnp.full(lse_shape, -jnp.inf, jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((max_splits, *qg.shape), jnp.float32),
                      jax.ShapeDtypeStruct(lse_shape, jnp.float32))
-        aliases = {9: 1}
+        aliases = {10: 1}
     else:
         init = jnp.zeros(qg.shape, q.dtype)  # rows no program writes (padding) stay zero
         out_shape = (jax.ShapeDtypeStruct(qg.shape, q.dtype),)
-        aliases = {9: 0}
+        aliases = {10: 0}
 
     kernel = functools.partial(
         _kernel,
@@ -295,7 +304,7 @@ def ragged_paged_attention_gpu(
         num_kv_heads=num_kv_heads,
         pieces=pieces,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
+        has_window=sliding_window is not None,
         soft_cap=soft_cap,
         split=split,
     )
@@ -311,6 +320,7 @@ def ragged_paged_attention_gpu(
         block_seq,
         block_idx,
         num_splits,
+        window.effective_array(sliding_window),
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
