@@ -21,7 +21,7 @@ from hf_reference import FAMILY_CONFIGS, hf_greedy, save_tiny_family  # noqa: E4
 SHARED = [(7 * i + 3) % 128 for i in range(26)]  # a shared 26-token prefix
 PROMPTS = [SHARED + [5, 9, 11], SHARED + [60, 2], [17, 4, 99]]
 MAX_NEW = 12
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, num_pages=96, page_size=4, max_model_len=128,
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), num_pages=96, page_size=4, max_model_len=128,
               max_logprobs=0, structured_outputs=False, compilation_cache_dir=None)
 
 
@@ -64,7 +64,8 @@ _CHILD = textwrap.dedent("""
         loaded = load_model(path, "float32")
         for layout in ["tp1", *layouts.split(",")]:
             tp, ep = int(layout[2:]), layout.startswith("ep")
-            e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
+            e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), num_pages=64,
+                                    max_model_len=128,
                                     tensor_parallel_size=tp, enable_expert_parallel=ep, max_logprobs=0,
                                     compilation_cache_dir=None, structured_outputs=False), loaded=loaded)
             e.warmup(progress=False)

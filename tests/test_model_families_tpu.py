@@ -1,0 +1,38 @@
+"""Compile-only: a Qwen3-30B-A3B-shaped MoE (expert parallel) on tpu:v5e-8 and a Gemma-3-27B-
+shaped model on tpu:v6e-8, bf16 with abstract weights, through `jaxserve compile`'s own path:
+the Mosaic attention kernel is selected (Gemma's per-layer windows reach it as data) and the
+plan fits. The full HBM tables are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")
+
+DATA = pathlib.Path(__file__).parent / "data"
+SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16,), num_pages=512,
+                max_model_len=4096, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("config,target,ep,params_gib", [
+    ("qwen3_30b_a3b_config.json", "tpu:v5e-8", True, (7.0, 7.3)),  # 30.5 B params / 8 chips
+    ("gemma3_27b_config.json", "tpu:v6e-8", False, (6.1, 6.4)),  # 27.0 B params / 8 chips
+])
+def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target, ep, params_gib):
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    mc = load_model_config(str(DATA / config))
+    report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep), Target.parse(target),
+                                shapes=["backbone[T=16]"])
+    backbone = report.shapes[0]
+    assert backbone.compiled, backbone.error
+    assert backbone.attention == "pallas" and report.attention[0] == "pallas"
+    assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
+    assert report.fits and report.max_num_pages > SETTINGS["num_pages"], report.verdict()
+    assert backbone.cache_copies == 0
