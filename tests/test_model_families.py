@@ -233,3 +233,19 @@ def _flatten(tree, prefix=""):
             yield from _flatten(v, f"{prefix}{k}.")
         else:
             yield prefix + k, v
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+def test_converted_checkpoint_restores_config_and_params(family_dirs, tmp_path, family):
+    """`jaxserve convert` keeps what makes each family: the experts and Gemma's per-layer windows."""
+    import numpy as np
+
+    from jaxserve.cli import main
+    from jaxserve.loading import load_model
+
+    src = family_dirs[family][0]
+    assert main(["convert", src, str(tmp_path / "ckpt")]) == 0
+    restored, original = load_model(str(tmp_path / "ckpt"), "float32"), load_model(src, "float32")
+    assert restored.config == original.config
+    for name, arr in _flatten(original.params):
+        np.testing.assert_array_equal(dict(_flatten(restored.params))[name], arr, err_msg=name)
