@@ -51,6 +51,11 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # every layer of one type: the window and the RoPE base become compile-time constants
+    "gemma3-all-sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=5, layer_types=["sliding_attention"] * 2,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}})),
 }
 
 

@@ -173,16 +173,18 @@ class LlamaForCausalLM(nnx.Module):
         v_flat = v_cache.reshape(L * P, S, *row)
         layer_params = {k: v[...] for k, v in self.layers.items()}
         windows = cfg.windows()
-        # One window for every layer is a compile-time constant; interleaved ones are data.
-        static_window = windows[0] or None if len(set(windows)) == 1 else None
         per_layer = {"layer_id": jnp.arange(L, dtype=jnp.int32)}
-        if len(set(windows)) > 1:
+        # One window for every layer is a compile-time constant; interleaved ones are data.
+        uniform = len(set(windows)) == 1
+        if not uniform:
             per_layer["window"] = jnp.asarray(windows, jnp.int32)  # [L], 0: global
+        if local_rope is not None and uniform:  # every layer global, or every layer local
+            rope, local_rope = (local_rope if windows[0] else rope), None
 
         def layer(carry, xs):
             h, k_flat, v_flat = carry
             lp, per = xs
-            window = per.get("window", static_window)
+            window = per["window"] if not uniform else (windows[0] or None)
             cos_sin = rope
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
