@@ -75,6 +75,29 @@ def test_window_and_soft_cap_compile_in_bf16():
     assert KERNEL in compiled_hlo(fn, attention_args(jnp.bfloat16, 9, 3, 64), tpu_device("v5e:2x2"))
 
 
+def window_and_global_layers(num_kv_heads):
+    """Two layers in one scan over their windows (data: Gemma 2/3 interleave a window and
+    global attention), the last argument, [L] int32; soft cap as Gemma 2's."""
+    def layers(*args):
+        *attn_args, windows = args
+
+        def body(_, w):
+            return None, ATTENTION(*attn_args, num_kv_heads=num_kv_heads, sliding_window=w, soft_cap=50.0)
+
+        return jax.lax.scan(body, None, windows)[1]
+
+    return layers
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_a_traced_per_layer_window_compiles_in_bf16(topology):
+    """Gemma-like heads (Hq=8, Hkv=4, D=256): the window reaches the Mosaic kernel by scalar
+    prefetch, so the scan body's one kernel serves window and global layers."""
+    args = (*attention_args(jnp.bfloat16, 8, 4, 256), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = compiled_hlo(window_and_global_layers(4), args, tpu_device(topology))
+    assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
+
+
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
     assert impl == "reference" and "D=96" in why

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_layout import LANE, head_window, lanes_supported, lanes_width
+from pallas_kernels.ragged_paged_attention import window
 
 _MASKED = -1e30
 _SUB = 8  # tokens: the row granularity of a sequence's work within a token block
@@ -56,6 +57,7 @@ def _kernel(
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
     num_seqs_ref,  # [1] int32
+    window_ref,  # [1] int32: the effective sliding window (INT32_MAX: none), read if has_window
     # inputs
     q_ref,  # [Bq, Hq, W] VMEM block of the token axis, each head in its KV head's lanes
     k_hbm,  # [P, ps, C] HBM
@@ -71,7 +73,7 @@ def _kernel(
     acc_ref,  # [Hkv, Bq * G, W] f32
     *,
     sm_scale: float,
-    sliding_window: int | None,
+    has_window: bool,
     soft_cap: float | None,
     max_pages: int,
     num_kv_heads: int,
@@ -84,6 +86,8 @@ def _kernel(
     blk_start = pl.program_id(0) * block_q
     blk_end = blk_start + block_q
     num_seqs = num_seqs_ref[0]
+    # Data, not a constant: one kernel serves the sliding-window and global layers of a scan.
+    sliding_window = window_ref[0] if has_window else None
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     # First sequence that ends after the block start (scalar loop over <= R entries).
@@ -263,7 +267,6 @@ def _own_lanes(x: jax.Array, group: int, head_dim: int) -> jax.Array:
     static_argnames=(
         "num_kv_heads",
         "sm_scale",
-        "sliding_window",
         "soft_cap",
         "block_q",
         "chunk_pages",
@@ -281,7 +284,7 @@ def ragged_paged_attention_tpu(
     *,
     num_kv_heads: int,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     block_q: int = 32,
     chunk_pages: int | None = None,
@@ -292,6 +295,9 @@ def ragged_paged_attention_tpu(
 
     `interpret` may be True (generic interpreter) or a `pltpu.InterpretParams()` (TPU
     interpreter that simulates DMAs/semaphores and checks out-of-bounds accesses).
+    `sliding_window` (an int, or an int32 array of shape [] or [1], <= 0: none) reaches the
+    kernel by scalar prefetch either way: an int is a traced argument of this jit, so layers
+    with different windows share one compiled kernel. Only None compiles the mask away.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, lanes = k_pages.shape
@@ -313,7 +319,7 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
+        has_window=sliding_window is not None,
         soft_cap=soft_cap,
         max_pages=max_pages,
         num_kv_heads=num_kv_heads,
@@ -325,7 +331,7 @@ def ragged_paged_attention_tpu(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(padded_tokens // block_q,),
             in_specs=[q_spec, hbm, hbm],
             out_specs=q_spec,
@@ -349,6 +355,7 @@ def ragged_paged_attention_tpu(
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
+        window.effective_array(sliding_window),
         q_p,
         k_pages,
         v_pages,
