@@ -19,7 +19,7 @@ from pallas_kernels.kv_layout import lanes_width, to_lanes
 from pallas_kernels.ragged_paged_attention import cpu as native_cpu
 from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention.testing import make_case
+from pallas_kernels.ragged_paged_attention.testing import attention_numpy, make_case
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 # On an NVIDIA GPU the Triton kernel runs natively (scripts/check_kernels_gpu.py), else interpreted.
@@ -95,6 +95,72 @@ def test_gqa_ratios(kernel, heads):
 def test_sliding_window(kernel, window):
     case = make_case(**CASES["long_continuation"], head_dim=64, seed=5)
     _check(kernel, case, sliding_window=window)
+
+
+# Per-layer windows (Gemma 2/3 interleave window and global layers in one scan): the window
+# is an int32 array, traced under jit; <= 0 is global attention.
+WINDOW_KERNELS = {**KERNELS, "reference": ragged_paged_attention_reference}
+# Small (interpret mode), but long enough that a 24-key window skips whole KV chunks.
+WINDOW_CASE = dict(seqs=[(2, 90), (9, 70)], num_tokens=16, num_rows=3)
+
+
+@pytest.mark.parametrize("kernel", sorted(WINDOW_KERNELS))
+@pytest.mark.parametrize("window", [24, 0], ids=["window24", "global0"])
+def test_traced_window_matches_the_static_one(kernel, window):
+    case = make_case(**WINDOW_CASE, head_dim=64, seed=5)
+    args = _args(case)
+    fn = WINDOW_KERNELS[kernel]
+    static = window or None  # the same attention as a static int (or None: no window)
+    traced = jax.jit(lambda w, *a: fn(*a, sm_scale=0.125, sliding_window=w))
+    got = np.asarray(traced(jnp.array([window], jnp.int32), *args))  # shape [1]
+    if kernel in ("reference", "cpu"):  # compiled fast; interpreted kernels: the oracle only
+        want = np.asarray(fn(*args, sm_scale=0.125, sliding_window=static))
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    oracle = attention_numpy(case, sm_scale=0.125, sliding_window=static)
+    np.testing.assert_allclose(got, oracle, atol=1e-5, rtol=1e-5)
+    # The window is data: another value is the same executable.
+    other = np.asarray(traced(jnp.array([0 if window else 24], jnp.int32), *args))
+    assert traced._cache_size() == 1
+    assert not np.allclose(other, got), "the window must change the result of this case"
+
+
+def _scan_backend(kernel):
+    """The public op's backend per kernel: on CPU `auto` is the native kernel."""
+    return {
+        "reference": dict(backend="reference"),
+        "cpu": dict(backend="auto"),
+        "gpu": dict(backend="pallas_gpu", interpret=not ON_GPU),
+        "tpu": dict(backend="pallas_tpu", interpret=pltpu.InterpretParams()),
+    }[kernel]
+
+
+@pytest.mark.parametrize("kernel", sorted(WINDOW_KERNELS))
+def test_scan_over_window_and_global_layers(kernel):
+    """Two "layers" in one `lax.scan`, windows [17, 0], through the public op: each layer
+    equals its own call with the static window (17, then None)."""
+    case = make_case(**WINDOW_CASE, head_dim=64, seed=23)
+    q, k, v, *meta = _args(case)
+    if kernel == "tpu":
+        k, v = lanes(k), lanes(v)
+    op = functools.partial(pk.ragged_paged_attention, sm_scale=0.125, num_kv_heads=case.k_pages.shape[2],
+                           **_scan_backend(kernel))
+    qs = jnp.stack([q, -0.5 * q])  # [L, T, Hq, D]: each layer its own queries
+    windows = jnp.array([17, 0], jnp.int32)  # [L]
+
+    @jax.jit
+    def layers(qs, windows):
+        def body(carry, layer):
+            q_l, w_l = layer
+            return carry, op(q_l, k, v, *meta, sliding_window=w_l)  # w_l: a traced [] int32
+
+        return jax.lax.scan(body, None, (qs, windows))[1]
+
+    got = np.asarray(layers(qs, windows))
+    for layer, static in enumerate((17, None)):
+        want = np.asarray(op(qs[layer], k, v, *meta, sliding_window=static))
+        np.testing.assert_allclose(got[layer], want, atol=1e-6, rtol=1e-6)
+    oracle = attention_numpy(case, sm_scale=0.125, sliding_window=17)
+    np.testing.assert_allclose(got[0], oracle, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

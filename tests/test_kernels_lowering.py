@@ -59,6 +59,21 @@ def test_tpu_attention_lowers_for_tpu(dtype, heads, opts):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_attention_lowers_with_a_traced_window(dtype):
+    """The window as data ([] int32, Gemma's per-layer windows): a Triton input, a Mosaic
+    scalar prefetch operand."""
+    def with_window(kernel, **kw):
+        return lambda *a: kernel(*a[:-1], sm_scale=0.125, sliding_window=a[-1], soft_cap=30.0, **kw)
+
+    window = S((), jnp.int32)
+    gpu = lower_for_cuda(with_window(ragged_paged_attention_gpu), *_attn_args(dtype, 9, 3, 64), window)
+    assert "ragged_paged_attention_gpu" in gpu
+    tpu = lower_for_tpu(with_window(ragged_paged_attention_tpu, num_kv_heads=2),
+                        *_attn_args(dtype, 8, 2, 128, layout="lanes"), window)
+    assert "tpu_custom_call" in tpu
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kv_update_kernels_lower(dtype):
     assert "update_kv_cache_gpu" in lower_for_cuda(update_kv_cache_gpu, *_update_args(dtype, 3, 64))
     assert "tpu_custom_call" in lower_for_tpu(update_kv_cache_tpu, *_update_args(dtype, 8, 128))
