@@ -1,0 +1,1 @@
+"""Grouped matmul (the experts of a mixture-of-experts layer): reference, GPU kernel, public op."""
