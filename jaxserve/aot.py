@@ -45,6 +45,7 @@ MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.
 KERNEL_MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
                   "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
+GROUPED_MATMUL_MARKER = "grouped_matmul_gpu"  # the Triton grouped matmul of MoE layers
 
 
 # ---------------------------------------------------------------------- the program
@@ -136,6 +137,7 @@ class ShapeResult:
     weight_copies: int | None = None  # backbone: layer-weight slices copied out of the stacked params
     error: str | None = None
     file: str | None = None  # serialized executable, relative to the output directory
+    experts: str | None = None  # MoE backbones: "pallas" (Triton grouped matmul) | "xla" (ragged_dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,7 @@ class CompileReport:
     shapes: tuple[ShapeResult, ...]
     versions: dict[str, str]
     wall_seconds: float
+    experts: tuple[str, str] | None = None  # MoE: the grouped matmul the target runs, and why
 
     @property
     def temp_bytes(self) -> int:
@@ -224,6 +227,8 @@ class CompileReport:
                 "total_bytes": self.total_bytes,
             },
             "attention": {"implementation": self.attention[0], "reason": self.attention[1]},
+            "experts": None if self.experts is None else {"implementation": self.experts[0],
+                                                          "reason": self.experts[1]},
             "program": self.fingerprint,
             "wall_seconds": round(self.wall_seconds, 2),
             "shapes": [dataclasses.asdict(s) for s in self.shapes],
@@ -235,6 +240,7 @@ class CompileReport:
                  f"{self.versions.get('jax')}{plugins}",
                  f"capacity per device: {_gb(self.capacity_bytes)} ({self.target.capacity_note()})",
                  f"attention: {self.attention[0]} ({self.attention[1]})",
+                 *([f"experts: {self.experts[0]} ({self.experts[1]})"] if self.experts else []),
                  f"{'shape':28} {'compiled':>8} {'s':>6} {'attention':>10} {'HBM/device':>11} {'temps':>10} "
                  f"{'KV copies':>9} {'W copies':>8}"]
         for s in self.shapes:
@@ -302,11 +308,13 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                                None, error=_first_line(e))
         seconds = round(time.perf_counter() - t0, 2)
         first = exe[0] if isinstance(exe, tuple) else exe
-        attention = copies = None
+        attention = copies = experts = None
         if key.kind == "backbone":
             hlo = first.as_text()
             markers = KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
+            if model_config.is_moe:
+                experts = "pallas" if GROUPED_MATMUL_MARKER in hlo else "xla"
             copies = cache_copies(hlo, page_dims, layer_elements)
             weights = weight_copies(hlo, layer_weight_dims)
         else:
@@ -314,7 +322,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         hbm, temp = _memory(exe)
         file = _serialize(out_dir, key, exe) if out_dir is not None else None
         return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, weights,
-                           file=file)
+                           file=file, experts=experts)
 
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
     results = []
@@ -333,11 +341,26 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         params_bytes=per_device_bytes(programs.state), kv_cache_bytes=kv_bytes,
         kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=impl,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
-        shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start)
+        shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,
+        experts=_experts_implementation(rank, target.platform, config.enable_expert_parallel, target.num_devices,
+                                        programs.dtype))
     if out_dir is not None:
         with open(os.path.join(out_dir, MANIFEST), "w") as f:
             json.dump(report.to_json(), f, indent=1)
     return report
+
+
+def _experts_implementation(rank: ModelConfig, platform: str, expert_parallel: bool, tp: int,
+                            dtype) -> tuple[str, str] | None:
+    """What the MoE layers' two grouped matmuls run on `platform` (per device shapes)."""
+    if not rank.is_moe:
+        return None
+    from pallas_kernels.grouped_matmul.ops import grouped_matmul_implementation
+
+    width = rank.moe_intermediate_size // (1 if expert_parallel else tp)
+    gate_up = grouped_matmul_implementation(platform, rank.hidden_size, 2 * width, dtype)
+    down = grouped_matmul_implementation(platform, width, rank.hidden_size, dtype)
+    return gate_up if gate_up[0] != "pallas" else down
 
 
 @contextlib.contextmanager

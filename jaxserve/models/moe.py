@@ -1,9 +1,10 @@
 """Routed experts (Qwen3-MoE, Mixtral): dropless top-k routing and grouped matmuls.
 
 Every token's k (expert, weight) assignments are sorted by expert, so each expert's rows are
-one contiguous group, and the experts run as two `jax.lax.ragged_dot` grouped matmuls (gate+up,
-then down) over the sorted rows: no token is dropped and no capacity is padded. The weighted
-rows are summed back into their tokens with one scatter-add.
+one contiguous group, and the experts run as two grouped matmuls (gate+up, then down) over the
+sorted rows (`pallas_kernels.grouped_matmul`: XLA's native ragged dot on TPU, a Triton kernel on
+GPU, where XLA would expand it densely over all experts): no token is dropped and no capacity is
+padded. The weighted rows are summed back into their tokens with one scatter-add.
 
 Under parallelism the same function runs per device (`parallel.per_shard_moe`) on the
 experts that device holds:
@@ -26,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import split_gate_up
 
@@ -66,9 +68,9 @@ def experts_forward(
     rows = order[(jnp.arange(M, dtype=jnp.int32) + start) % M]  # local rows first
     token = rows // k  # [M] token of each row
     xs = jnp.take(x, token, axis=0)  # [M, E]
-    gu = jax.lax.ragged_dot(xs, gate_up, counts)  # [M, 2 Il]; rows past sum(counts) are zero
+    gu = pallas_kernels.grouped_matmul(xs, gate_up, counts)  # [M, 2 Il]; rows past sum(counts) are zero
     gate, up = split_gate_up(gu, 1)
-    y = jax.lax.ragged_dot(activation(gate) * up, down, counts)  # [M, E]
+    y = pallas_kernels.grouped_matmul(activation(gate) * up, down, counts)  # [M, E]
     w = jnp.take(weights.reshape(-1), rows)  # [M]
     y = y.astype(jnp.float32) * w.astype(jnp.float32)[:, None]
     out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)

@@ -1,7 +1,8 @@
 """Compile-only: a Qwen3-30B-A3B-shaped MoE (expert parallel) on tpu:v5e-8 and a Gemma-3-27B-
 shaped model on tpu:v6e-8, bf16 with abstract weights, through `jaxserve compile`'s own path:
 the Mosaic attention kernel is selected (Gemma's per-layer windows reach it as data) and the
-plan fits. The full HBM tables are in docs/benchmarks.md.
+plan fits; on 8 H200s the MoE's experts run as the Triton grouped matmul. The full HBM tables
+are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,3 +37,21 @@ def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target
     assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
     assert report.fits and report.max_num_pages > SETTINGS["num_pages"], report.verdict()
     assert backbone.cache_copies == 0
+    if mc.is_moe:  # XLA:TPU's own ragged dot
+        assert backbone.experts == "xla" and report.experts[0] == "xla"
+
+
+@pytest.mark.parametrize("ep", [True, False])
+def test_moe_flagship_compiles_on_gpus_with_the_grouped_matmul_kernel(ep):
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))
+    report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep), Target.parse("gpu:h200x8"),
+                                shapes=["backbone[T=16]"])
+    backbone = report.shapes[0]
+    assert backbone.compiled, backbone.error
+    assert backbone.attention == "pallas" and backbone.experts == "pallas", report.table()
+    assert report.experts[0] == "pallas" and report.fits
