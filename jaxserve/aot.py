@@ -393,7 +393,9 @@ def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int
     return n
 
 
-_SLICE_COPY = re.compile(r"ROOT %[\w.\-]+ = \w+\[1,([\d,]+)\]\S* copy\(%dynamic[-_]slice")
+# A copy of one layer's dynamic slice: the ROOT of a slice fusion (XLA:GPU) or a relayout
+# copy of a slice fusion's output (XLA:TPU, e.g. expert weights whose width is not lane-aligned).
+_SLICE_COPY = re.compile(r"= \w+\[1,([\d,]+)\]\S* copy\(%[\w.\-]*dynamic[-_]slice")
 
 
 def weight_copies(hlo: str, layer_weight_dims: set[tuple[int, ...]]) -> int:

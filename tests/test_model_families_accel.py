@@ -37,8 +37,26 @@ def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target
     assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
     assert report.fits and report.max_num_pages > SETTINGS["num_pages"], report.verdict()
     assert backbone.cache_copies == 0
+    assert backbone.weight_copies == 0  # every layer's weights, experts included, read in place
     if mc.is_moe:  # XLA:TPU's own ragged dot
         assert backbone.experts == "xla" and report.experts[0] == "xla"
+
+
+def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
+    """Qwen3-30B-A3B's experts split by width over 8 chips are 96 columns wide: XLA:TPU then
+    keeps the stacked gate/up weights in a transposed tiling and copies each layer's experts
+    back every step. `jaxserve compile` reports it; expert parallelism has no such copy."""
+    from jaxserve.aot import compile_for_target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+    from jaxserve.targets import Target
+
+    mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))
+    report = compile_for_target(mc, EngineConfig(**SETTINGS), Target.parse("tpu:v5e-8"), shapes=["backbone[T=16]"])
+    backbone = report.shapes[0]
+    assert backbone.compiled and backbone.attention == "pallas"
+    assert backbone.weight_copies >= 1 and "weight slices per layer" in report.table()
+    assert backbone.temp_bytes > 96 * 2**20  # at least one layer's gate/up experts: 128 x 2048 x 192 bf16
 
 
 @pytest.mark.parametrize("ep", [True, False])
