@@ -263,6 +263,9 @@ class CompileReport:
         if weights:
             lines.append(f"note: the backbones copy up to {weights} weight slices per layer out of the stacked "
                          "params every step (XLA's layer scan), extra weight traffic a decode step pays")
+            if self.experts is not None and not self.fingerprint.get("enable_expert_parallel"):
+                lines.append("note: for a MoE model, --enable-expert-parallel keeps each expert's full width, "
+                             "which XLA:TPU reads in place when the width split is not 128-lane aligned")
         return "\n".join(lines)
 
 
