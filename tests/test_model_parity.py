@@ -51,6 +51,13 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # the language model of a multimodal checkpoint (Gemma 3 4B-27B are published so)
+    "gemma3-multimodal": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        text_config=dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4)),
     # every layer of one type: the window and the RoPE base become compile-time constants
     "gemma3-all-sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=5, layer_types=["sliding_attention"] * 2,
@@ -62,6 +69,8 @@ CASES = {
 def _make_hf_model(tmp_path, case):
     cfg_cls, model_cls, extra = CASES[case]
     kwargs = {**COMMON, **extra}
+    if "text_config" in extra:  # multimodal: the common fields describe its language model
+        kwargs = {**extra, "text_config": {**COMMON, **extra["text_config"]}}
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**kwargs)
     cfg._attn_implementation = "eager"  # the path that applies Gemma 2's attention soft-cap

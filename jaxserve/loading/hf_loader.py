@@ -94,14 +94,24 @@ class _SafetensorsIndex:
         return np.asarray(h.get_tensor(name), dtype=np.float32)
 
 
+# Where the decoder sits: causal-LM checkpoints, then the language model of a multimodal one
+# (Gemma 3 4B-27B) as published and as transformers 5 names it in memory.
+_DECODER_PREFIXES = (("model.", ""), ("language_model.model.", "language_model."), ("model.language_model.", ""))
+
+
 def load_hf_params(path: str, cfg: ModelConfig, dtype: Any) -> dict[str, Any]:
     index = _SafetensorsIndex(path)
     names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
+    decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
+                         _DECODER_PREFIXES[0])
 
     def get(name: str, layer: int | None) -> np.ndarray:
         if layer is not None and name in MOE_WEIGHTS:
-            return _expert_tensor(index, cfg, name, f"model.layers.{layer}.")
-        key = _GLOBAL_NAMES[name] if layer is None else f"model.layers.{layer}.{names[name]}"
+            return _expert_tensor(index, cfg, name, f"{decoder}layers.{layer}.")
+        if layer is not None:
+            key = f"{decoder}layers.{layer}.{names[name]}"
+        else:
+            key = head + _GLOBAL_NAMES[name] if name == "lm_head" else decoder + _GLOBAL_NAMES[name][len("model."):]
         w = index.get(key)
         return w.T if name in TRANSPOSED else w
 

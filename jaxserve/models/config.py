@@ -154,6 +154,9 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or []
+        if "Gemma3ForConditionalGeneration" in archs or hf.get("model_type") == "gemma3":
+            hf = _gemma3_text_of_multimodal(hf)  # the language model of Gemma 3 4B-27B checkpoints
+            archs = hf["architectures"]
         arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
         if arch is None:
             arch = _HF_MODEL_TYPES.get(hf.get("model_type"))
@@ -305,6 +308,26 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             raise UnsupportedModelError("gemma3 with scaled RoPE on its sliding-window layers is not supported")
         fields["rope_local_theta"] = float((local or {}).get("rope_theta") or hf.get("rope_local_base_freq") or 1e4)
     return fields
+
+
+# Gemma3TextConfig's defaults: the `text_config` of published multimodal checkpoints lists only
+# what differs from them.
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    max_position_embeddings=131_072, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True,
+    bos_token_id=2, eos_token_id=1,
+)
+
+
+def _gemma3_text_of_multimodal(hf: dict[str, Any]) -> dict[str, Any]:
+    """A `Gemma3ForConditionalGeneration` config -> its text model's config (the vision tower
+    is not served: prompts are text)."""
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(hf.get("text_config") or {})}
+    for key in ("eos_token_id", "bos_token_id"):  # the top level names the chat's end tokens
+        if hf.get(key) is not None:
+            text[key] = hf[key]
+    return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 
 
 def _positive(x: Any) -> float | None:
