@@ -1,7 +1,8 @@
-"""Grouped matmul (MoE experts): the Triton kernel in interpret mode against the reference and a
-numpy per-row oracle, its tile table, the op's validation and dispatch, and compile-only checks
-that `auto` gives the Triton kernel for an H200 (no dense expansion) and XLA's ragged dot for
-a TPU."""
+"""Grouped matmul (MoE experts): the Triton kernel in interpret mode and the CPU path (a loop
+over the non-empty groups) against the reference and a numpy per-row oracle, the kernel's tile
+table, the op's validation and dispatch, `auto` compiled for this CPU (the CPU path: loops, no
+dense expansion, no copy of rhs), and compile-only checks that `auto` gives the Triton kernel
+for an H200 (no dense expansion) and XLA's ragged dot for a TPU."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels.grouped_matmul.cpu import DEFAULT_BLOCKS, grouped_matmul_cpu
 from pallas_kernels.grouped_matmul.gpu import (
     default_blocks,
     grouped_matmul_gpu,
@@ -132,19 +134,124 @@ def test_default_blocks_follow_the_rows_per_group():
     assert default_blocks(64, 48, 80, 2) == (16, 16, 16)
 
 
-def test_auto_on_the_host_cpu_is_xlas_ragged_dot_and_matches_the_oracle():
+def test_auto_on_the_host_cpu_is_the_cpu_path_and_matches_the_oracle():
     sizes = [3, 0, 20, 1, 0, 5, 9]
     lhs, rhs, gs = make(50, 32, 48, sizes, jnp.float32, seed=3)
     np.testing.assert_allclose(np.asarray(pk.grouped_matmul(lhs, rhs, gs)), oracle(lhs, rhs, sizes),
                                atol=2e-5, rtol=2e-5)
     hlo = jax.jit(pk.grouped_matmul).lower(lhs, rhs, gs).compile().as_text()
-    assert "grouped_matmul_gpu" not in hlo
+    assert "grouped_matmul_gpu" not in hlo and "grouped_matmul_cpu" in hlo
     # K = 40 is no multiple of 16: auto still works (no kernel anywhere), pallas_gpu refuses.
     lhs, rhs, gs = make(20, 40, 16, [10, 5], jnp.float32)
     np.testing.assert_allclose(np.asarray(pk.grouped_matmul(lhs, rhs, gs)), oracle(lhs, rhs, [10, 5]),
                                atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="K=40"):
         pk.grouped_matmul(lhs, rhs, gs, backend="pallas_gpu", interpret=True)
+
+
+# ------------------------------------------------------------------ the CPU path
+# Block tuples: the default; 16-row whole blocks then 4-row masked ones (blocks reaching past
+# a group, and moved back to end at M); GPU-like 8-row blocks only, all masked (and M=5 padded).
+CPU_BLOCKS = (DEFAULT_BLOCKS, (16, 4), (8,))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_path_matches_the_reference_and_a_per_row_oracle(case, dtype):
+    m, k, n, sizes, _ = CASES[case]
+    lhs, rhs, gs = make(m, k, n, sizes, dtype)
+    ref = np.asarray(grouped_matmul_reference(lhs, rhs, gs), np.float64)
+    want = oracle(lhs, rhs, sizes)
+    tol = TOL[dtype]
+    past = min(sum(sizes), m)
+    for blocks in CPU_BLOCKS:  # the default through the public op
+        out = (pk.grouped_matmul(lhs, rhs, gs, backend="cpu") if blocks == DEFAULT_BLOCKS
+               else grouped_matmul_cpu(lhs, rhs, gs, blocks=blocks))
+        assert out.shape == (m, n) and out.dtype == dtype
+        got = np.asarray(out, np.float64)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"blocks={blocks}")
+        np.testing.assert_allclose(got, ref, atol=tol, rtol=tol, err_msg=f"blocks={blocks}")
+        assert np.all(got[past:] == 0.0), f"blocks={blocks}: rows past the groups must be exactly zero"
+
+
+def test_cpu_path_nan_in_other_rows_stays_out_of_each_group():
+    """NaN rows past the groups come out zero, and a masked block reaching over another
+    group's (or the tail's) NaN rows leaves its own rows exact."""
+    sizes = [7, 9, 11]
+    lhs, rhs, gs = make(40, 32, 32, sizes, jnp.float32, seed=2)
+    lhs = lhs.at[27:].set(jnp.nan)
+    for blocks in CPU_BLOCKS + ((5, 3),):
+        out = np.asarray(grouped_matmul_cpu(lhs, rhs, gs, blocks=blocks))
+        np.testing.assert_allclose(out[:27], oracle(lhs[:27], rhs, sizes), atol=2e-5, rtol=2e-5,
+                                   err_msg=f"blocks={blocks}")
+        assert np.all(out[27:] == 0.0), f"blocks={blocks}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_cpu_path_under_jit_one_compile_serves_every_group_size_vector(backend):
+    """Group sizes are traced data: one executable, every vector below vs the oracle."""
+    m, k, n, g = 37, 24, 40, 6
+    lhs, rhs, _ = make(m, k, n, [0] * g, jnp.float32, seed=4)
+    fn = jax.jit(functools.partial(pk.grouped_matmul, backend=backend))
+    rng = np.random.default_rng(4)
+    vectors = [[0, 3, 0, 20, 1, 5], [37, 0, 0, 0, 0, 0], [0] * g, [0, 0, 0, 0, 0, 37],
+               [10, 10, 10, 10, 10, 10],  # sums past M: group 3 cut at 37, groups 4, 5 empty
+               [1, 1, 1, 1, 1, 1], [0, 0, 2, 0, 0, 0]]
+    vectors += [list(rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)) for _ in range(4)]
+    for sizes in vectors:
+        got = np.asarray(fn(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
+        np.testing.assert_allclose(got, oracle(lhs, rhs, sizes), atol=2e-5, rtol=2e-5, err_msg=str(sizes))
+        assert np.all(got[min(sum(sizes), m):] == 0.0), str(sizes)
+    assert fn._cache_size() == 1
+    assert "grouped_matmul_cpu" in fn.lower(lhs, rhs, jnp.zeros((g,), jnp.int32)).compile().as_text()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_path_random_sizes_and_block_tuples(seed):
+    rng = np.random.default_rng(seed + 10)
+    g, m = int(rng.integers(1, 12)), int(rng.integers(1, 160))
+    sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)
+    sizes[rng.random(g) < 0.3] = 0
+    if seed % 2:
+        sizes[-1] += int(rng.integers(1, 40))  # past M
+    lhs, rhs, gs = make(m, 16, 24, list(sizes), jnp.float32, seed=seed)
+    want = oracle(lhs, rhs, sizes)
+    for blocks in (DEFAULT_BLOCKS, (32, 8, 2), (7, 3), (1,)):
+        np.testing.assert_allclose(np.asarray(grouped_matmul_cpu(lhs, rhs, gs, blocks=blocks)), want,
+                                   atol=2e-5, rtol=2e-5, err_msg=f"sizes={sizes} blocks={blocks}")
+
+
+def rhs_copies(hlo: str, g: int, k: int, n: int) -> list[str]:
+    """Instructions in `hlo` that produce a new array of rhs's [G, K, N] shape (not the
+    parameter itself or a tuple element passing it through a loop)."""
+    ops = re.findall(rf"= (?:bf16|f32)\[{g},{k},{n}\]\{{[0-9,]*\}} ([a-z-]+)\(", hlo)
+    return [op for op in ops if op not in ("parameter", "get-tuple-element")]
+
+
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_auto_compiled_for_this_cpu_is_the_cpu_path_no_dense_expansion_no_rhs_copy(proj):
+    """Qwen3-30B-A3B's experts at TP 8 on CPU: loops over the groups, no array of M x G x K
+    elements (XLA:CPU's ragged_dot has one: checked too), and rhs is never copied whole
+    (a group's [K, N] slice is)."""
+    m, k, n = QWEN3_MOE[proj]
+    args = expert_args(m, k, n, jnp.float32)
+    hlo = jax.jit(pk.grouped_matmul).lower(*args).compile().as_text()
+    assert "grouped_matmul_cpu" in hlo and re.search(r"\bwhile\(", hlo)
+    assert dense_arrays(hlo, m, k, n) == []
+    assert rhs_copies(hlo, EXPERTS, k, n) == []
+    assert re.search(rf"f32\[{k},{n}\]\{{1,0\}} fusion\(", hlo), "one group's weights, sliced per group"
+    xla = jax.jit(functools.partial(pk.grouped_matmul, backend="xla")).lower(*args).compile().as_text()
+    assert dense_arrays(xla, m, k, n) and "grouped_matmul_cpu" not in xla
+
+
+def test_cpu_path_never_computes_a_block_of_all_m_rows_outside_its_loop():
+    """A whole block of all M rows would be loop-invariant, and XLA would hoist its product out
+    of a loop that mostly runs 0 times (64 rows of products for every group): such sizes are
+    dropped. With M=64 and blocks (64, 16, 4, 1) no [64, N] product is compiled."""
+    args = expert_args(64, 2048, 192, jnp.float32)
+    hlo = jax.jit(functools.partial(grouped_matmul_cpu, blocks=(64, 16, 4, 1))).lower(*args).compile().as_text()
+    assert not re.search(r"= f32\[64,192\]\{1,0\} dot\(", hlo)
+    assert re.search(r"= f32\[16,192\]\{1,0\} dot\(", hlo)
 
 
 def test_validation_names_the_argument():
@@ -167,6 +274,11 @@ def test_validation_names_the_argument():
         pk.grouped_matmul(lhs, rhs, gs, backend="pallas_gpu")
     with pytest.raises(ValueError, match="interpret=True needs backend='pallas_gpu'"):
         pk.grouped_matmul(lhs, rhs, gs, interpret=True)
+    with pytest.raises(ValueError, match="interpret=True needs backend='pallas_gpu'"):
+        pk.grouped_matmul(lhs, rhs, gs, backend="cpu", interpret=True)
+    for blocks in ((), (4, 16), (8, 8), (4, 0)):
+        with pytest.raises(ValueError, match="blocks"):
+            grouped_matmul_cpu(lhs, rhs, gs, blocks=blocks)
 
 
 def test_the_implementation_report():
@@ -175,7 +287,8 @@ def test_the_implementation_report():
     impl, why = grouped_matmul_implementation("gpu", 40, 192, jnp.bfloat16)
     assert impl == "xla" and "K=40" in why
     assert grouped_matmul_implementation("tpu", 2048, 192, jnp.bfloat16)[0] == "xla"
-    assert grouped_matmul_implementation("cpu", 2048, 192, jnp.float32)[0] == "xla"
+    assert grouped_matmul_implementation("cpu", 2048, 192, jnp.float32)[0] == "cpu"
+    assert grouped_matmul_implementation("cpu", 40, 192, jnp.bfloat16)[0] == "cpu"  # any K, N
 
 
 # ------------------------------------------------------------------ compiled without hardware

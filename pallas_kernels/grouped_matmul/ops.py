@@ -6,10 +6,11 @@ import jax
 
 from pallas_kernels._dispatch import by_target_platform
 from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels.grouped_matmul.cpu import grouped_matmul_cpu
 from pallas_kernels.grouped_matmul.gpu import supports as gpu_supports
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 
-BACKENDS = ("auto", "pallas_gpu", "reference", "xla")
+BACKENDS = ("auto", "cpu", "pallas_gpu", "reference", "xla")
 
 
 def _validate(lhs, rhs, group_sizes) -> None:
@@ -45,10 +46,11 @@ def grouped_matmul(
     f32 accumulation, output in lhs.dtype (see reference.py).
 
     backend: "auto" (decided by the platform the program is compiled for: the Triton kernel
-    on a GPU when `gpu.supports(K, N, dtype)`, else `jax.lax.ragged_dot`, which is what TPU
-    and CPU always run), "pallas_gpu" (the Triton kernel; on a host without a GPU only with
+    on a GPU when `gpu.supports(K, N, dtype)`, else `jax.lax.ragged_dot`; XLA's own ragged
+    dot on TPU; the jnp loop over the non-empty groups of `cpu.py` on CPU), "cpu" (that loop,
+    on any platform), "pallas_gpu" (the Triton kernel; on a host without a GPU only with
     `interpret=True`), "reference" (the f32-accumulating oracle), "xla" (`jax.lax.ragged_dot`
-    as XLA lowers it on the current platform, for comparisons).
+    as XLA lowers it on the current platform, for comparisons: dense on GPU and CPU).
     """
     _validate(lhs, rhs, group_sizes)
     if backend not in BACKENDS:
@@ -59,6 +61,10 @@ def grouped_matmul(
         return grouped_matmul_reference(lhs, rhs, group_sizes)
     if backend == "xla":
         return _xla_ragged_dot(lhs, rhs, group_sizes)
+    if backend == "cpu":
+        if interpret:
+            raise ValueError("interpret=True needs backend='pallas_gpu'")
+        return grouped_matmul_cpu(lhs, rhs, group_sizes)
     from pallas_kernels.grouped_matmul.gpu import grouped_matmul_gpu
 
     if backend == "pallas_gpu":
@@ -72,12 +78,15 @@ def grouped_matmul(
     if interpret:
         raise ValueError("interpret=True needs backend='pallas_gpu'")
     gpu = grouped_matmul_gpu if gpu_supports(k, n, lhs.dtype) else None
-    return by_target_platform((lhs, rhs, group_sizes), reference=_xla_ragged_dot, tpu=None, gpu=gpu)
+    return by_target_platform((lhs, rhs, group_sizes), reference=_xla_ragged_dot, tpu=None, gpu=gpu,
+                              cpu=grouped_matmul_cpu)
 
 
 def grouped_matmul_implementation(platform: str, k: int, n: int, dtype) -> tuple[str, str]:
     """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda"):
-    ("pallas" | "xla", why)."""
+    ("pallas" | "cpu" | "xla", why)."""
+    if platform == "cpu":
+        return "cpu", "the jnp grouped matmul (a loop over the non-empty groups; grouped_matmul/cpu.py)"
     if platform not in ("gpu", "cuda"):
         return "xla", f"jax.lax.ragged_dot (XLA's own lowering on {platform})"
     if not gpu_supports(k, n, dtype):
