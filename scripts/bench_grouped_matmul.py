@@ -16,7 +16,20 @@ For M in {64, 512, 4096} rows (tokens x top-8) and the gate+up / down projection
   largest difference between the two; the kernel is asserted against the f32 reference
   (bf16 tolerance). On a CPU host it says no GPU is present and prints the rest.
 
+With `--cpu` it instead times, on this host's CPU, `grouped_matmul(backend="auto")` (the CPU
+path of `grouped_matmul/cpu.py`) against `backend="xla"` (`jax.lax.ragged_dot`, which XLA:CPU
+runs densely), f32, interleaved in one run (each repetition times both, alternating which
+goes first; medians), on Qwen3-30B-A3B-like expert shapes cut so the dense ragged_dot stays
+affordable on two cores: G=128 with the TP=8 slices (gate+up K=2048 N=192, down K=96 N=2048),
+G=64 (K=2048 N=192, top-8) and G=8 (K=2048 N=192, top-2 as Mixtral routes), for decode-like
+M = T x k with T in {1, 8, 64} (each token's k experts drawn uniformly at random, distinct)
+and a prefill-like M=4096 (fewer repetitions where a dense call takes seconds; skipped where
+the dense expansion's masked lhs would exceed --max-dense-gib). Both results are checked
+against the reference. It prints the load average before and after (other work on the host
+slows both sides).
+
     python scripts/bench_grouped_matmul.py [--reps 7] [--calls 20] [--no-compile-check]
+    python scripts/bench_grouped_matmul.py --cpu [--reps 9] [--max-dense-gib 5]
 """
 
 from __future__ import annotations
@@ -161,12 +174,84 @@ def time_on_gpu(reps: int, calls: int) -> None:
                       f"{tx / tk:>9.1f} {flops / tk / 1e12:>16.1f} {weight_bytes / tk / 1e9:>14.0f} {diff:>12.3g}")
 
 
+# (name, G, K, N, top-k) for --cpu
+CPU_CASES = (
+    ("gate_up/8", EXPERTS, HIDDEN, 2 * INTERMEDIATE // 8, TOP_K),
+    ("down/8", EXPERTS, INTERMEDIATE // 8, HIDDEN, TOP_K),
+    ("G64", 64, HIDDEN, 2 * INTERMEDIATE // 8, TOP_K),
+    ("G8top2", 8, HIDDEN, 2 * INTERMEDIATE // 8, 2),
+)
+CPU_TOKENS = (1, 8, 64)
+PREFILL_ROWS = 4096
+
+
+def random_routing(tokens: int, num_groups: int, top_k: int, rng) -> np.ndarray:
+    """Rows per group when each of `tokens` tokens picks `top_k` distinct groups uniformly."""
+    picks = np.stack([rng.choice(num_groups, top_k, replace=False) for _ in range(tokens)])
+    return np.bincount(picks.ravel(), minlength=num_groups).astype(np.int32)
+
+
+def time_on_cpu(reps: int, max_dense_gib: float) -> None:
+    rng = np.random.default_rng(0)
+    auto = jax.jit(pk.grouped_matmul)
+    xla = jax.jit(lambda lhs, rhs, sizes: pk.grouped_matmul(lhs, rhs, sizes, backend="xla"))
+    load = os.getloadavg()
+    print(f"CPU: {os.cpu_count()} cores ({jax.devices()[0].device_kind}), jax {jax.__version__}, f32; "
+          f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print("wall time per call of the jitted op, median of the repetitions, auto and xla interleaved; "
+          "touched: non-empty groups; auto GB/s: the touched groups' weights / auto's time")
+    print("case          G     K     N  k     T     M  touched   auto ms    xla ms   xla/auto   auto GB/s  reps")
+    for name, g, k, n, top_k in CPU_CASES:
+        rhs = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.float32)
+        for tokens in CPU_TOKENS + (PREFILL_ROWS // top_k,):
+            m = tokens * top_k
+            dense_gib = m * g * k * 4 / 2**30  # XLA:CPU's masked lhs, [M, G*K] f32
+            if dense_gib > max_dense_gib:
+                print(f"{name:<10} {g:>4} {k:>5} {n:>5} {top_k:>2} {tokens:>5} {m:>5}  skipped: the dense "
+                      f"expansion would hold {dense_gib:.1f} GiB (> --max-dense-gib {max_dense_gib:g})")
+                continue
+            sizes_np = random_routing(tokens, g, top_k, rng)
+            lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            sizes = jnp.asarray(sizes_np)
+            ref = np.asarray(pk.grouped_matmul(lhs, rhs, sizes, backend="reference"))
+            scale = max(float(np.abs(ref).max()), 1.0)
+            t0 = time.perf_counter()
+            got_x = np.asarray(xla(lhs, rhs, sizes))  # compile + first call
+            first_x = time.perf_counter() - t0
+            got_a = np.asarray(auto(lhs, rhs, sizes))
+            for what, got in (("auto", got_a), ("xla", got_x)):
+                err = float(np.abs(got - ref).max())
+                assert err <= 1e-4 * scale, f"{name} M={m}: {what} vs reference: {err} (scale {scale})"
+            n_reps = reps if first_x < 2.0 else max(3, reps // 3)  # dense calls of seconds: fewer
+            times = {"auto": [], "xla": []}
+            for r in range(n_reps):
+                order = (("auto", auto), ("xla", xla)) if r % 2 == 0 else (("xla", xla), ("auto", auto))
+                for what, fn in order:
+                    t0 = time.perf_counter()
+                    fn(lhs, rhs, sizes).block_until_ready()
+                    times[what].append(time.perf_counter() - t0)
+            ta, tx = statistics.median(times["auto"]), statistics.median(times["xla"])
+            touched = int((sizes_np > 0).sum())
+            print(f"{name:<10} {g:>4} {k:>5} {n:>5} {top_k:>2} {tokens:>5} {m:>5} {touched:>8} {ta * 1e3:>9.2f} "
+                  f"{tx * 1e3:>9.1f} {tx / ta:>10.1f} {touched * k * n * 4 / ta / 1e9:>11.1f} {n_reps:>5}",
+                  flush=True)
+    load = os.getloadavg()
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=7, help="timed loops per case (the median is kept)")
     parser.add_argument("--calls", type=int, default=20, help="calls per timed loop")
     parser.add_argument("--no-compile-check", action="store_true", help="skip the compile-only H200 columns")
+    parser.add_argument("--cpu", action="store_true",
+                        help="time the CPU path against XLA:CPU's ragged_dot on this host instead")
+    parser.add_argument("--max-dense-gib", type=float, default=5.0,
+                        help="--cpu: skip cases whose dense ragged_dot would hold a larger masked lhs")
     args = parser.parse_args()
+    if args.cpu:
+        time_on_cpu(args.reps, args.max_dense_gib)
+        return
     platform = jax.devices()[0].platform
     on_gpu = platform == "gpu"
     flops_table(compile_check=not args.no_compile_check, on_gpu=on_gpu)
