@@ -37,7 +37,7 @@ import jax.numpy as jnp
 # Chosen by measurement on the 2-core development host (docs/kernels.md): a last size of 1
 # helps decode (a group's few rows are matrix-vector products against weights already in
 # cache, none wasted), large groups want 256-row products (G=8, K=2048, N=192, M=4096: 33 ms
-# with 256 on top, 47 ms with 64 on top, 64 ms with GPU-style 8-row tiles), and the other
+# with 256 on top, 47 ms with 64 on top, 64 ms with 8-row blocks only), and the other
 # tuples tried were within noise of this one elsewhere.
 DEFAULT_BLOCKS = (256, 64, 16, 4, 1)
 
