@@ -45,7 +45,8 @@ MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.
 KERNEL_MARKERS = {"tpu": ("tpu_custom_call", "ragged_paged_attention_tpu"),
                   "gpu": ("__gpu$xla.gpu.triton", "ragged_paged_attention_gpu")}
-GROUPED_MATMUL_MARKER = "grouped_matmul_gpu"  # the Triton grouped matmul of MoE layers
+# The grouped matmul of MoE layers in optimized HLO: the Triton kernel, the CPU loop (else XLA's ragged dot).
+GROUPED_MATMUL_MARKERS = {"pallas": "grouped_matmul_gpu", "cpu": "grouped_matmul_cpu"}
 
 
 # ---------------------------------------------------------------------- the program
@@ -137,7 +138,7 @@ class ShapeResult:
     weight_copies: int | None = None  # backbone: layer-weight slices copied out of the stacked params
     error: str | None = None
     file: str | None = None  # serialized executable, relative to the output directory
-    experts: str | None = None  # MoE backbones: "pallas" (Triton grouped matmul) | "xla" (ragged_dot)
+    experts: str | None = None  # MoE backbones: "pallas" (Triton) | "cpu" (CPU loop) | "xla" (ragged dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +318,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             markers = KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
             if model_config.is_moe:
-                experts = "pallas" if GROUPED_MATMUL_MARKER in hlo else "xla"
+                experts = next((k for k, m in GROUPED_MATMUL_MARKERS.items() if m in hlo), "xla")
             copies = cache_copies(hlo, page_dims, layer_elements)
             weights = weight_copies(hlo, layer_weight_dims)
         else:

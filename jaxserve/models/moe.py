@@ -2,9 +2,9 @@
 
 Every token's k (expert, weight) assignments are sorted by expert, so each expert's rows are
 one contiguous group, and the experts run as two grouped matmuls (gate+up, then down) over the
-sorted rows (`pallas_kernels.grouped_matmul`: XLA's native ragged dot on TPU, a Triton kernel on
-GPU, where XLA would expand it densely over all experts): no token is dropped and no capacity is
-padded. The weighted rows are summed back into their tokens with one scatter-add.
+sorted rows (`pallas_kernels.grouped_matmul`: XLA's native ragged dot on TPU; on GPU a Triton
+kernel and on CPU a loop over the non-empty experts, where XLA would expand it densely over all
+experts): no token is dropped and no capacity is padded. The weighted rows are summed back into their tokens with one scatter-add.
 
 Under parallelism the same function runs per device (`parallel.per_shard_moe`) on the
 experts that device holds:
