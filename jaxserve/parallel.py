@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.moe import experts_forward
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,6 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
 def per_shard_moe(mesh: Mesh, expert_parallel: bool):
     """The routed experts run per device on the expert weights it holds (whole experts under
     expert parallelism, a width slice of every expert otherwise), then one all-reduce."""
-    from jaxserve.models.moe import experts_forward
-
     if expert_parallel:
         weights_spec = P(MODEL_AXIS, None, None)  # [X, E, 2I] / [X, I, E]: experts split
         down_spec = weights_spec
