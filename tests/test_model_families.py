@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -52,10 +53,9 @@ _CHILD = textwrap.dedent("""
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    sys.path.insert(0, TESTS_DIR)
     from jaxserve.loading import load_model
-    from scheduler import SamplingParams
+    from tp_greedy import greedy
 
     prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
     result = {}
@@ -64,22 +64,9 @@ _CHILD = textwrap.dedent("""
         loaded = load_model(path, "float32")
         for layout in ["tp1", *layouts.split(",")]:
             tp, ep = int(layout[2:]), layout.startswith("ep")
-            e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), num_pages=64,
-                                    max_model_len=128,
-                                    tensor_parallel_size=tp, enable_expert_parallel=ep, max_logprobs=0,
-                                    compilation_cache_dir=None, structured_outputs=False), loaded=loaded)
-            e.warmup(progress=False)
-            for i, ids in enumerate(prompts):
-                e.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                              prompt_token_ids=ids, request_id=str(i))
-            outs = {}
-            while e.has_unfinished_requests():
-                for o in e.step():
-                    if o.finished:
-                        outs[o.request_id] = list(o.outputs[0].token_ids)
-            result[f"{path}-{layout}"] = [[outs[str(i)] for i in range(len(prompts))], e.compiles_after_warmup]
+            result[f"{path}-{layout}"] = greedy(loaded, tp, prompts, token_buckets=(16,), enable_expert_parallel=ep)
     print(json.dumps(result))
-""")
+""").replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
 # tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism.
 # Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window

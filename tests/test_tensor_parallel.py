@@ -7,6 +7,7 @@ after warmup, clear errors for head counts TP does not divide.
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -17,26 +18,9 @@ _CHILD = textwrap.dedent("""
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    sys.path.insert(0, TESTS_DIR)
     from jaxserve.loading import load_model
-    from scheduler import SamplingParams
-
-    def greedy(loaded, tp, prompts):
-        e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
-                                tensor_parallel_size=tp, max_logprobs=0, compilation_cache_dir=None,
-                                structured_outputs=False),
-                   loaded=loaded)
-        e.warmup()
-        for i, ids in enumerate(prompts):
-            e.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                          prompt_token_ids=ids, request_id=str(i))
-        outs = {}
-        while e.has_unfinished_requests():
-            for o in e.step():
-                if o.finished:
-                    outs[o.request_id] = o.outputs[0].token_ids
-        return [outs[str(i)] for i in range(len(prompts))], e.compiles_after_warmup
+    from tp_greedy import greedy
 
     result = {}
     smol = load_model(None, "float32")
@@ -50,7 +34,7 @@ _CHILD = textwrap.dedent("""
         for tp in (1, *map(int, tps.split(","))):
             result[f"{path}-tp{tp}"] = greedy(tiny, tp, prompts)
     print(json.dumps(result))
-""")
+""").replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
 
 def _tiny_model(path, num_kv_heads):
