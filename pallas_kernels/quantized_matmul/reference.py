@@ -1,0 +1,34 @@
+"""Weight-quantized matmul, the contract as pure jnp (the oracle).
+
+    out[m, n] = (sum_k x[m, k] * w[k, n]) * scale[n]
+
+`w` holds int8 or float8 values, `scale` one f32 factor per output channel. The products are
+summed in f32 and the result is cast to `x.dtype`. With `layer` given, `w` and `scale` are
+stacked over layers ([L, K, N], [L, N]) and layer `layer` (an int32 scalar, traced inside
+the layer scan) is used, so an implementation can read the weight where it lies instead of
+taking a copy of the slice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def select_layer(w: jax.Array, scale: jax.Array, layer: jax.Array | int | None):
+    """The [K, N] weight and [N] scale of `layer` (or the arrays as given when None)."""
+    if layer is None:
+        return w, scale
+    return (jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False),
+            jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False))
+
+
+def quantized_matmul_reference(
+    x: jax.Array,  # [M, K] float32 / bfloat16
+    w: jax.Array,  # [K, N] int8 / float8 (or [L, K, N] with `layer`)
+    scale: jax.Array,  # [N] float32 (or [L, N] with `layer`)
+    layer: jax.Array | int | None = None,
+) -> jax.Array:  # [M, N], x.dtype
+    w, scale = select_layer(w, scale, layer)
+    acc = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (acc * scale.astype(jnp.float32)).astype(x.dtype)
