@@ -34,6 +34,7 @@ from jaxserve.compile_plan import ShapeKey, variant_name
 from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading.loader import resolve_dtype
+from jaxserve.quantization import fp8_weights_unsupported, param_dtype, with_scale_shapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
 from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes, kv_cache_shape
@@ -57,6 +58,9 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
     return {
         "model": model_config.to_dict(),
         "dtype": resolved.dtype,
+        "quantization": config.quantization,
+        "quantize_lm_head": config.quantize_lm_head,
+        "kv_cache_dtype": resolved.kv_cache_dtype,
         "kv_layout": resolved.kv_layout,
         "tensor_parallel_size": tensor_parallel_size,
         "enable_expert_parallel": config.enable_expert_parallel,
@@ -80,6 +84,10 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     if config.tensor_parallel_size not in (1, tp):
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the target "
                          f"{target.name}'s {tp} devices (the model is sharded over all of them)")
+    if config.quantization == "fp8":
+        why = fp8_weights_unsupported(target.platform, target.chip)
+        if why is not None:
+            raise ValueError(f"target {target.name}: {why}")
     ep = config.enable_expert_parallel
     rank_config = parallel.tp_model_config(model_config, tp, ep)  # validates the split
     config = dataclasses.replace(config, tensor_parallel_size=tp)
@@ -94,10 +102,17 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
         kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
     shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
+    shapes = with_scale_shapes(shapes, config.quantization, config.quantize_lm_head)
     shapes = {**shapes, "layers": fused_layer_shapes(shapes["layers"])}
     specs = parallel.param_specs(shapes, rank_config, tp, ep) if tp > 1 else jax.tree.map(
         lambda _: P(), shapes, is_leaf=_is_shape)
-    params = jax.tree.map(lambda shape, spec: sds(shape, dtype, place(spec)), shapes, specs, is_leaf=_is_shape)
+    tied = rank_config.tie_word_embeddings
+
+    def leaf(path, shape, spec):
+        name = path[-1].key
+        return sds(shape, param_dtype(name, config.quantization, config.quantize_lm_head, dtype, tied), place(spec))
+
+    params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1))
     c = rank_config
     kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), dtype, kv_sharding)
@@ -399,7 +414,10 @@ def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int
 
 # A copy of one layer's dynamic slice: the ROOT of a slice fusion (XLA:GPU) or a relayout
 # copy of a slice fusion's output (XLA:TPU, e.g. expert weights whose width is not lane-aligned).
-_SLICE_COPY = re.compile(r"= \w+\[1,([\d,]+)\]\S* copy\(%[\w.\-]*dynamic[-_]slice")
+# Also a loop fusion that materialises the slice (XLA:GPU, for a weight read by layer index
+# from the stacked params; an in-place slice by address is a kCustom fusion instead).
+_SLICE_COPY = re.compile(r"= \w+\[1,([\d,]+)\]\S* (?:copy\(%[\w.\-]*dynamic[-_]slice"
+                         r"|fusion\([^)]*\), kind=kLoop, calls=%fused_dynamic_slice)")
 
 
 def weight_copies(hlo: str, layer_weight_dims: set[tuple[int, ...]]) -> int:

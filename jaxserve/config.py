@@ -16,6 +16,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from jaxserve.quantization import check_kv_cache_dtype, check_quantization, kv_storage_dtype
 from scheduler import SchedulerConfig
 
 # SchedulerConfig field -> the EngineConfig field a user sets for it.
@@ -49,6 +50,13 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     attention_backend: AttentionBackend = "auto"
+    # Weight-only quantization of the linear layers ("int8" | "fp8"; None: the checkpoint's own
+    # scheme when it is pre-quantized, else full precision). docs/quantization.md.
+    quantization: str | None = None
+    quantize_lm_head: bool = False  # also the LM head / tied embedding (off: measured costlier)
+    # KV pages: "auto" (the model dtype), "int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2", with
+    # one f32 scale per token and KV head.
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)
     # MoE models: whole experts per device over the tensor-parallel devices (expert
     # parallelism) instead of a width slice of every expert.
@@ -83,6 +91,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'pallas' or 'reference', got {self.attention_backend!r}"
             )
+        check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization ('int8' or 'fp8')")
         if self.min_token_bucket is not None and (
                 not isinstance(self.min_token_bucket, int) or self.min_token_bucket < 2):
             raise ValueError(f"min_token_bucket must be an integer >= 2, got {self.min_token_bucket!r}")
@@ -187,14 +199,14 @@ class EngineConfig:
 
         dtype = self.resolved_dtype(platform)
         max_model_len = self.resolved_max_model_len(model_config)
-        itemsize = np.float32 if dtype == "float32" else np.float16
+        kv_dtype = kv_storage_dtype(self.kv_cache_dtype) or np.dtype(np.float32 if dtype == "float32" else np.float16)
         kv_config = kv_model_config or model_config
         tp = self.tensor_parallel_size
         kv_layout = kv_cache_layout(platform or jax.default_backend())
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:
-            per_page = kv_cache_bytes_per_page(kv_config, self.page_size, itemsize, kv_layout, tp)
+            per_page = kv_cache_bytes_per_page(kv_config, self.page_size, kv_dtype, kv_layout, tp)
             num_pages = max(2, int(self.kv_cache_memory_gb * 2**30) // per_page)
         if self.num_host_pages is not None:
             num_host_pages = self.num_host_pages
@@ -204,6 +216,7 @@ class EngineConfig:
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages),
             dtype=dtype,
             kv_layout=kv_layout,
+            kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
         )
 
@@ -215,6 +228,7 @@ class ResolvedConfig:
     scheduler: SchedulerConfig
     dtype: str  # "float32" | "bfloat16"
     kv_layout: str  # "heads" | "lanes" (pallas_kernels.kv_layout)
+    kv_cache_dtype: str | None  # quantized page dtype ("int8", "float8_e4m3fn", ...); None: `dtype`
     plan: Any  # CompilePlan: token and request buckets, sampler variants, swap sizes
 
     @property

@@ -30,6 +30,7 @@ from jaxserve.loading import LoadedModel, load_model
 from jaxserve.output_processor import OutputProcessor, child_ids
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
+from jaxserve.quantization import fp8_weights_unsupported, params_quantization, quantize_params
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
 from jaxserve.sampler import bitmask_width
@@ -57,7 +58,8 @@ class Engine:
         self.cache_dir = config.resolved_cache_dir()
         if self.cache_dir is not None:  # before anything compiles
             self.cache_dir = enable_persistent_cache(self.cache_dir)
-        self.model = loaded if loaded is not None else load_model(config.model, self.dtype)
+        self._check_quantization_target(config)
+        self.model = self._load(config, loaded)
         self.model_config = mc = self.model.config
         if self.model.tokenizer is None:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
@@ -109,6 +111,41 @@ class Engine:
                 f"multi-host serving shards the model over all {jax.device_count()} devices: set "
                 f"tensor_parallel_size={jax.device_count()} (got {config.tensor_parallel_size})")
         return dc
+
+    @staticmethod
+    def _check_quantization_target(config: EngineConfig) -> None:
+        """fp8 weights only where the devices have fp8 arithmetic (CPU emulates: logged)."""
+        if config.quantization != "fp8":
+            return
+        device = jax.devices()[0]
+        cc = getattr(device, "compute_capability", None)
+        cc = tuple(int(c) for c in str(cc).split(".")) if cc else None
+        platform = "gpu" if device.platform in ("cuda", "rocm", "gpu") else device.platform
+        why = fp8_weights_unsupported(platform, device.device_kind, cc)
+        if why is not None:
+            raise ValueError(why)
+        if platform == "cpu":
+            logger.warning("quantization='fp8' on CPU: weights are stored in fp8 and converted in every "
+                           "matmul (memory saving, no speed-up; int8 has a native CPU path)")
+
+    @staticmethod
+    def _load(config: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
+        """The model, its weights quantized as `config.quantization` asks (at load, or as the
+        checkpoint was published)."""
+        if loaded is None:
+            loaded = load_model(config.model, config.resolved_dtype(), quantization=config.quantization,
+                                quantize_lm_head=config.quantize_lm_head)
+        elif config.quantization is not None and params_quantization(loaded.params) is None:
+            loaded = dataclasses.replace(loaded, params=quantize_params(
+                loaded.params, config.quantization, config.quantize_lm_head))
+        held = params_quantization(loaded.params)
+        if config.quantization is not None and held != config.quantization:
+            raise ValueError(f"quantization={config.quantization!r} but the model's weights are {held or 'not quantized'}")
+        if held is not None:
+            logger.info("weights: %s, one scale per output channel%s", held,
+                        " (LM head included)" if "lm_head_scale" in loaded.params or "embed_scale" in loaded.params
+                        else "")
+        return loaded
 
     def _make_runner(self) -> ModelRunner:
         config = self.config

@@ -93,7 +93,7 @@ def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: 
         w = np.asarray(layers[name])  # [L, E, Hkv*D]
         L, E, _ = w.shape
         layers[name] = np.repeat(w.reshape(L, E, cfg.num_kv_heads, 1, D), rep, axis=3).reshape(L, E, -1)
-    for name in ("k_bias", "v_bias"):
+    for name in ("k_bias", "v_bias", "k_proj_scale", "v_proj_scale"):  # [L, Hkv*D] per column
         if name in layers:
             b = np.asarray(layers[name])  # [L, Hkv*D]
             layers[name] = np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, 1, D), rep, axis=2).reshape(
@@ -123,15 +123,31 @@ def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int, expert_parall
     vocab_split = cfg.vocab_size % tp == 0
     if not vocab_split:
         logger.warning("vocabulary %d not divisible by tp=%d: embeddings replicated", cfg.vocab_size, tp)
+    def layer_spec(name: str) -> P:
+        return (_EXPERT_PARALLEL_SPECS if expert_parallel else {}).get(name, _LAYER_SPECS.get(name, P()))
+
     specs: dict[str, Any] = {
         "embed": P(MODEL_AXIS, None) if vocab_split else P(),
         "final_norm": P(),
-        "layers": {k: (_EXPERT_PARALLEL_SPECS if expert_parallel else {}).get(k, _LAYER_SPECS.get(k, P()))
+        # A quantized weight's per-output-channel scale splits like the weight's output axis.
+        "layers": {k: _scale_spec(layer_spec(k.removesuffix("_scale"))) if k.endswith("_scale") else layer_spec(k)
                    for k in params["layers"]},
     }
     if "lm_head" in params:
         specs["lm_head"] = P(None, MODEL_AXIS) if vocab_split else P()
+    if "lm_head_scale" in params:
+        specs["lm_head_scale"] = P(MODEL_AXIS) if vocab_split else P()
+    if "embed_scale" in params:  # the quantized tied head: one scale per vocabulary row
+        specs["embed_scale"] = P(MODEL_AXIS) if vocab_split else P()
     return specs
+
+
+def _scale_spec(weight_spec: P) -> P:
+    """The spec of a scale: the weight's spec without its contraction (second to last) axis."""
+    axes = tuple(weight_spec)
+    if len(axes) < 2:
+        return P()
+    return P(*axes[:-2], axes[-1])
 
 
 def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False

@@ -107,7 +107,7 @@ class ModelRunner:
             self.input_sharding = parallel.replicated(self.mesh)
         model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1)
         self.graphdef, self.state = nnx.split(model)
-        self.dtype = params["embed"].dtype
+        self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_cache = self._new_kv_cache()
         self.attention_backend = attention_backend
         # Host-side swap pool, same layout as the device cache: [L, H, S, ...] each.

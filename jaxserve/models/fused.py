@@ -28,7 +28,12 @@ QKV = ("q_proj", "k_proj", "v_proj")
 QKV_BIAS = ("q_bias", "k_bias", "v_bias")
 GATE_UP = ("gate_proj", "up_proj")
 EXPERT_GATE_UP = ("expert_gate", "expert_up")
-FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP
+# Quantized weights' per-output-channel scales (jaxserve/quantization.py) fuse like the columns.
+_SCALES = tuple(f"{n}_scale" for n in QKV + GATE_UP + EXPERT_GATE_UP)
+FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP + _SCALES
+# (parts, fused name, the tensor-parallel shards they are interleaved for: "tp" or "experts")
+_FUSIONS = ((QKV, "qkv_proj", "tp"), (QKV_BIAS, "qkv_bias", "tp"), (GATE_UP, "gate_up_proj", "tp"),
+            (EXPERT_GATE_UP, "expert_gate_up", "experts"))
 
 
 def _interleave(parts: list[Any], shards: int) -> Any:
@@ -42,26 +47,21 @@ def fuse_projections(layers: dict[str, Any], shards: int = 1, expert_shards: int
     """The layer params with q/k/v (and their biases) and gate/up fused (host numpy arrays).
     `expert_shards` (default: `shards`) is what routed experts' gate/up are interleaved for."""
     out = {k: v for k, v in layers.items() if k not in FUSED_AWAY}
-    out["qkv_proj"] = _interleave([np.asarray(layers[k]) for k in QKV], shards)
-    if "q_bias" in layers:
-        out["qkv_bias"] = _interleave([np.asarray(layers[k]) for k in QKV_BIAS], shards)
-    if "gate_proj" in layers:
-        out["gate_up_proj"] = _interleave([np.asarray(layers[k]) for k in GATE_UP], shards)
-    if "expert_gate" in layers:
-        parts = [np.asarray(layers[k]) for k in EXPERT_GATE_UP]
-        out["expert_gate_up"] = _interleave(parts, shards if expert_shards is None else expert_shards)
+    n_shards = {"tp": shards, "experts": shards if expert_shards is None else expert_shards}
+    for parts, fused, kind in _FUSIONS:
+        for suffix in ("", "_scale"):
+            if parts[0] + suffix in layers:
+                out[fused + suffix] = _interleave([np.asarray(layers[k + suffix]) for k in parts], n_shards[kind])
     return out
 
 
 def fused_layer_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """`fuse_projections` on shapes (for abstract params)."""
     out = {k: v for k, v in shapes.items() if k not in FUSED_AWAY}
-    out["qkv_proj"] = (*shapes["q_proj"][:-1], sum(shapes[k][-1] for k in QKV))
-    if "q_bias" in shapes:
-        out["qkv_bias"] = (*shapes["q_bias"][:-1], sum(shapes[k][-1] for k in QKV_BIAS))
-    for a, b in (("gate_proj", "gate_up_proj"), ("expert_gate", "expert_gate_up")):
-        if a in shapes:
-            out[b] = (*shapes[a][:-1], 2 * shapes[a][-1])
+    for parts, fused, _ in _FUSIONS:
+        for suffix in ("", "_scale"):
+            if parts[0] + suffix in shapes:
+                out[fused + suffix] = (*shapes[parts[0] + suffix][:-1], sum(shapes[k + suffix][-1] for k in parts))
     return out
 
 

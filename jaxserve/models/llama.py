@@ -24,6 +24,8 @@ from jaxserve.models import moe
 from jaxserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
 from jaxserve.models.fused import split_gate_up, split_qkv
 from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.quantization import SCALE_SUFFIX, scale_name
+from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
 # Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
 # shapes (E hidden, I intermediate). The model itself runs them fused (`models/fused.py`).
@@ -137,6 +139,10 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
         self.final_norm = nnx.Param(params["final_norm"])  # [E]
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None  # [E, V]
+        # Quantized weights (jaxserve/quantization.py): int8/fp8 values plus one f32 scale per
+        # output channel; a quantized tied embedding has one scale per token row.
+        self.embed_qscale = nnx.Param(params["embed_scale"]) if "embed_scale" in params else None  # [V]
+        self.lm_head_qscale = nnx.Param(params["lm_head_scale"]) if "lm_head_scale" in params else None  # [V]
         self._inv_freq = rope_inv_freq(config)  # numpy constant, [D/2]
         # Sliding-window layers of Gemma 3 rotate with their own (unscaled) base.
         self._local_inv_freq = (rope_inv_freq(dataclasses.replace(
@@ -159,9 +165,9 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         k_cache, v_cache = kv_cache
         L, P, S, *row = k_cache.shape
-        dtype = self.embed[...].dtype
+        dtype = self.final_norm[...].dtype  # the activations' dtype (the embedding may be int8)
 
-        h = jnp.take(self.embed[...], token_ids, axis=0)  # [T, E]
+        h = self._embed(token_ids, dtype)  # [T, E]
         if cfg.embed_scale:  # the normaliser is rounded to the params' dtype, as HF does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
         rope = _rope_tables(positions, self._inv_freq)  # cos, sin: [T, D/2] each
@@ -171,7 +177,10 @@ class LlamaForCausalLM(nnx.Module):
         # offset by l*P, so no per-layer slice of the cache is ever copied.
         k_flat = k_cache.reshape(L * P, S, *row)
         v_flat = v_cache.reshape(L * P, S, *row)
-        layer_params = {k: v[...] for k, v in self.layers.items()}
+        # Quantized dense projections stay stacked [L, ...] and are read in place by layer index
+        # (pallas_kernels.quantized_matmul); everything else is sliced per layer by the scan.
+        stacked = {k: v[...] for k, v in self.layers.items() if _stacked_quantized(k, self.layers)}
+        layer_params = {k: v[...] for k, v in self.layers.items() if k not in stacked}
         windows = cfg.windows()
         per_layer = {"layer_id": jnp.arange(L, dtype=jnp.int32)}
         # One window for every layer is a compile-time constant; interleaved ones are data.
@@ -189,6 +198,7 @@ class LlamaForCausalLM(nnx.Module):
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
+            lp = _LayerWeights(lp, stacked, per["layer_id"])
             attn, k_flat, v_flat = self._attention(
                 h, lp, cos_sin, k_flat, v_flat, md, page_offset, S, window, attention_fn, kv_update_fn)
             if cfg.sandwich_norms:
@@ -216,7 +226,7 @@ class LlamaForCausalLM(nnx.Module):
         T = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-        qkv = x @ lp["qkv_proj"]  # [T, (Hq + 2 Hkv) * D], interleaved per shard
+        qkv = lp.matmul(x, "qkv_proj")  # [T, (Hq + 2 Hkv) * D], interleaved per shard
         if cfg.attention_bias:
             qkv = qkv + lp["qkv_bias"]
         q, k, v = split_qkv(qkv, cfg, self.shards)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
@@ -234,21 +244,64 @@ class LlamaForCausalLM(nnx.Module):
             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,
             soft_cap=cfg.attn_logit_softcap,
         )  # [T, Hq, D]
-        return attn.reshape(T, Hq * D).astype(h.dtype) @ lp["o_proj"], k_flat, v_flat
+        return lp.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), k_flat, v_flat
 
     def _mlp(self, x, lp, moe_fn):
         """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E]."""
         cfg = self.config
         if cfg.is_moe:
             weights, experts = moe.route(x, lp["router"], cfg)  # [T, k] each
-            return moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"])
-        gate, up = split_gate_up(x @ lp["gate_up_proj"], self.shards)  # [T, I] each
-        return (ACTIVATIONS[cfg.hidden_act](gate) * up) @ lp["down_proj"]
+            scales = {}
+            if "expert_gate_up_scale" in lp:  # quantized experts: [X, 2I] and [X, E] scales
+                scales = {"gate_up_scale": lp["expert_gate_up_scale"], "down_scale": lp["expert_down_scale"]}
+            return moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **scales)
+        gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
+        return lp.matmul(ACTIVATIONS[cfg.hidden_act](gate) * up, "down_proj")
+
+    def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
+        """The embedding rows of `token_ids` [T] -> [T, E] in `dtype` (dequantized rows when the
+        tied head is quantized)."""
+        rows = jnp.take(self.embed[...], token_ids, axis=0)
+        if self.embed_qscale is None:
+            return rows
+        scale = jnp.take(self.embed_qscale[...], token_ids, axis=0)  # [T]
+        return (rows.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """h: [R, E] final-normed hidden states -> logits [R, V] in f32."""
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-        return soft_cap((h @ head).astype(jnp.float32), self.config.final_logit_softcap)
+        if self.lm_head_qscale is not None:
+            logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...]).astype(jnp.float32)
+        elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows, one scale per row
+            acc = jnp.dot(h, self.embed[...].astype(h.dtype).T, preferred_element_type=jnp.float32)
+            logits = acc * self.embed_qscale[...]
+        else:
+            head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
+            logits = (h @ head).astype(jnp.float32)
+        return soft_cap(logits, self.config.final_logit_softcap)
+
+
+def _stacked_quantized(name: str, layers: Any) -> bool:
+    """A quantized dense projection (or its scale), read in place by layer index."""
+    base = name.removesuffix(SCALE_SUFFIX)
+    return base in _DENSE_QUANTIZABLE and scale_name(base) in layers
+
+
+_DENSE_QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class _LayerWeights(dict):
+    """One layer's weights inside the scan: the sliced ones as a dict, plus `matmul(x, name)`
+    that runs a quantized projection from the stacked weights by layer index."""
+
+    def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array):
+        super().__init__(sliced)
+        self._stacked = stacked
+        self._layer = layer
+
+    def matmul(self, x: jax.Array, name: str) -> jax.Array:
+        if name in self._stacked:
+            return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer)
+        return x @ self[name]
 
 
 def _rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -278,4 +331,7 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout
     """Bytes one page costs across all layers and devices, K and V together (padding lanes
     of the lanes layout included)."""
     shape = kv_cache_shape(cfg, 1, page_size, layout, tp)
-    return 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
+    total = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if np.dtype(dtype).itemsize == 1:  # quantized pages: one f32 scale per token and KV head
+        total += 2 * cfg.num_layers * page_size * cfg.num_kv_heads * 4
+    return total
