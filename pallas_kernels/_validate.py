@@ -24,3 +24,40 @@ def check_int32(name: str, x) -> None:
 def check_float(name: str, x) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating dtype (float32/bfloat16), got {x.dtype}")
+
+
+def check_kv_dtypes(k_pages, v_pages) -> None:
+    """Pages are float (f32/bf16) or quantized (int8, float8_e4m3fn, float8_e5m2), K and V alike."""
+    from pallas_kernels import kv_quant
+
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not (jnp.issubdtype(x.dtype, jnp.floating) or kv_quant.is_quantized(x.dtype)):
+            raise ValueError(f"{name} must be float32/bfloat16 or a quantized KV dtype "
+                             f"(int8, float8_e4m3fn, float8_e5m2), got {x.dtype}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
+
+
+def check_scales(k_pages, k_scales, v_scales, num_kv_heads: int) -> None:
+    """Scales are given iff the pages are quantized, f32, of `kv_layout.kv_scales_shape`."""
+    from pallas_kernels import kv_quant
+    from pallas_kernels.kv_layout import kv_scales_shape, layout_of
+
+    quantized = kv_quant.is_quantized(k_pages.dtype)
+    given = (k_scales is not None, v_scales is not None)
+    if quantized and not all(given):
+        raise ValueError(f"pages of dtype {k_pages.dtype} are quantized: pass k_scales and v_scales "
+                         "(f32, kv_layout.kv_scales_shape(...))")
+    if not quantized and any(given):
+        raise ValueError(f"k_scales / v_scales are for quantized pages (int8, float8_e4m3fn, float8_e5m2); "
+                         f"the pages are {k_pages.dtype}")
+    if not quantized:
+        return
+    layout = layout_of(k_pages)
+    num_pages, page_size = k_pages.shape[:2]
+    expected = kv_scales_shape(num_pages, page_size, num_kv_heads, layout)
+    meaning = "[num_pages, page_size, Hkv]" if layout == "heads" else "[Hkv, ceil(num_pages * page_size / 128), 128]"
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        check_shape(name, x, expected, f"{meaning} ({layout} layout)")
+        if x.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32, got {x.dtype}")

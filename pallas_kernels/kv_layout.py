@@ -58,3 +58,34 @@ def to_lanes(x: jax.Array, width: int) -> jax.Array:
 def to_heads(x: jax.Array, num_kv_heads: int, head_dim: int) -> jax.Array:
     """`[..., C]` rows as `[..., Hkv, D]` (drops the padding lanes)."""
     return x[..., : num_kv_heads * head_dim].reshape(*x.shape[:-1], num_kv_heads, head_dim)
+
+
+def kv_scales_shape(num_pages: int, page_size: int, num_kv_heads: int, layout: KVLayout) -> tuple[int, ...]:
+    """Shape of one quantized cache's scales (`k_scales` / `v_scales`, f32, one per token and
+    KV head; see `pallas_kernels.kv_quant`) for a pool of `num_pages` pages.
+
+    * heads: ``[num_pages, page_size, Hkv]``, slot s of head h at ``[s // S, s % S, h]``.
+    * lanes: ``[Hkv, ceil(num_pages * page_size / 128), 128]``, slot s of head h at
+      ``[h, s // 128, s % 128]``: each head's scales in slot order, 128 to a row. XLA:TPU keeps
+      it row-major with no padding (a ``[..., S, Hkv]`` or ``[P, S * Hkv]`` f32 array would be
+      padded to 128 lanes or relaid out), and the Mosaic kernel DMAs the one row holding a
+      page's scales. Pages must not straddle rows for the kernel: S divides 128 or 128
+      divides S. It is not a reshape of a per-layer stack: a model that flattens its layers'
+      pages into one pool of ``L * num_pages`` pages allocates ``kv_scales_shape(L * num_pages,
+      ...)`` directly.
+
+    Under tensor parallelism the scales are split by KV head like the pages: each rank holds
+    this shape for its own heads, along `kv_scales_axis_of_heads(layout)`.
+    """
+    if layout == "lanes":
+        return (num_kv_heads, -(-num_pages * page_size // LANE), LANE)
+    if layout == "heads":
+        return (num_pages, page_size, num_kv_heads)
+    raise ValueError(f"layout must be 'heads' or 'lanes', got {layout!r}")
+
+
+def kv_scales_axis_of_heads(layout: KVLayout) -> int:
+    """The axis of `kv_scales_shape(...)` that holds the KV heads (the one to shard under TP)."""
+    if layout not in ("heads", "lanes"):
+        raise ValueError(f"layout must be 'heads' or 'lanes', got {layout!r}")
+    return 0 if layout == "lanes" else 2

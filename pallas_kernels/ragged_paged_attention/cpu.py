@@ -111,6 +111,10 @@ def available() -> tuple[bool, str]:
     return name is not None, why
 
 
+# Quantized page dtypes the kernel reads (values times their per-token scales).
+QUANTIZED_DTYPES = ()
+
+
 def supports(layout: str, num_q_heads: int) -> bool:
     """Heads-layout pages ([P, S, Hkv, D]), at most 256 query heads; any D, page size, dtype
     among f32/bf16."""

@@ -61,6 +61,10 @@ def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(pieces)
 
 
+# Quantized page dtypes the kernel reads (values times their per-token scales).
+QUANTIZED_DTYPES = ()
+
+
 def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim % 16 == 0 and head_dim <= 256
 

@@ -6,8 +6,15 @@ import functools
 
 import jax
 
+from pallas_kernels import kv_quant
 from pallas_kernels._dispatch import by_target_platform, resolve_backend
-from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels._validate import (
+    check_float,
+    check_int32,
+    check_kv_dtypes,
+    check_scales,
+    check_shape,
+)
 from pallas_kernels.kv_layout import KVLayout, lanes_width, layout_of
 from pallas_kernels.ragged_paged_attention import cpu as native_cpu
 from pallas_kernels.ragged_paged_attention import window
@@ -16,7 +23,8 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 
 def _validate(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap, num_kv_heads
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window, soft_cap, num_kv_heads,
+    k_scales=None, v_scales=None,
 ) -> int:
     """Checks every argument; returns the number of KV heads."""
     check_shape("q", q, (None, None, None), "[T, Hq, D]")
@@ -48,10 +56,9 @@ def _validate(
         ("num_seqs", num_seqs),
     ):
         check_int32(name, x)
-    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        check_float(name, x)
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}")
+    check_float("q", q)
+    check_kv_dtypes(k_pages, v_pages)
+    check_scales(k_pages, k_scales, v_scales, num_kv_heads)
     _check_window(sliding_window)
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap}")
@@ -87,6 +94,8 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str = "auto",
     interpret: bool | object = False,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
@@ -105,11 +114,17 @@ def ragged_paged_attention(
     sliding_window: a positive int or None (static), or an int32 array of shape [] or [1]
     (per-layer data, e.g. `windows[layer]` inside a `lax.scan` over layers) where <= 0 means
     no window. Position p sees key k iff p - k < window. `soft_cap` is always static.
+    k_scales, v_scales: required iff the pages are quantized (int8, float8_e4m3fn,
+    float8_e5m2; `pallas_kernels.kv_quant`): f32 of `kv_layout.kv_scales_shape(num_pages,
+    page_size, Hkv, layout)`, one per token and KV head. Keys and values are read as
+    `value * scale`; the output is in q's dtype.
     """
     num_kv_heads = _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window,
-                             soft_cap, num_kv_heads)
+                             soft_cap, num_kv_heads, k_scales, v_scales)
     args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if k_scales is not None:
+        kw.update(k_scales=k_scales, v_scales=v_scales)
     layout = layout_of(k_pages)
     head_dim = q.shape[2]
     if backend == "auto" and not interpret:
@@ -118,18 +133,24 @@ def ragged_paged_attention(
 
         fits = functools.partial(_kernel_supports, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  dtype=k_pages.dtype, layout=layout)
+        tpu_kind = _tpu_device_kind()
         return by_target_platform(
             args,
             reference=functools.partial(ragged_paged_attention_reference, num_kv_heads=num_kv_heads, **kw),
-            cpu=functools.partial(ragged_paged_attention_cpu, **kw) if _native_cpu_choice(layout, q.shape[1])[0]
-            else None,
-            tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw) if fits("tpu") else None,
+            cpu=functools.partial(ragged_paged_attention_cpu, **kw)
+            if _native_cpu_choice(layout, q.shape[1], k_pages.dtype)[0] else None,
+            tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw)
+            if fits("tpu", device_kind=tpu_kind) else None,
             gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
         )
     impl = resolve_backend(backend, interpret)
     if impl != "reference" and layout != _KERNEL_LAYOUT[impl]:
         raise ValueError(f"the {impl} kernel reads the {_KERNEL_LAYOUT[impl]} layout; got {layout}-layout pages")
     # Interpret mode has no tiling limits; the check guards the compiled kernels only.
+    # A dtype the kernel's code reads, and, compiled for a TPU, its generation too.
+    kind = _tpu_device_kind() if impl == "tpu" and not interpret else None
+    if impl != "reference" and not _kernel_reads_dtype(impl, k_pages.dtype, kind):
+        raise ValueError(_dtype_refusal(impl, k_pages.dtype, kind))
     if impl != "reference" and not interpret and not _kernel_supports(impl, num_kv_heads, head_dim, k_pages.dtype,
                                                                        layout):
         raise ValueError(f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
@@ -146,22 +167,32 @@ def ragged_paged_attention(
 
 
 def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype,
-                             num_q_heads: int | None = None) -> tuple[str, str]:
+                             num_q_heads: int | None = None, *, kv_cache_dtype=None,
+                             device_kind: str | None = None) -> tuple[str, str]:
     """What `backend="auto"` runs on `platform` ("cpu" | "tpu" | "gpu" | "cuda") for a cache in
-    that platform's layout (`kv_cache_layout`): ("pallas" | "native" | "reference", why)."""
+    that platform's layout (`kv_cache_layout`): ("pallas" | "native" | "reference", why).
+
+    `dtype` is the model's (and, unless `kv_cache_dtype` says otherwise, the pages') dtype;
+    `kv_cache_dtype` the pages' ("int8", "fp8_e4m3", "fp8_e5m2" or a dtype) for a quantized
+    cache. `device_kind` (e.g. "TPU v5 lite") matters where a kernel reads a dtype on some
+    chip generations only."""
+    page_dtype = kv_quant.kv_cache_dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
     if platform == "cpu":
-        ok, why = _native_cpu_choice("heads", num_q_heads or num_kv_heads)
+        ok, why = _native_cpu_choice("heads", num_q_heads or num_kv_heads, page_dtype)
         return ("native" if ok else "reference"), why
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
-    if not _kernel_supports(impl, num_kv_heads, head_dim, dtype, _KERNEL_LAYOUT[impl]):
+    if not _kernel_reads_dtype(impl, page_dtype, device_kind):
+        return "reference", _dtype_refusal(impl, page_dtype, device_kind)
+    if not _kernel_supports(impl, num_kv_heads, head_dim, page_dtype, _KERNEL_LAYOUT[impl], device_kind):
         return "reference", (f"the {impl} kernel does not support Hkv={num_kv_heads}, D={head_dim} "
-                             f"in {jax.numpy.dtype(dtype).name}")
-    return "pallas", f"the {impl} kernel"
+                             f"in {page_dtype.name}")
+    return "pallas", f"the {impl} kernel" + (f" on {page_dtype.name} pages" if kv_quant.is_quantized(page_dtype)
+                                             else "")
 
 
-def _native_cpu_choice(layout: KVLayout, num_q_heads: int) -> tuple[bool, str]:
+def _native_cpu_choice(layout: KVLayout, num_q_heads: int, page_dtype=None) -> tuple[bool, str]:
     """(whether `auto` may lower the native CPU kernel, why). Only where this process compiles
     for its own CPU (a TPU/GPU host never builds it; a CPU host compiling for one traces it,
     which is harmless), only where it was built, and only for what it supports."""
@@ -170,7 +201,50 @@ def _native_cpu_choice(layout: KVLayout, num_q_heads: int) -> tuple[bool, str]:
     ok, why = native_cpu.available()
     if ok and not native_cpu.supports(layout, num_q_heads):
         return False, f"the native CPU kernel takes heads-layout pages and at most 256 query heads, got {num_q_heads}"
+    if ok and page_dtype is not None and not _kernel_reads_dtype("cpu", page_dtype):
+        return False, _dtype_refusal("cpu", page_dtype)
     return ok, why
+
+
+def _kernel_quantized_dtypes(impl: str, device_kind: str | None = None) -> tuple:
+    """Quantized page dtypes a kernel reads (on `device_kind`, where the generation matters;
+    None: what the kernel's code reads, as in interpret mode)."""
+    if impl == "cpu":
+        return native_cpu.QUANTIZED_DTYPES
+    if impl == "gpu":
+        from pallas_kernels.ragged_paged_attention.gpu import QUANTIZED_DTYPES
+
+        return QUANTIZED_DTYPES
+    from pallas_kernels.ragged_paged_attention.tpu import quantized_dtypes
+
+    return quantized_dtypes(device_kind)
+
+
+def _kernel_reads_dtype(impl: str, dtype, device_kind: str | None = None) -> bool:
+    dtype = jax.numpy.dtype(dtype)
+    if impl == "cpu" and not kv_quant.is_quantized(dtype):
+        return dtype in (jax.numpy.float32, jax.numpy.bfloat16)
+    return not kv_quant.is_quantized(dtype) or dtype in _kernel_quantized_dtypes(impl, device_kind)
+
+
+def _dtype_refusal(impl: str, dtype, device_kind: str | None = None) -> str:
+    name = {"cpu": "native CPU", "gpu": "gpu (Triton)", "tpu": "tpu (Mosaic)"}[impl]
+    on = f" on {device_kind}" if device_kind else ""
+    floats = "float32 and bfloat16" if impl == "cpu" else "float"
+    quantized = [jax.numpy.dtype(d).name for d in _kernel_quantized_dtypes(impl, device_kind)]
+    return (f"the {name} attention kernel cannot read {jax.numpy.dtype(dtype).name} pages{on}; "
+            f"it reads {floats} pages" + (f" and {', '.join(quantized)}" if quantized else " (no quantized dtype)"))
+
+
+def _tpu_device_kind() -> str | None:
+    """The TPU generation Pallas compiles for here: the default device's (set by
+    `jax.default_device`, as for compile-only targets) or the first TPU's; None if neither."""
+    device = jax.config.jax_default_device
+    if device is not None and getattr(device, "platform", None) == "tpu":
+        return device.device_kind
+    if jax.default_backend() == "tpu":
+        return jax.devices()[0].device_kind
+    return None
 
 
 def kv_cache_layout(platform: str) -> KVLayout:
@@ -183,10 +257,12 @@ def kv_cache_layout(platform: str) -> KVLayout:
 _KERNEL_LAYOUT = {"tpu": "lanes", "gpu": "heads"}
 
 
-def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype, layout: KVLayout) -> bool:
-    """Shapes each kernel handles (Triton: heads layout, D a multiple of 16 up to 256, see
-    gpu.supports; Mosaic: lanes layout, see tpu.supports)."""
-    if layout != _KERNEL_LAYOUT[impl]:
+def _kernel_supports(impl: str, num_kv_heads: int, head_dim: int, dtype, layout: KVLayout,
+                     device_kind: str | None = None) -> bool:
+    """Shapes and page dtypes each kernel handles (Triton: heads layout, D a multiple of 16 up
+    to 256, see gpu.supports; Mosaic: lanes layout, see tpu.supports; page dtypes: each
+    kernel's KV_DTYPES / tpu.kv_dtypes(device_kind))."""
+    if layout != _KERNEL_LAYOUT[impl] or not _kernel_reads_dtype(impl, dtype, device_kind):
         return False
     if impl == "gpu":
         from pallas_kernels.ragged_paged_attention.gpu import supports as gpu_supports

@@ -23,7 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import to_heads
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_layout import layout_of, to_heads
 from pallas_kernels.ragged_paged_attention import window
 
 _MASKED = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of NaNs
@@ -94,8 +95,11 @@ def _online_softmax_attention(
     chunk_pages: int,
     sliding_window: int | jax.Array | None,  # a static int, or the effective window ([] int32)
     soft_cap: float | None,
+    k_scales: jax.Array | None = None,  # quantized pages: kv_layout.kv_scales_shape(...) f32
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [NB, Bq, Hkv, G, D] f32
     """Online softmax over KV chunks; scores laid out per path so no transposes run in the loop.
+    Quantized pages are dequantized per gathered chunk (values * their token's scale).
 
     Per-row (Bq == 1): scores [NB, S, Hkv, G] by multiply-and-reduce.
     Blocked (Bq > 1): scores [NB, Hkv, Bq, G, S] by batched matmuls (batch dims NB, Hkv).
@@ -117,6 +121,10 @@ def _online_softmax_attention(
         # [NB, S, Hkv, D]; a lanes-layout row drops its padding lanes here, per chunk.
         k = to_heads(_gather_pages(k_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
         v = to_heads(_gather_pages(v_pages, pages).reshape(nb, chunk, -1), hkv, d).astype(jnp.float32)
+        if k_scales is not None:  # [NB, S, Hkv] per chunk
+            layout = layout_of(k_pages)
+            k = k * kv_quant.page_scales(k_scales, pages, page_size, layout).reshape(nb, chunk, hkv, 1)
+            v = v * kv_quant.page_scales(v_scales, pages, page_size, layout).reshape(nb, chunk, hkv, 1)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S]
         # Slots past a block's kv_len may hold anything, NaN included (a freed page's stale
         # rows); p is 0 there, but 0 * NaN is not. Non-finite V is zeroed: an elementwise op
@@ -170,6 +178,8 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     block_q: int | None = None,
     chunk_pages: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
 
@@ -180,6 +190,8 @@ def ragged_paged_attention_reference(
     then `soft_cap * tanh(logits / soft_cap)`. Rows past `cu_q_lens[num_seqs]` give zeros.
     `block_q` / `chunk_pages` are static tuning knobs (defaults picked from T, R, page size).
     `num_kv_heads` is needed with lanes-layout pages (their rows may be padded).
+    Quantized pages (int8 / fp8, `kv_quant`) take `k_scales` / `v_scales` (f32,
+    `kv_layout.kv_scales_shape`): keys and values are read as `value * scale`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
@@ -264,6 +276,8 @@ def ragged_paged_attention_reference(
         chunk_pages,
         sliding_window,
         soft_cap,
+        k_scales,
+        v_scales,
     )  # [NB, Bq, Hkv, G, D]
     out = out.reshape(-1, num_q_heads, head_dim)[out_row]  # [T, Hq, D]
     out = jnp.where(tok_valid[:, None, None], out, 0.0)

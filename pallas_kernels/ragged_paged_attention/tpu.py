@@ -50,6 +50,11 @@ def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
     return head_dim in (64, 128, 256)
 
 
+def quantized_dtypes(device_kind: str | None = None) -> tuple:
+    """Quantized page dtypes the kernel reads on `device_kind` (None: any generation)."""
+    del device_kind
+    return ()
+
 
 def _kernel(
     # scalar prefetch (SMEM)

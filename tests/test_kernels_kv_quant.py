@@ -1,0 +1,185 @@
+"""Quantized KV-cache pages (int8, float8_e4m3fn, float8_e5m2 values + one f32 scale per
+token and KV head): the quantization math, the KV-update op, and every attention
+implementation against the reference run on the dequantized pages."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_layout import kv_scales_axis_of_heads, kv_scales_shape, lanes_width, to_lanes
+from pallas_kernels.ragged_paged_attention.ops import attention_implementation
+from pallas_kernels.ragged_paged_attention.testing import RaggedCase, attention_numpy, make_case
+
+DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
+SM_SCALE = 0.125
+
+
+# ---------------------------------------------------------------------- the math
+@pytest.mark.parametrize("name", DTYPES)
+def test_quantize_round_trip_error_bounds(name):
+    dtype = kv_quant.kv_cache_dtype(name)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 3, 64)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 4, (64, 3, 1))
+    x[0, 0] = 0.0  # an all-zero row: scale 1, values 0
+    values, scales = kv_quant.quantize(jnp.asarray(x), dtype)
+    assert values.dtype == dtype and scales.dtype == jnp.float32 and scales.shape == (64, 3)
+    values, scales = np.asarray(values), np.asarray(scales)
+    amax = np.abs(x).max(-1)
+    np.testing.assert_allclose(scales, np.where(amax == 0, 1.0, amax / kv_quant.qmax(dtype)), rtol=1e-6)
+    assert scales[0, 0] == 1.0 and not np.any(values[0, 0].astype(np.float32))
+    back = np.asarray(kv_quant.dequantize(jnp.asarray(values), jnp.asarray(scales)))
+    err = np.abs(back - x)
+    if name == "int8":
+        assert np.all(np.abs(values.astype(np.int32)) <= 127)
+        assert np.all(err <= scales[..., None] * (0.5 + 1e-5))
+    else:
+        # Round to nearest: half an ulp of the value (3 or 2 mantissa bits) relative, or half the
+        # smallest subnormal step (x scale) for tiny values.
+        mantissa = 3 if name == "fp8_e4m3" else 2
+        tiny = {"fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}[name]
+        bound = np.maximum(np.abs(x) * 2.0 ** -(mantissa + 1), tiny / 2 * scales[..., None]) * (1 + 1e-5)
+        assert np.all(err <= bound)
+    # The largest element of each row maps onto qmax exactly.
+    top = np.abs(values.astype(np.float32)).max(-1)
+    assert np.all(top[amax > 0] == kv_quant.qmax(dtype))
+
+
+def test_dtype_names_and_scales_layouts():
+    assert kv_quant.kv_cache_dtype("fp8_e4m3") == jnp.float8_e4m3fn
+    assert kv_quant.kv_cache_dtype("fp8_e5m2") == jnp.float8_e5m2
+    assert kv_quant.kv_cache_dtype(jnp.bfloat16) == jnp.bfloat16 and not kv_quant.is_quantized(jnp.bfloat16)
+    assert kv_scales_shape(10, 16, 3, "heads") == (10, 16, 3) and kv_scales_axis_of_heads("heads") == 2
+    assert kv_scales_shape(10, 16, 3, "lanes") == (3, 2, 128) and kv_scales_axis_of_heads("lanes") == 0
+    with pytest.raises(ValueError, match="layout"):
+        kv_scales_shape(10, 16, 3, "rows")
+
+
+# ---------------------------------------------------------------------- helpers
+def scales_for(per_slot: np.ndarray, num_pages: int, page_size: int, layout: str) -> jax.Array:
+    """[P, S, Hkv] per-slot scales in the layout's scales array."""
+    hkv = per_slot.shape[-1]
+    if layout == "heads":
+        return jnp.asarray(per_slot, jnp.float32)
+    empty = jnp.zeros(kv_scales_shape(num_pages, page_size, hkv, "lanes"), jnp.float32)
+    return kv_quant.write_scales(empty, jnp.arange(num_pages * page_size, dtype=jnp.int32),
+                                 jnp.asarray(per_slot.reshape(-1, hkv)), "lanes")
+
+
+@functools.cache
+def quantized_case(name: str, layout: str = "heads", q_dtype=np.float32, heads=(6, 3, 64), **kw):
+    """(case on the dequantized pages (heads layout, f32), kernel args (q, pages, ... in `layout`),
+    scales (k, v), unquantized case). Every slot of the pool, garbage included, is quantized."""
+    hq, hkv, d = heads
+    base = make_case(kw.pop("seqs", [(1, 40), (5, 21), (3, 3)]), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                     **{"num_tokens": 12, "num_rows": 4, **kw})
+    dtype = kv_quant.kv_cache_dtype(name)
+    kq, ks = kv_quant.quantize_numpy(base.k_pages, dtype)
+    vq, vs = kv_quant.quantize_numpy(base.v_pages, dtype)
+    deq = RaggedCase(base.q, np.asarray(kv_quant.dequantize(kq, ks)), np.asarray(kv_quant.dequantize(vq, vs)),
+                     *base.args()[3:])
+    num_pages, page_size = kq.shape[:2]
+    if layout == "lanes":
+        width = lanes_width(hkv, d)
+        kq, vq = np.asarray(to_lanes(kq, width)), np.asarray(to_lanes(vq, width))
+    scales = (scales_for(ks, num_pages, page_size, layout), scales_for(vs, num_pages, page_size, layout))
+    args = (jnp.asarray(base.q, q_dtype), jnp.asarray(kq), jnp.asarray(vq), *map(jnp.asarray, base.args()[3:]))
+    return deq, args, scales, base
+
+
+def check_against_dequantized(out, deq: RaggedCase, base: RaggedCase, name: str, atol: float, **kw):
+    """Tight: the oracle on the dequantized pages. Loose: f32 attention on the unquantized K/V."""
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, attention_numpy(deq, sm_scale=SM_SCALE, **kw), atol=atol, rtol=atol)
+    loose = {"int8": 0.03, "fp8_e4m3": 0.15, "fp8_e5m2": 0.3}[name]
+    err = np.abs(out - attention_numpy(base, sm_scale=SM_SCALE, **kw)).max()
+    assert err < loose, f"{name}: {err} from the unquantized attention"
+
+
+# ---------------------------------------------------------------------- KV update
+def pages_as_rows(pages) -> np.ndarray:
+    """[P, S, ...] pages as [P * S, row] f32 host rows."""
+    pages = np.asarray(pages.astype(jnp.float32))
+    return pages.reshape(pages.shape[0] * pages.shape[1], -1)
+
+
+def slot_scales(scales, layout: str) -> np.ndarray:
+    """A scales array as [slots, Hkv] on the host."""
+    scales = np.asarray(scales)
+    if layout == "lanes":
+        return scales.reshape(scales.shape[0], -1).T
+    return scales.reshape(-1, scales.shape[-1])
+
+
+@pytest.mark.parametrize("name,layout", [("int8", "heads"), ("fp8_e4m3", "lanes"), ("fp8_e5m2", "heads")])
+def test_update_writes_quantized_values_and_scales_to_their_slots(name, layout):
+    dtype = kv_quant.kv_cache_dtype(name)
+    num_pages, page_size, hkv, d = 6, 16, 3, 64
+    rng = np.random.default_rng(1)
+    k_new = jnp.asarray(rng.standard_normal((5, hkv, d)) * 3, jnp.bfloat16)
+    v_new = jnp.asarray(rng.standard_normal((5, hkv, d)), jnp.float32)
+    slots = np.asarray([17, 18, 95, 0, 1], np.int32)  # two padding tokens on the null page
+    shape = (num_pages, page_size, hkv, d) if layout == "heads" else (num_pages, page_size, lanes_width(hkv, d))
+    k_pages = jnp.full(shape, 7, dtype)
+    k_sc = jnp.full(kv_scales_shape(num_pages, page_size, hkv, layout), 5.0, jnp.float32)
+    update = jax.jit(functools.partial(pk.update_kv_cache, backend="reference"))
+    out = update(k_new, v_new, k_pages, k_pages, jnp.asarray(slots), k_scales=k_sc, v_scales=k_sc)
+    assert len(out) == 4 and [o.dtype for o in out] == [dtype, dtype, jnp.float32, jnp.float32]
+    untouched = np.setdiff1d(np.arange(page_size, num_pages * page_size), slots)
+    for new, pages, sc in ((k_new, out[0], out[2]), (v_new, out[1], out[3])):
+        want_q, want_s = kv_quant.quantize_numpy(new, dtype)
+        rows, got_s = pages_as_rows(pages), slot_scales(sc, layout)
+        width = rows.shape[1]
+        for t in (0, 1, 2):  # real tokens; the padding ones collide on the null page
+            want = np.zeros(width, np.float32)
+            want[: hkv * d] = want_q[t].astype(np.float32).reshape(-1)
+            np.testing.assert_array_equal(rows[slots[t]], want)
+            np.testing.assert_array_equal(got_s[slots[t]], want_s[t])
+        assert np.all(rows[untouched] == 7) and np.all(got_s[untouched] == 5.0)
+    # The public op's auto path writes the same.
+    auto = pk.update_kv_cache(k_new, v_new, k_pages, k_pages, jnp.asarray(slots), k_scales=k_sc, v_scales=k_sc)
+    for a, b in zip(auto, out):
+        np.testing.assert_array_equal(pages_as_rows(a), pages_as_rows(b))
+
+
+def test_update_validation_names_the_dtype_and_the_scales():
+    k_new = jnp.zeros((2, 3, 64))
+    slots = jnp.zeros((2,), jnp.int32)
+    pages = jnp.zeros((4, 16, 3, 64), jnp.int8)
+    with pytest.raises(ValueError, match="int8 are quantized: pass k_scales"):
+        pk.update_kv_cache(k_new, k_new, pages, pages, slots)
+    sc = jnp.zeros((4, 16, 3), jnp.float32)
+    with pytest.raises(ValueError, match="k_scales must have shape"):
+        pk.update_kv_cache(k_new, k_new, pages, pages, slots, k_scales=sc[:2], v_scales=sc)
+    with pytest.raises(ValueError, match="float32"):
+        pk.update_kv_cache(k_new, k_new, pages, pages, slots, k_scales=sc.astype(jnp.bfloat16), v_scales=sc)
+    with pytest.raises(ValueError, match="quantized pages"):
+        pk.update_kv_cache(k_new, k_new, pages.astype(jnp.float32), pages.astype(jnp.float32), slots,
+                           k_scales=sc, v_scales=sc)
+    with pytest.raises(ValueError, match="int8 are quantized"):
+        pk.ragged_paged_attention(jnp.zeros((2, 6, 64)), pages, pages, slots, jnp.zeros((2, 4), jnp.int32),
+                                  jnp.zeros((3,), jnp.int32), jnp.ones((1,), jnp.int32), sm_scale=1.0)
+
+
+# ---------------------------------------------------------------------- attention
+@pytest.mark.parametrize("name,layout", [("int8", "heads"), ("int8", "lanes"), ("fp8_e4m3", "heads"),
+                                         ("fp8_e5m2", "lanes")])
+def test_reference_attention_on_quantized_pages(name, layout):
+    deq, args, (ks, vs), base = quantized_case(name, layout)
+    out = pk.ragged_paged_attention(*args, sm_scale=SM_SCALE, num_kv_heads=3, k_scales=ks, v_scales=vs,
+                                    backend="reference")
+    assert out.dtype == jnp.float32
+    check_against_dequantized(out, deq, base, name, atol=2e-5)
+
+
+def test_attention_implementation_reports_the_cache_dtype():
+    impl, why = attention_implementation("cpu", 3, 64, jnp.float32, num_q_heads=9, kv_cache_dtype="int8")
+    assert impl in ("native", "reference")
+    impl, why = attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype=jnp.bfloat16)
+    assert impl == "pallas"
