@@ -34,10 +34,10 @@ from jaxserve.compile_plan import ShapeKey, variant_name
 from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading.loader import resolve_dtype
-from jaxserve.quantization import fp8_weights_unsupported, param_dtype, with_scale_shapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
 from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes, kv_cache_shape
+from jaxserve.quantization import fp8_weights_unsupported, param_dtype, with_scale_shapes
 from jaxserve.step_programs import StepPrograms, sds
 from jaxserve.targets import Target, software_versions
 from jaxserve.warmup import ShapeRecord, WarmupReport
