@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._dispatch import by_target_platform
 from pallas_kernels._validate import check_float, check_shape
+from pallas_kernels.quantized_matmul import cpu as native_cpu
 from pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
 
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "cpu")
 
 
 def _validate(x, w, scale, layer) -> None:
@@ -28,6 +30,27 @@ def _validate(x, w, scale, layer) -> None:
         raise ValueError(f"scale must be float32, got {scale.dtype}")
 
 
+def _native_cpu_choice(w_dtype) -> tuple[bool, str]:
+    """(whether `auto` may lower the native CPU kernel, why). Only where this process compiles
+    for its own CPU (a TPU/GPU host never builds it), only where it was built, int8 only."""
+    if jax.default_backend() != "cpu":
+        return False, "the native CPU kernel is built only where the CPU is the default backend"
+    if not native_cpu.supports(w_dtype):
+        return False, f"{jnp.dtype(w_dtype).name} weights: the native CPU kernel reads int8 only"
+    return native_cpu.available()
+
+
+def quantized_matmul_implementation(platform: str, w_dtype=jnp.int8) -> str:
+    """What `backend="auto"` runs for `w_dtype` weights in a program compiled for `platform`
+    ("cpu" | "tpu" | "gpu" | "cuda"), for the engine's log: "native: ..." or "reference: ..."."""
+    if platform == "cpu":
+        ok, why = _native_cpu_choice(w_dtype)
+        return f"native: {why}" if ok else f"reference: XLA dot on a converted weight ({why})"
+    if platform in ("tpu", "gpu", "cuda", "rocm"):
+        return "reference: XLA dot with the weight's conversion fused into its operand"
+    raise ValueError(f"unknown platform {platform!r}")
+
+
 def quantized_matmul(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N] int8 / float8, or [L, K, N] with `layer`
@@ -38,10 +61,28 @@ def quantized_matmul(
 ) -> jax.Array:  # [M, N], x.dtype
     """`(x @ w) * scale` with f32 accumulation (see reference.py for the contract).
 
-    backend: "auto" (the platform's best path: XLA's dot with the conversion fused into the
-    operand on TPU/GPU), "reference" (the oracle).
+    backend: "auto" (the best path of the platform the program is compiled for: on CPU the
+    native kernel (cpu.py) for int8 weights where it could be built, else the reference; on
+    TPU/GPU the reference, whose weight conversion XLA fuses into the dot's operand; see
+    `quantized_matmul_implementation`), "cpu" (the native CPU kernel; int8 weights, raises
+    where it cannot be built), "reference" (the oracle).
     """
     _validate(x, w, scale, layer)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return quantized_matmul_reference(x, w, scale, layer)
+    if backend == "reference":
+        return quantized_matmul_reference(x, w, scale, layer)
+    if backend == "cpu":
+        return native_cpu.quantized_matmul_cpu(x, w, scale, layer)
+    # The layer travels as an operand of every branch (a traced index inside the layer scan).
+    stacked = layer is not None
+    index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
+
+    def reference(x, w, scale, index):
+        return quantized_matmul_reference(x, w, scale, index if stacked else None)
+
+    def native(x, w, scale, index):
+        return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None)
+
+    return by_target_platform((x, w, scale, index), reference=reference, tpu=None, gpu=None,
+                              cpu=native if _native_cpu_choice(w.dtype)[0] else None)

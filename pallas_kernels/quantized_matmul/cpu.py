@@ -1,0 +1,141 @@
+"""The native CPU weight-only int8 matmul (`cpu_kernel.cc`): build, load, call.
+
+XLA:CPU (jax 0.10) lowers the reference `dot(x, w.astype(f32))` as a convert fusion that
+writes the whole weight as an f32 temporary, then an f32 GEMM on it: every call reads the
+int8 weight, writes and reads 4x its bytes in f32, so int8 is slower than plain f32. Inside
+the layer scan the dynamic slice of the stacked weight is fused into that convert (no int8
+copy, but the same f32 temporary). The kernel reads the int8 weight in place (the stacked
+[L, K, N] array and the layer index are operands) and widens it in registers.
+
+Built like the attention kernel (`ragged_paged_attention/cpu.py`): compiled on first use
+with the host C++ compiler (`-march=native`) into a cache keyed by source, flags, compiler,
+jaxlib and CPU features; without a compiler `available()` says why and callers use the
+reference. int8 weights only: float8 weights take the reference on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+_SOURCE = Path(__file__).with_name("cpu_kernel.cc")
+_SYMBOL = "JaxserveQuantizedMatmulCpu"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+
+def _cpu_features() -> str:
+    """The host's CPU feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxserve" / "cpu_kernels"
+
+
+@functools.cache
+def _build() -> tuple[Path | None, str, str]:
+    """(shared library or None, why, target name). Compiles once per distinct binary."""
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None, f"no native CPU quantized matmul for {platform.machine()}", ""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        return None, ("no C++ compiler (c++, g++ or clang++) on PATH to build the CPU quantized "
+                      "matmul"), ""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cxx} --version failed: {e}", ""
+    parts = [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(),
+             jax.__version__.encode(), _cpu_features().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    # The target name carries the key: a compiled program (and the persistent compile cache)
+    # always names the binary it was built against.
+    name = f"jaxserve_quantized_matmul_cpu_{key}"
+    out = _cache_dir() / f"{name}.so"
+    if out.exists():
+        return out, f"native CPU kernel {out.name}", name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = out.parent
+    except OSError:
+        tmp_dir = Path(tempfile.gettempdir())
+        out = tmp_dir / out.name
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        return None, f"building the CPU quantized matmul failed: {e}", ""
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return None, (f"building the CPU quantized matmul failed ({' '.join(cmd)}):\n"
+                      f"{done.stderr[-2000:]}"), ""
+    os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
+    return out, f"native CPU kernel {out.name}", name
+
+
+@functools.cache
+def _register() -> tuple[str | None, str]:
+    """(FFI target name or None, why): builds, loads and registers the kernel once."""
+    path, why, name = _build()
+    if path is None:
+        return None, why
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
+                                    platform="cpu")
+    except (OSError, AttributeError) as e:
+        return None, f"loading the CPU quantized matmul {path} failed: {e}"
+    return name, why
+
+
+def available() -> tuple[bool, str]:
+    """(whether the native kernel can run here, why). Builds it on first call."""
+    name, why = _register()
+    return name is not None, why
+
+
+def supports(w_dtype) -> bool:
+    """int8 weights (float8 weights use the reference on CPU)."""
+    return jnp.dtype(w_dtype) == jnp.int8
+
+
+def quantized_matmul_cpu(
+    x: jax.Array,  # [M, K] f32 / bf16
+    w: jax.Array,  # [K, N] int8, or [L, K, N] with `layer`
+    scale: jax.Array,  # [N] f32, or [L, N]
+    layer: jax.Array | int | None = None,
+) -> jax.Array:  # [M, N], x.dtype
+    """The reference's contract (reference.py), computed by the native kernel.
+
+    The stacked weight and the layer index are operands: the kernel reads layer `layer` in
+    place. `layer` is clamped (negative counts from the end) as `dynamic_index_in_dim` does.
+    """
+    name, why = _register()
+    if name is None:
+        raise RuntimeError(why)
+    if not supports(w.dtype):
+        raise ValueError(f"the native CPU quantized matmul takes int8 weights, got {w.dtype}")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype))
+    return call(x, w, scale, layer)
