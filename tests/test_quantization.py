@@ -1,0 +1,162 @@
+"""Weight-only quantization: the per-channel math, fusion and sharding of scales, the quantized
+model against the same model with the dequantized weights, and the configuration errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve.models.fused import fuse_projections, fused_layer_shapes
+from jaxserve.quantization import (
+    dequantize_weight,
+    params_quantization,
+    quantize_params,
+    quantize_weight,
+    scale_shape,
+    with_scale_shapes,
+)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_per_channel_round_trip_is_within_half_a_step(method):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 40, 7)).astype(np.float32) * np.array([1e-3, 1, 30, 1, 1, 1, 5], np.float32)
+    w[:, :, 3] = 0.0  # an all-zero output channel
+    q, s = quantize_weight(w, method)
+    assert q.shape == w.shape and s.shape == (3, 7) and s.dtype == np.float32
+    assert s[0, 3] == 1.0 and not q[:, :, 3].any()
+    back = dequantize_weight(q, s)
+    if method == "int8":
+        assert q.dtype == np.int8 and np.abs(q).max() <= 127
+        assert np.all(np.abs(back - w) <= s[:, None, :] / 2 + 1e-7)
+        # the channel's largest magnitude is exact (it defines the scale)
+        np.testing.assert_allclose(np.abs(back).max(axis=1), np.abs(w).max(axis=1), rtol=1e-6)
+    else:
+        assert q.dtype == ml_dtypes.float8_e4m3fn
+        # e4m3: 3 mantissa bits, so half an ulp is 2^-4 relative (normals; subnormals absolute)
+        tol = np.maximum(np.abs(w) * 2.0**-4, s[:, None, :] * 2.0**-10)
+        assert np.all(np.abs(back - w) <= tol + 1e-9)
+
+
+def test_embedding_rows_have_one_scale_each():
+    w = np.random.default_rng(1).normal(size=(11, 6)).astype(np.float32)
+    q, s = quantize_weight(w, "int8", axis=-1)
+    assert s.shape == (11,) == scale_shape("embed", w.shape)
+    assert np.all(np.abs(dequantize_weight(q, s, axis=-1) - w) <= s[:, None] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fusing_quantized_projections_equals_quantizing_fused_ones(shards):
+    """Per-output-channel scales commute with concatenating (and interleaving) columns."""
+    rng = np.random.default_rng(shards)
+    L, E, q, kv, inter = 2, 16, 8, 4, 6
+    layers = {"q_proj": rng.normal(size=(L, E, q)), "k_proj": rng.normal(size=(L, E, kv)),
+              "v_proj": rng.normal(size=(L, E, kv)), "o_proj": rng.normal(size=(L, q, E)),
+              "gate_proj": rng.normal(size=(L, E, inter)), "up_proj": rng.normal(size=(L, E, inter)),
+              "down_proj": rng.normal(size=(L, inter, E)), "input_norm": np.ones((L, E))}
+    params = {"embed": np.zeros((5, E)), "final_norm": np.ones(E), "layers": layers}
+    quant = quantize_params(params, "int8")
+    assert params_quantization(quant) == "int8" and params_quantization(params) is None
+    assert quant["layers"]["input_norm"] is layers["input_norm"] and "embed_scale" not in quant
+    fused_q = fuse_projections(quant["layers"], shards)
+    plain = fuse_projections(layers, shards)
+    for name in ("qkv_proj", "gate_up_proj", "o_proj", "down_proj"):
+        want_q, want_s = quantize_weight(plain[name], "int8")
+        np.testing.assert_array_equal(fused_q[name], want_q)
+        np.testing.assert_array_equal(fused_q[name + "_scale"], want_s)
+    shapes = {k: v.shape for k, v in quant["layers"].items()}
+    assert fused_layer_shapes(shapes) == {k: v.shape for k, v in fused_q.items()}
+    expected = with_scale_shapes({"embed": (5, E), "final_norm": (E,), "layers": {
+        k: v.shape for k, v in layers.items()}}, "int8")
+    assert expected["layers"] == shapes
+
+
+def test_scales_shard_with_their_output_channels():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.parallel import param_specs
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=4)
+    names = ["qkv_proj", "qkv_proj_scale", "o_proj", "o_proj_scale", "gate_up_proj", "gate_up_proj_scale",
+             "down_proj", "down_proj_scale"]
+    specs = param_specs({"embed": 0, "final_norm": 0, "lm_head": 0, "lm_head_scale": 0,
+                         "layers": dict.fromkeys(names, 0)}, cfg, 2)
+    layer = specs["layers"]
+    assert layer["qkv_proj"] == P(None, None, "model") and layer["qkv_proj_scale"] == P(None, "model")
+    assert layer["o_proj"] == P(None, "model", None) and layer["o_proj_scale"] == P(None, None)
+    assert layer["down_proj_scale"] == P(None, None) and layer["gate_up_proj_scale"] == P(None, "model")
+    assert specs["lm_head_scale"] == P("model")
+
+
+def _tiny_loaded(tmp_path):
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
+    from jaxserve.loading import load_model
+
+    return load_model(save_tiny_llama(tmp_path / "tiny", 2), "float32")
+
+
+def _greedy_logprobs(loaded, **settings):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+    from scheduler import SamplingParams
+
+    e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, max_model_len=64,
+                            compilation_cache_dir=None, structured_outputs=False, **settings), loaded=loaded)
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 23))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    for i, ids in enumerate(prompts):
+        e.add_request(None, params, prompt_token_ids=ids, request_id=str(i))
+    outs = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    e.close()
+    return [(list(outs[str(i)].token_ids), [lp.logprob for lp in outs[str(i)].logprobs]) for i in range(2)]
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_engine_equals_the_engine_on_dequantized_weights(tmp_path, method):
+    """The quantized matmuls compute exactly the model whose weights are the dequantized
+    values: same greedy tokens, logprobs equal to f32 rounding."""
+    loaded = _tiny_loaded(tmp_path)
+    quant = quantize_params(loaded.params, method, quantize_lm_head=True)
+    deq = dict(quant)
+    deq["layers"] = {k: v for k, v in quant["layers"].items() if not k.endswith("_scale")}
+    for name in [k for k in deq["layers"] if k + "_scale" in quant["layers"]]:
+        deq["layers"][name] = dequantize_weight(quant["layers"][name], quant["layers"][name + "_scale"])
+    head = "lm_head" if "lm_head_scale" in quant else "embed"
+    deq[head] = dequantize_weight(quant[head], quant[head + "_scale"], axis=-2 if head == "lm_head" else -1)
+    del deq[head + "_scale"]
+    got = _greedy_logprobs(dataclasses.replace(loaded, params=quant))
+    want = _greedy_logprobs(dataclasses.replace(loaded, params=deq))
+    for (gt, glp), (wt, wlp) in zip(got, want):
+        assert gt == wt
+        np.testing.assert_allclose(glp, wlp, atol=2e-4)
+
+
+def test_configuration_errors_name_the_value():
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'fp8'\).*'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*'fp16'"):
+        EngineConfig(kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization"):
+        EngineConfig(quantize_lm_head=True)
+
+
+def test_fp8_is_refused_on_targets_without_fp8_arithmetic():
+    from jaxserve.quantization import fp8_weights_unsupported
+
+    assert fp8_weights_unsupported("gpu", "h100") is None and fp8_weights_unsupported("gpu", "h200") is None
+    assert fp8_weights_unsupported("cpu") is None
+    assert "v5e" in fp8_weights_unsupported("tpu", "v5e") and "int8" in fp8_weights_unsupported("tpu", "v6e")
+    assert "compute capability" in fp8_weights_unsupported("gpu", compute_capability=(8, 0))
