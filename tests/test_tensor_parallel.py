@@ -33,6 +33,9 @@ _CHILD = textwrap.dedent("""
         prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
         for tp in (1, *map(int, tps.split(","))):
             result[f"{path}-tp{tp}"] = greedy(tiny, tp, prompts)
+    # int8 weights: scales split with their columns, KV-head scales replicated like the heads
+    for tp in (1, 4):
+        result[f"int8-tp{tp}"] = greedy(tiny, tp, prompts, quantization="int8")
     print(json.dumps(result))
 """).replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
@@ -62,6 +65,7 @@ def test_tensor_parallel_matches_single_device(tmp_path):
             tokens, compiles = result[f"{path}-tp{tp}"]
             assert tokens == base, f"{path} tp={tp}: {tokens} != {base}"
             assert compiles == 0
+    assert result["int8-tp4"] == result["int8-tp1"]
     assert all(compiles == 0 for _, compiles in result.values())
 
 
