@@ -25,6 +25,11 @@ block that would run past row M is moved back to end at M (the mask keeps the pr
 group's rows), so lhs is never padded unless M is smaller than the smallest block. The output
 starts as zeros: rows past sum(group_sizes) stay zero. Sizes are clamped to >= 0 and their
 running sum to M, as the GPU kernel does (ragged_dot cuts the sizes at M too).
+
+**Quantized rhs** (int8 / float8 with `rhs_scale [G, N]`): the group's `[K, N]` slice is
+converted to lhs.dtype as it is sliced (one fusion: XLA:CPU writes the converted group, never
+a converted copy of rhs), and each block's f32 product is scaled by the group's `[N]` scale
+before the cast.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def grouped_matmul_cpu(
     lhs: jax.Array,  # [M, K], rows sorted by group
     rhs: jax.Array,  # [G, K, N]
     group_sizes: jax.Array,  # [G] int32
+    rhs_scale: jax.Array | None = None,  # [G, N] f32 when rhs is int8 / float8
     *,
     blocks: tuple[int, ...] = DEFAULT_BLOCKS,
 ) -> jax.Array:  # [M, N], lhs.dtype
@@ -74,20 +80,27 @@ def grouped_matmul_cpu(
     count = jnp.sum(nonempty, dtype=jnp.int32)
     groups = jnp.nonzero(nonempty, size=num_groups, fill_value=0)[0].astype(jnp.int32)
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    # float8 is sliced as its bytes: XLA:CPU has no fp8 arithmetic and would otherwise convert
+    # all of rhs to f16 before the loop (a dequantized copy); int8 and floats as they are.
+    stored = jax.lax.bitcast_convert_type(rhs, jnp.uint8) if jnp.dtype(rhs.dtype).itemsize == 1 and \
+        jnp.issubdtype(rhs.dtype, jnp.floating) else rhs
 
-    def product(a, w):
-        return jax.lax.dot(a, w, precision=precision, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    def product(a, w, s):
+        y = jax.lax.dot(a, w, precision=precision, preferred_element_type=jnp.float32)
+        return (y if s is None else y * s).astype(lhs.dtype)
 
     def group_body(state):
         i, out = state
         g = groups[i]
         start, end = starts[g], ends[g]
-        w = jax.lax.dynamic_index_in_dim(rhs, g, axis=0, keepdims=False)  # [K, N]
+        w = jax.lax.dynamic_index_in_dim(stored, g, axis=0, keepdims=False)  # [K, N]
+        w = (w if stored is rhs else jax.lax.bitcast_convert_type(w, rhs.dtype)).astype(lhs.dtype)
+        s = None if rhs_scale is None else rhs_scale[g].astype(jnp.float32)[None, :]  # [1, N]
         row = start
         for b in blocks[:-1]:  # whole blocks only: no mask, never past M
             def whole(j, out, row=row, b=b):
                 r = row + j * b
-                y = product(jax.lax.dynamic_slice_in_dim(x, r, b, axis=0), w)
+                y = product(jax.lax.dynamic_slice_in_dim(x, r, b, axis=0), w, s)
                 return jax.lax.dynamic_update_slice_in_dim(out, y, r, axis=0)
 
             whole_blocks = (end - row) // b
@@ -98,7 +111,7 @@ def grouped_matmul_cpu(
 
         def last(j, out):  # the rest: masked to the group's rows
             r = jnp.minimum(row + j * b, rows - b)
-            y = product(jax.lax.dynamic_slice_in_dim(x, r, b, axis=0), w)
+            y = product(jax.lax.dynamic_slice_in_dim(x, r, b, axis=0), w, s)
             mine = (r + offsets >= start) & (r + offsets < end)
             old = jax.lax.dynamic_slice_in_dim(out, r, b, axis=0)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), r, axis=0)

@@ -24,6 +24,11 @@ rows. f32 inputs use IEEE f32 dots (no TF32).
 **Shapes.** K and N must be multiples of 16 (a Triton dot's minimum); `block_k` / `block_n`
 are the largest of 64/32/16 and 128/64/32/16 dividing them, so no column is masked or
 padded (K=96 runs as 3 x 32). M is anything: the last row block is masked.
+
+**Quantized rhs** (int8 / float8 with `rhs_scale [G, N]` f32): the program loads the int8 /
+fp8 `[block_k, block_n]` tile as stored (a quarter / half of the bf16 / f32 bytes), converts
+it to lhs.dtype in registers before the dot (exact), and multiplies the f32 accumulator by the
+group's `[block_n]` scale before the store. No converted copy of rhs exists anywhere.
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def supports(k: int, n: int, dtype) -> bool:
-    """Whether the kernel takes `[M, K] x [G, K, N]` in `dtype`: K and N multiples of 16
-    (at least 16), f32 / bf16 / f16."""
-    return k >= 16 and n >= 16 and k % 16 == 0 and n % 16 == 0 and jnp.dtype(dtype) in _DTYPES
+def supports(k: int, n: int, dtype, rhs_dtype=None) -> bool:
+    """Whether the kernel takes `[M, K] x [G, K, N]` with lhs in `dtype`: K and N multiples
+    of 16 (at least 16), f32 / bf16 / f16; rhs in the same dtype (`rhs_dtype` None) or int8 /
+    float8 (quantized, with a scale)."""
+    rhs_ok = rhs_dtype is None or jnp.dtype(rhs_dtype) in (jnp.dtype(dtype), *_QUANTIZED)
+    return k >= 16 and n >= 16 and k % 16 == 0 and n % 16 == 0 and jnp.dtype(dtype) in _DTYPES and rhs_ok
 
 
 def _largest_dividing(x: int, choices: tuple[int, ...]) -> int:
@@ -90,9 +98,9 @@ def _kernel(
     block_ref,  # [num_tiles] int32: its row block, -1 past the real tiles
     bounds_ref,  # [G + 2] int32: group g owns rows [bounds[g], bounds[g + 1])
     lhs_ref,  # [M, K]
-    rhs_ref,  # [G, K, N]
-    out_ref,  # [M, N]
-    *,
+    rhs_ref,  # [G, K, N] lhs.dtype, or int8 / float8 with scale_ref
+    *refs,  # (scale_ref [G, N] f32,) out_ref [M, N]
+    quantized: bool,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -100,6 +108,7 @@ def _kernel(
     num_rows: int,
     precision,
 ):
+    scale_ref, out_ref = refs if quantized else (None, *refs)
     t, j = pl.program_id(0), pl.program_id(1)
     block = block_ref[t]
 
@@ -122,7 +131,8 @@ def _kernel(
         def body(i, acc):
             k0 = i * block_k
             a = plgpu.load(lhs_ref.at[row_idx, k0 + k_idx], mask=lhs_mask, other=0.0)  # [BM, BK]
-            b = rhs_ref[g_w, pl.ds(k0, block_k), pl.ds(col0, block_n)]  # [BK, BN]
+            b = rhs_ref[g_w, pl.ds(k0, block_k), pl.ds(col0, block_n)]  # [BK, BN], as stored
+            b = b.astype(lhs_ref.dtype)  # int8 / fp8: converted in registers (a no-op otherwise)
             return acc + plgpu.dot(a, b, precision=precision)
 
         cols = col0 + jnp.arange(block_n, dtype=jnp.int32)[None, :]
@@ -132,6 +142,8 @@ def _kernel(
         def _():  # a static trip count: Triton pipelines the K loop
             acc = jax.lax.fori_loop(0, lhs_ref.shape[1] // block_k, body,
                                     jnp.zeros((block_m, block_n), jnp.float32))
+            if quantized:  # the group's per-output-channel scale, on the f32 accumulator
+                acc = acc * scale_ref[g_w, pl.ds(col0, block_n)][None, :]
             plgpu.store(out_ref.at[out_idx, cols], acc.astype(out_ref.dtype), mask=out_mask)
 
         @pl.when(g == num_groups)
@@ -143,8 +155,9 @@ def _kernel(
     jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
 def grouped_matmul_gpu(
     lhs: jax.Array,  # [M, K]
-    rhs: jax.Array,  # [G, K, N]
+    rhs: jax.Array,  # [G, K, N] lhs.dtype, or int8 / float8 with rhs_scale
     group_sizes: jax.Array,  # [G] int32
+    rhs_scale: jax.Array | None = None,  # [G, N] f32 when rhs is quantized
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -156,9 +169,12 @@ def grouped_matmul_gpu(
     """Triton (Pallas) grouped matmul; same contract as `reference.grouped_matmul_reference`."""
     m, k = lhs.shape
     num_groups, _, n = rhs.shape
-    if not supports(k, n, lhs.dtype):
-        raise ValueError(f"the GPU grouped matmul needs K and N multiples of 16 in f32/bf16/f16; "
-                         f"got K={k}, N={n}, {lhs.dtype}")
+    if not supports(k, n, lhs.dtype, rhs.dtype):
+        raise ValueError(f"the GPU grouped matmul needs K and N multiples of 16 in f32/bf16/f16 (rhs the "
+                         f"same or int8/float8); got K={k}, N={n}, {lhs.dtype} x {rhs.dtype}")
+    quantized = rhs.dtype != lhs.dtype
+    if quantized != (rhs_scale is not None):
+        raise ValueError("rhs_scale is required with an int8 / float8 rhs, and only then")
     bm, bn, bk = default_blocks(m, k, n, num_groups)
     block_m, block_n, block_k = block_m or bm, block_n or bn, block_k or bk
     for name, b, dim in (("block_m", block_m, None), ("block_n", block_n, n), ("block_k", block_k, k)):
@@ -166,7 +182,8 @@ def grouped_matmul_gpu(
             raise ValueError(f"{name}={b} must be a power of two >= 16" + (f" dividing {dim}" if dim else ""))
     group, block, bounds = tile_schedule(group_sizes, m, block_m)
     kernel = functools.partial(
-        _kernel, block_m=block_m, block_n=block_n, block_k=block_k, num_groups=num_groups, num_rows=m,
+        _kernel, quantized=quantized, block_m=block_m, block_n=block_n, block_k=block_k,
+        num_groups=num_groups, num_rows=m,
         precision=jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None)
     out_rows = max(m, block_m)  # at least one block of rows: see the store in _kernel
     out = pl.pallas_call(
@@ -176,5 +193,5 @@ def grouped_matmul_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="grouped_matmul_gpu",
-    )(group, block, bounds, lhs, rhs)
+    )(group, block, bounds, lhs, rhs, *(() if rhs_scale is None else (rhs_scale.astype(jnp.float32),)))
     return out if out_rows == m else out[:m]
