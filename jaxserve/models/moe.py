@@ -20,6 +20,12 @@ Either way each device returns a partial [T, E] and one all-reduce (psum) comple
     router          [E, X]         (X experts, E hidden)
     expert_gate_up  [X, E, 2I]     gate and up, interleaved per tensor-parallel shard
     expert_down     [X, I, E]
+
+Weight-only quantized experts (int8 / float8_e4m3fn, `jaxserve.quantization`) come with one
+f32 scale per expert and output channel, `expert_gate_up_scale [X, 2I]` and
+`expert_down_scale [X, E]`, sliced like their weights (a device's experts' rows under expert
+parallelism; the last axis split like the weight's under the width split). The grouped
+matmuls take them as stored: no dequantized copy of the experts is made.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def experts_forward(
     first_expert: jax.Array | int,  # global id of this device's first expert
     *,
     activation,
+    gate_up_scale: jax.Array | None = None,  # [Xl, 2 * Il] f32 when gate_up is int8 / float8
+    down_scale: jax.Array | None = None,  # [Xl, E] f32 when down is int8 / float8
 ) -> jax.Array:  # [T, E], this device's share of the output (f32 accumulation, x.dtype)
     T, k = experts.shape
     num_local = gate_up.shape[0]
@@ -68,9 +76,9 @@ def experts_forward(
     rows = order[(jnp.arange(M, dtype=jnp.int32) + start) % M]  # local rows first
     token = rows // k  # [M] token of each row
     xs = jnp.take(x, token, axis=0)  # [M, E]
-    gu = pallas_kernels.grouped_matmul(xs, gate_up, counts)  # [M, 2 Il]; rows past sum(counts) are zero
+    gu = pallas_kernels.grouped_matmul(xs, gate_up, counts, rhs_scale=gate_up_scale)  # [M, 2 Il]; rows past sum(counts) are zero
     gate, up = split_gate_up(gu, 1)
-    y = pallas_kernels.grouped_matmul(activation(gate) * up, down, counts)  # [M, E]
+    y = pallas_kernels.grouped_matmul(activation(gate) * up, down, counts, rhs_scale=down_scale)  # [M, E]
     w = jnp.take(weights.reshape(-1), rows)  # [M]
     y = y.astype(jnp.float32) * w.astype(jnp.float32)[:, None]
     out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
