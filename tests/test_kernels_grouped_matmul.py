@@ -2,7 +2,9 @@
 over the non-empty groups) against the reference and a numpy per-row oracle, the kernel's tile
 table, the op's validation and dispatch, `auto` compiled for this CPU (the CPU path: loops, no
 dense expansion, no copy of rhs), and compile-only checks that `auto` gives the Triton kernel
-for an H200 (no dense expansion) and XLA's ragged dot for a TPU."""
+for an H200 (no dense expansion) and XLA's ragged dot for a TPU. Quantized rhs (int8 / fp8 with
+a per-group, per-output-channel scale) on every backend, in `experts_forward`, and compiled for
+this CPU, an H200 and a v5e without a dequantized copy of rhs."""
 
 from __future__ import annotations
 
@@ -312,13 +314,17 @@ def v5e():
     return topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices[0]
 
 
-def compiled_hlo(fn, args, device) -> str:
+def compiled_for(fn, args, device):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
     sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     with jax.default_device(device):  # Pallas reads the TPU generation from it
-        return jax.jit(fn).lower(*sds).compile().as_text()
+        return jax.jit(fn).lower(*sds).compile()
+
+
+def compiled_hlo(fn, args, device) -> str:
+    return compiled_for(fn, args, device).as_text()
 
 
 def expert_args(m, k, n, dtype=jnp.bfloat16):
@@ -363,3 +369,175 @@ def test_auto_compiled_for_a_tpu_keeps_xlas_ragged_dot():
     hlo = compiled_hlo(pk.grouped_matmul, expert_args(m, k, n), v5e())
     assert "ragged_dot" in hlo or "ragged-dot" in hlo
     assert TRITON not in hlo and "grouped_matmul_gpu" not in hlo
+
+
+# ------------------------------------------------------------------ quantized rhs (weight-only)
+def quantized(w, method):
+    """(int8 / fp8 values, [G, N] f32 scale, the dequantized f32 rhs) of `w` [G, K, N]."""
+    from jaxserve.quantization import dequantize_weight, quantize_weight
+
+    q, scale = quantize_weight(np.asarray(w, np.float32), method)
+    return jnp.asarray(q), jnp.asarray(scale), jnp.asarray(dequantize_weight(q, scale))
+
+
+QUANT_BACKENDS = (("reference", {}), ("cpu", {}), ("xla", {}), ("auto", {}), ("pallas_gpu", {"interpret": True}))
+# Empty groups (first, middle) and rows past the groups (38..49); then sizes summing past M.
+QUANT_SIZES = ([0, 3, 0, 20, 1, 0, 5, 9], [10, 0, 30, 0, 0, 0, 0, 25])
+
+
+@pytest.mark.parametrize("method,dtype", [("int8", jnp.bfloat16), ("fp8", jnp.float32)], ids=["int8-bf16", "fp8-f32"])
+def test_quantized_rhs_every_backend_vs_the_dequantized_reference_and_the_f32_product(method, dtype):
+    """Each backend, tight against the reference on the dequantized rhs (with lhs in f32: only
+    the output's rounding to lhs.dtype differs) and loose against the product with the
+    unquantized f32 weights (the quantization error). Group g's weights are scaled by g + 1, so
+    a row scaled by another group's scale would be >= 12% off. Rows past the groups exactly 0."""
+    m, k, n = 50, 32, 48
+    tight = {jnp.float32: 2e-5, jnp.bfloat16: 8e-3}[dtype]
+    lhs, w, _ = make(m, k, n, QUANT_SIZES[0], jnp.float32, seed=5)
+    w = w * (1.0 + jnp.arange(w.shape[0], dtype=jnp.float32))[:, None, None]
+    q, scale, deq = quantized(w, method)
+    lhs = lhs.astype(dtype)
+    for sizes in QUANT_SIZES:
+        gs = jnp.asarray(sizes, jnp.int32)
+        want = np.asarray(grouped_matmul_reference(lhs.astype(jnp.float32), deq, gs), np.float64)
+        exact = oracle(lhs.astype(jnp.float32), w, sizes)
+        top = np.abs(exact).max()
+        past = min(sum(sizes), m)
+        for backend, kw in QUANT_BACKENDS:
+            out = pk.grouped_matmul(lhs, q, gs, rhs_scale=scale, backend=backend, **kw)
+            why = f"{sizes} {backend}"
+            assert out.shape == (m, n) and out.dtype == dtype, why
+            got = np.asarray(out, np.float64)
+            np.testing.assert_allclose(got, want, atol=tight * top, rtol=tight, err_msg=why)
+            np.testing.assert_allclose(got, exact, atol=0.05 * top, rtol=0.1, err_msg=why)
+            assert np.all(got[past:] == 0.0), f"{why}: rows past the groups must be exactly zero"
+
+
+def test_quantized_validation():
+    lhs, w, gs = make(8, 16, 16, [4, 4], jnp.float32)
+    q, scale, _ = quantized(w, "int8")
+    with pytest.raises(ValueError, match="rhs is quantized .*pass rhs_scale"):
+        pk.grouped_matmul(lhs, q, gs)
+    with pytest.raises(ValueError, match="rhs_scale must have shape"):
+        pk.grouped_matmul(lhs, q, gs, rhs_scale=scale[:, :8])
+    with pytest.raises(ValueError, match="rhs_scale must be float32"):
+        pk.grouped_matmul(lhs, q, gs, rhs_scale=scale.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="rhs_scale is only for an int8 / float8 rhs"):
+        pk.grouped_matmul(lhs, w, gs, rhs_scale=scale)
+    with pytest.raises(ValueError, match="floating"):
+        pk.grouped_matmul(lhs, q.astype(jnp.int32), gs)
+    with pytest.raises(ValueError, match="rhs_scale is required"):
+        grouped_matmul_gpu(lhs, q, gs, interpret=True)
+    assert grouped_matmul_implementation("gpu", 2048, 192, jnp.bfloat16, jnp.int8)[0] == "pallas"
+    assert grouped_matmul_implementation("cuda", 96, 2048, jnp.bfloat16, jnp.float8_e4m3fn)[0] == "pallas"
+    assert grouped_matmul_implementation("cpu", 2048, 192, jnp.bfloat16, jnp.int8)[0] == "cpu"
+    impl, why = grouped_matmul_implementation("tpu", 2048, 192, jnp.bfloat16, jnp.int8)
+    assert impl == "xla" and "no dequantized copy" in why
+    assert "copy of rhs" in grouped_matmul_implementation("tpu", 2048, 192, jnp.bfloat16, jnp.float8_e4m3fn)[1]
+
+
+# One small shape for the compiled checks: G=16 experts, M=64 rows, K=256, N=128.
+QG, QM, QK, QN = 16, 64, 256, 128
+
+
+def quantized_args(rhs_dtype, dtype=jnp.bfloat16):
+    S = jax.ShapeDtypeStruct
+    return S((QM, QK), dtype), S((QG, QK, QN), rhs_dtype), S((QG,), jnp.int32), S((QG, QN), jnp.float32)
+
+
+def quantized_op(lhs, rhs, sizes, scale):
+    return pk.grouped_matmul(lhs, rhs, sizes, rhs_scale=scale)
+
+
+def dequantized_copies(hlo: str) -> list[str]:
+    """Float arrays of rhs's [G, K, N] shape in `hlo`: a dequantized (converted) copy of rhs."""
+    return re.findall(rf"\b(?:bf16|f16|f32)\[{QG},{QK},{QN}\]", hlo)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_auto_compiled_for_this_cpu_converts_one_group_at_a_time(method):
+    """f32 lhs: the CPU path's loop, no float array of rhs's shape, one group's [K, N]
+    converted per iteration. int8: temp below the int8 rhs itself (no copy of rhs at all).
+    fp8: XLA:CPU has no fp8 arithmetic and converts any fp8 array it slices to f16 whole, so
+    the path slices rhs's bytes (a bitcast to uint8, which XLA:CPU copies once: rhs's size,
+    not dequantized)."""
+    rhs_dtype = jnp.int8 if method == "int8" else jnp.float8_e4m3fn
+    compiled = jax.jit(quantized_op).lower(*quantized_args(rhs_dtype, jnp.float32)).compile()
+    hlo = compiled.as_text()
+    assert "grouped_matmul_cpu" in hlo and re.search(r"\bwhile\(", hlo)
+    assert dequantized_copies(hlo) == []
+    assert re.search(rf"f32\[{QK},{QN}\]\{{1,0\}} fusion\(", hlo), "one group's weights, converted per group"
+    temp, rhs_bytes = compiled.memory_analysis().temp_size_in_bytes, QG * QK * QN
+    assert temp < (rhs_bytes if method == "int8" else 2 * rhs_bytes), temp
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_auto_compiles_the_triton_kernel_for_an_h200_without_a_dequantized_rhs(method):
+    rhs_dtype = jnp.int8 if method == "int8" else jnp.float8_e4m3fn
+    compiled = compiled_for(quantized_op, quantized_args(rhs_dtype), h200())
+    hlo = compiled.as_text()
+    assert TRITON in hlo and "grouped_matmul_gpu" in hlo
+    assert dequantized_copies(hlo) == []
+    assert compiled.memory_analysis().temp_size_in_bytes < QG * QK * QN  # measured: 7464 B (the tile table)
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+def test_quantized_int8_compiled_for_a_v5e_feeds_xlas_ragged_dot_the_int8_rhs():
+    """XLA:TPU's ragged-dot kernel takes a bf16 lhs with an int8 rhs as stored: no float array
+    of rhs's shape and temp below the int8 rhs itself (measured at Qwen3-30B-A3B's TP 8 shapes:
+    0 B, against 100 MB for the bf16 copy; see docs/kernels.md)."""
+    compiled = compiled_for(quantized_op, quantized_args(jnp.int8), v5e())
+    hlo = compiled.as_text()
+    assert "ragged-dot" in hlo or "ragged_dot" in hlo
+    assert dequantized_copies(hlo) == []
+    assert compiled.memory_analysis().temp_size_in_bytes < QG * QK * QN
+
+
+def test_experts_forward_with_quantized_experts_matches_dequantized_experts():
+    """int8 experts with their scales == the dequantized experts (a float64 per-token oracle),
+    tight: whole, under expert parallelism (each device's rows of weights and scales) and under
+    the width split (gate_up's scale split like gate_up's interleaved columns, down's scale
+    whole), the devices' partial outputs summed. (fp8 takes the same path: the grouped matmul
+    tests above cover it.)"""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.moe import experts_forward, route
+
+    X, E, inter, T, tp = 8, 16, 16, 11, 2
+    cfg = ModelConfig("qwen3_moe", vocab_size=8, hidden_size=E, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, num_experts=X, num_experts_per_tok=3, moe_intermediate_size=inter)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+    weights, experts = route(x, jnp.asarray(rng.standard_normal((E, X)), jnp.float32), cfg)
+    fwd = jax.jit(functools.partial(experts_forward, activation=jax.nn.silu))  # one compile per shape
+
+    def run(gate_up, down, first, **scales):
+        return np.asarray(fwd(x, weights, experts, gate_up, down, jnp.int32(first), **scales))
+
+    def oracle_moe(gate_up, down):  # each token's k experts one by one, float64
+        xs, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
+        out = np.zeros((T, E))
+        for t in range(T):
+            for j in range(experts.shape[1]):
+                e = int(experts[t, j])
+                g, u = np.split(xs[t] @ gate_up[e], 2)
+                out[t] += float(weights[t, j]) * (g / (1 + np.exp(-g)) * u) @ down[e]
+        return out
+
+    gate_up, down = rng.standard_normal((X, E, 2 * inter)) / 4, rng.standard_normal((X, inter, E)) / 4
+    (gu_q, gu_s, gu_d), (dn_q, dn_s, dn_d) = quantized(gate_up, "int8"), quantized(down, "int8")
+    want = oracle_moe(gu_d, dn_d)
+    got = run(gu_q, dn_q, 0, gate_up_scale=gu_s, down_scale=dn_s)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - oracle_moe(gate_up, down)).max() > 1e-4, "the experts were not quantized?"
+    n = X // tp  # expert parallelism: device r's experts r*n..(r+1)*n, weights and scales
+    parts = [run(gu_q[r * n:(r + 1) * n], dn_q[r * n:(r + 1) * n], r * n,
+                 gate_up_scale=gu_s[r * n:(r + 1) * n], down_scale=dn_s[r * n:(r + 1) * n]) for r in range(tp)]
+    np.testing.assert_allclose(sum(parts), want, rtol=1e-5, atol=1e-5, err_msg="expert parallel")
+    # The width split: device r holds gate_up's columns [gate_r | up_r] (interleaved per
+    # shard) and down's rows r; a scale's columns go with its weight's columns.
+    h = inter // tp
+    cols = [np.r_[r * h:(r + 1) * h, inter + r * h:inter + (r + 1) * h] for r in range(tp)]
+    parts = [run(gu_q[..., c], dn_q[:, r * h:(r + 1) * h], 0, gate_up_scale=gu_s[:, c], down_scale=dn_s)
+             for r, c in enumerate(cols)]
+    np.testing.assert_allclose(sum(parts), want, rtol=1e-5, atol=1e-5, err_msg="width split")
