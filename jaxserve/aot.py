@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -36,7 +37,12 @@ from jaxserve.input_batch import InputBatch
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
-from jaxserve.models.llama import LlamaForCausalLM, expected_param_shapes, kv_cache_shape
+from jaxserve.models.llama import (
+    LlamaForCausalLM,
+    expected_param_shapes,
+    kv_cache_shape,
+    kv_scales_pool_shape,
+)
 from jaxserve.quantization import fp8_weights_unsupported, param_dtype, with_scale_shapes
 from jaxserve.step_programs import StepPrograms, sds
 from jaxserve.targets import Target, software_versions
@@ -115,9 +121,16 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1))
     c = rank_config
-    kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), dtype, kv_sharding)
+    kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
+    kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)
+    kv_cache = (kv, kv)
+    if resolved.kv_cache_dtype is not None:  # quantized pages carry f32 scales per token and head
+        scales_sharding = one if mesh is None else parallel.kv_scales_sharding(mesh, resolved.kv_layout)
+        scales = sds(kv_scales_pool_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout),
+                     jnp.float32, scales_sharding)
+        kv_cache += (scales, scales)
     programs = StepPrograms(
-        graphdef=graphdef, state=state, kv_cache=(kv, kv), mesh=mesh, input_sharding=rep, index_sharding=rep,
+        graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
         max_pages_per_seq=resolved.scheduler.max_blocks_per_seq)
     return programs, resolved

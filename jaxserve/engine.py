@@ -159,6 +159,7 @@ class Engine:
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
             max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
+            kv_cache_dtype=self.resolved.kv_cache_dtype,
             structured=self.structured, expert_parallel=config.enable_expert_parallel,
         )
 
@@ -174,7 +175,8 @@ class Engine:
             return "reference", "attention_backend='reference'"
         cfg = self.runner.config  # per-device under tensor parallelism
         impl, why = attention_implementation(self.platform, cfg.num_kv_heads, cfg.head_dim, self.runner.dtype,
-                                             num_q_heads=cfg.num_heads)
+                                             num_q_heads=cfg.num_heads, kv_cache_dtype=self.runner.kv_dtype,
+                                             device_kind=jax.devices()[0].device_kind)
         if impl == "reference" and self.platform != "cpu":
             logger.warning("attention falls back to the reference on %s: %s", self.platform, why)
         return impl, why

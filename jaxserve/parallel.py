@@ -18,7 +18,6 @@ one all-reduce, like the row-parallel projections.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any
 
@@ -29,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import experts_forward
+from pallas_kernels.kv_layout import kv_scales_axis_of_heads
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,17 @@ def kv_cache_sharding(mesh: Mesh, layout: str = "heads") -> NamedSharding:
     return NamedSharding(mesh, P(None, None, None, MODEL_AXIS, None))  # [L, P, S, Hkv, D]
 
 
+def kv_scales_sharding(mesh: Mesh, layout: str = "heads") -> NamedSharding:
+    """A quantized cache's scales, split by KV head like its pages."""
+    return NamedSharding(mesh, _scales_spec(layout))
+
+
+def _scales_spec(layout: str) -> P:
+    axes: list[Any] = [None, None, None]
+    axes[kv_scales_axis_of_heads(layout)] = MODEL_AXIS
+    return P(*axes)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -175,29 +186,45 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
     def page_spec(pages):  # [pages, S, Hkv, D] or [pages, S, C]
         return P(None, None, MODEL_AXIS, None) if pages.ndim == 4 else P(None, None, MODEL_AXIS)
 
+    def scales_spec(pages):
+        return _scales_spec("heads" if pages.ndim == 4 else "lanes")
+
     def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kwargs):
         if kwargs.get("num_kv_heads") is not None:
             kwargs["num_kv_heads"] //= tp  # each rank's own heads
         pages = page_spec(k_pages)
-        # A per-layer (traced) sliding window enters as a replicated operand, not a closure.
-        window = kwargs.pop("sliding_window", None)
-        if isinstance(window, jax.Array):
-            def fn_(q, k, v, lens, tables, cu, n, w):
-                return attention_fn(q, k, v, lens, tables, cu, n, sliding_window=w, **kwargs)
+        # Traced operands (a per-layer sliding window, replicated; a quantized cache's scales,
+        # split by head) enter the shard_map as operands, not closures.
+        extra = {}
+        if isinstance(kwargs.get("sliding_window"), jax.Array):
+            extra["sliding_window"] = (kwargs.pop("sliding_window"), P())
+        for name in ("k_scales", "v_scales"):
+            if kwargs.get(name) is not None:
+                extra[name] = (kwargs.pop(name), scales_spec(k_pages))
+        names = list(extra)
 
-            fn = jax.shard_map(fn_, mesh=mesh, in_specs=(heads, pages, pages, P(), P(), P(), P(), P()),
-                               out_specs=heads, check_vma=False)
-            return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, window)
-        fn = jax.shard_map(functools.partial(attention_fn, sliding_window=window, **kwargs), mesh=mesh,
-                           in_specs=(heads, pages, pages, P(), P(), P(), P()), out_specs=heads,
-                           check_vma=False)
-        return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+        def fn_(q, k, v, lens, tables, cu, n, *ops):
+            return attention_fn(q, k, v, lens, tables, cu, n, **dict(zip(names, ops)), **kwargs)
 
-    def kv_update(k_new, v_new, k_pages, v_pages, slot_mapping):
+        fn = jax.shard_map(fn_, mesh=mesh,
+                           in_specs=(heads, pages, pages, P(), P(), P(), P(), *(sp for _, sp in extra.values())),
+                           out_specs=heads, check_vma=False)
+        return fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *(x for x, _ in extra.values()))
+
+    def kv_update(k_new, v_new, k_pages, v_pages, slot_mapping, k_scales=None, v_scales=None):
         pages = page_spec(k_pages)
-        fn = jax.shard_map(kv_update_fn, mesh=mesh, in_specs=(heads, heads, pages, pages, P()),
-                           out_specs=(pages, pages), check_vma=False)
-        return fn(k_new, v_new, k_pages, v_pages, slot_mapping)
+        if k_scales is None:
+            fn = jax.shard_map(kv_update_fn, mesh=mesh, in_specs=(heads, heads, pages, pages, P()),
+                               out_specs=(pages, pages), check_vma=False)
+            return fn(k_new, v_new, k_pages, v_pages, slot_mapping)
+        sc = scales_spec(k_pages)
+
+        def fn_(k_new, v_new, k_pages, v_pages, slots, k_scales, v_scales):
+            return kv_update_fn(k_new, v_new, k_pages, v_pages, slots, k_scales=k_scales, v_scales=v_scales)
+
+        fn = jax.shard_map(fn_, mesh=mesh, in_specs=(heads, heads, pages, pages, P(), sc, sc),
+                           out_specs=(pages, pages, sc, sc), check_vma=False)
+        return fn(k_new, v_new, k_pages, v_pages, slot_mapping, k_scales, v_scales)
 
     return attention, kv_update
 
@@ -211,10 +238,22 @@ def per_shard_moe(mesh: Mesh, expert_parallel: bool):
     else:
         weights_spec, down_spec = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
 
-    def local(x, weights, experts, gate_up, down):
+    def local(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
         first = jax.lax.axis_index(MODEL_AXIS) * gate_up.shape[0] if expert_parallel else 0
-        y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu)
+        y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu,
+                            gate_up_scale=gate_up_scale, down_scale=down_scale)
         return jax.lax.psum(y, MODEL_AXIS)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), weights_spec, down_spec), out_specs=P(),
-                         check_vma=False)
+    specs = (P(), P(), P(), weights_spec, down_spec)
+    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    # Quantized experts: per-output-channel scales [X, 2I] / [X, E], split with the experts
+    # (expert parallelism) or with gate/up's columns (width split; E is never split).
+    scale_specs = (P(MODEL_AXIS, None), P(MODEL_AXIS, None)) if expert_parallel else (P(None, MODEL_AXIS), P())
+    quantized = jax.shard_map(local, mesh=mesh, in_specs=(*specs, *scale_specs), out_specs=P(), check_vma=False)
+
+    def moe_fn(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
+        if gate_up_scale is None:
+            return plain(x, weights, experts, gate_up, down)
+        return quantized(x, weights, experts, gate_up, down, gate_up_scale, down_scale)
+
+    return moe_fn

@@ -81,12 +81,14 @@ class ModelRunner:
         steps: StepConfig | None = None,
         channel: Any = None,
         kv_layout: str = "heads",
+        kv_cache_dtype: str | None = None,
         structured: Any = None,
         expert_parallel: bool = False,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
-        before it runs; `structured` the `StructuredOutputManager` filling token bitmasks."""
+        before it runs; `structured` the `StructuredOutputManager` filling token bitmasks;
+        `kv_cache_dtype` a quantized page dtype (int8 / float8; pages then carry f32 scales)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv_layout = kv_layout
@@ -108,12 +110,15 @@ class ModelRunner:
         model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
+        self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype
         self.kv_cache = self._new_kv_cache()
         self.attention_backend = attention_backend
-        # Host-side swap pool, same layout as the device cache: [L, H, S, ...] each.
-        shape = (self.config.num_layers, max(num_host_pages, 0), *self.kv_cache[0].shape[2:])
-        self.host_k = np.zeros(shape, self.dtype) if num_host_pages else None
-        self.host_v = np.zeros(shape, self.dtype) if num_host_pages else None
+        # Host-side swap pool, as the swap gather returns pages: [L, H, S, ...] per array (K, V
+        # and, for a quantized cache, their scales [L, H, S, Hkv]); pages keep their dtype.
+        self.host_pool: list[np.ndarray] | None = None
+        if num_host_pages:
+            pages = gather_pages_jit.eval_shape(abstract(self.kv_cache), jax.ShapeDtypeStruct((1,), jnp.int32))
+            self.host_pool = [np.zeros((p.shape[0], num_host_pages, *p.shape[2:]), p.dtype) for p in pages]
         # Ahead-of-time compiled executables by shape (filled by warmup or `--compiled`); a shape
         # missing here falls back to the jit, which the compile guard reports.
         self.executables: dict[ShapeKey, Any] = {}
@@ -213,16 +218,24 @@ class ModelRunner:
         the scheduler must recompute every request that held device blocks)."""
         self.kv_cache = self._new_kv_cache()
 
-    def _new_kv_cache(self) -> tuple[jax.Array, jax.Array]:
+    @property
+    def host_k(self) -> np.ndarray | None:
+        return self.host_pool[0] if self.host_pool is not None else None
+
+    def _new_kv_cache(self) -> tuple[jax.Array, ...]:
         """Zeroed cache buffers; the jitted initialiser is kept, so a rebuild after a failed
         step reuses its executable instead of compiling while serving."""
         if not hasattr(self, "_init_kv_cache"):
-            kv_sharding = parallel.kv_cache_sharding(self.mesh, self.kv_layout) if self.mesh is not None else None
             tp = self.mesh.shape[parallel.MODEL_AXIS] if self.mesh is not None else 1
+            shardings = None
+            if self.mesh is not None:
+                kv = parallel.kv_cache_sharding(self.mesh, self.kv_layout)
+                scales = parallel.kv_scales_sharding(self.mesh, self.kv_layout)
+                shardings = (kv, kv, scales, scales)[:4 if self.kv_dtype.itemsize == 1 else 2]
             self._init_kv_cache = jax.jit(
-                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.dtype,
+                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.kv_dtype,
                                   self.kv_layout, tp),
-                out_shardings=(kv_sharding, kv_sharding) if kv_sharding is not None else None,
+                out_shardings=shardings,
             )
         return self._init_kv_cache()
 
@@ -290,21 +303,22 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device pages to host pages: [(device_page, host_page), ...]."""
         for dev, host in _chunks([(d, h) for d, h in pairs]):
-            k, v = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
+            pages = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
             n = len(host)
-            self.host_k[:, host] = np.asarray(k)[:, :n]
-            self.host_v[:, host] = np.asarray(v)[:, :n]
+            for pool, x in zip(self.host_pool, pages):
+                pool[:, host] = np.asarray(x)[:, :n]
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host pages back to device pages: [(host_page, device_page), ...]."""
         for dev, host in _chunks([(d, h) for h, d in pairs]):
             n = len(host)
-            size = len(dev)
-            k = np.zeros((self.host_k.shape[0], size) + self.host_k.shape[2:], self.host_k.dtype)
-            v = np.zeros_like(k)
-            k[:, :n] = self.host_k[:, host]
-            v[:, :n] = self.host_v[:, host]
-            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, jnp.asarray(dev), k, v)
+            pages = []
+            for pool in self.host_pool:
+                x = np.zeros((pool.shape[0], len(dev), *pool.shape[2:]), pool.dtype)
+                x[:, :n] = pool[:, host]
+                pages.append(x)
+            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, jnp.asarray(dev),
+                                                                           tuple(pages))
 
     def _swap_exe(self, size: int, which: int, fallback):
         pair = self.executables.get(ShapeKey("swap", size))

@@ -43,7 +43,7 @@ def abstract(tree):
 class StepPrograms:
     graphdef: Any
     state: Any  # abstract params (nnx.State of ShapeDtypeStructs)
-    kv_cache: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # [L, P, S, Hkv, D] or [L, P, S, C] each
+    kv_cache: tuple[jax.ShapeDtypeStruct, ...]  # K, V: [L, P, S, Hkv, D] or [L, P, S, C]; quantized: + scales
     mesh: Mesh | None  # tensor-parallel mesh (None: one device)
     input_sharding: Sharding | None  # step inputs, hidden states, logits (None: the default device)
     index_sharding: Sharding | None  # the swap copies' page ids
@@ -54,7 +54,8 @@ class StepPrograms:
 
     @property
     def dtype(self) -> Any:
-        return self.kv_cache[0].dtype
+        """The activations' dtype (the final norm's; weights and KV pages may be quantized)."""
+        return self.state["final_norm"].value.dtype
 
     def lower(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it.
@@ -82,11 +83,11 @@ class StepPrograms:
             t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
             return sample_jit.lower(logits, t, flags=key.flags).compile()
         if key.kind == "swap":
-            L, _, *page_dims = self.kv_cache[0].shape
             ids = sds((key.size,), jnp.int32, self.index_sharding)
-            page = sds((L, key.size, *page_dims), self.dtype, self.index_sharding)
+            pages = tuple(sds(p.shape, p.dtype, self.index_sharding)
+                          for p in gather_pages_jit.eval_shape(self.kv_cache, ids))
             gather = gather_pages_jit.lower(self.kv_cache, ids).compile()
-            scatter = scatter_pages_jit.lower(self.kv_cache, ids, page, page).compile()
+            scatter = scatter_pages_jit.lower(self.kv_cache, ids, pages).compile()
             return gather, scatter
         raise ValueError(f"unknown shape kind {key.kind!r}")
 
@@ -128,6 +129,36 @@ def _sample(logits, tensors, *, flags):
 backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
 sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
-gather_pages_jit = jax.jit(lambda kv, ids: (kv[0][:, ids], kv[1][:, ids]))
-scatter_pages_jit = jax.jit(
-    lambda kv, ids, k, v: (kv[0].at[:, ids].set(k), kv[1].at[:, ids].set(v)), donate_argnums=(0,))
+def _gather_pages(kv, ids):
+    """Pages `ids` of every layer: K, V [L, n, S, ...] (and a quantized cache's scales [L, n, S, Hkv])."""
+    L, P, S = kv[0].shape[:3]
+    return (kv[0][:, ids], kv[1][:, ids], *(_scale_pages(s, L, P, S)[:, ids] for s in kv[2:]))
+
+
+def _scatter_pages(kv, ids, pages):
+    L, P, S = kv[0].shape[:3]
+    out = [kv[0].at[:, ids].set(pages[0]), kv[1].at[:, ids].set(pages[1])]
+    for s, new in zip(kv[2:], pages[2:]):
+        out.append(_set_scale_pages(s, L, P, S, ids, new))
+    return tuple(out)
+
+
+def _scale_pages(s, L, P, S):
+    """A scales pool (`models.llama.kv_scales_pool_shape`) viewed as [L, P, S, Hkv]."""
+    if s.shape[:2] == (L * P, S):  # heads layout: [L*P, S, Hkv]
+        return s.reshape(L, P, S, s.shape[2])
+    hkv = s.shape[0]  # lanes layout: [Hkv, rows, 128], each head's scales in slot order
+    return s.reshape(hkv, -1)[:, :L * P * S].reshape(hkv, L, P, S).transpose(1, 2, 3, 0)
+
+
+def _set_scale_pages(s, L, P, S, ids, new):
+    if s.shape[:2] == (L * P, S):
+        return s.reshape(L, P, S, s.shape[2]).at[:, ids].set(new).reshape(s.shape)
+    flat = s.reshape(s.shape[0], -1)
+    view = _scale_pages(s, L, P, S).at[:, ids].set(new)  # [L, P, S, Hkv]
+    flat = flat.at[:, :L * P * S].set(view.transpose(3, 0, 1, 2).reshape(s.shape[0], -1))
+    return flat.reshape(s.shape)
+
+
+gather_pages_jit = jax.jit(_gather_pages)
+scatter_pages_jit = jax.jit(_scatter_pages, donate_argnums=(0,))

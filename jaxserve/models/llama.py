@@ -119,8 +119,9 @@ KVUpdateFn = Callable[..., tuple[jax.Array, jax.Array]]
 MoEFn = Callable[..., jax.Array]
 
 
-def single_device_moe(x, weights, experts, gate_up, down):
-    return moe.experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu)
+def single_device_moe(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
+    return moe.experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu,
+                               gate_up_scale=gate_up_scale, down_scale=down_scale)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -153,7 +154,8 @@ class LlamaForCausalLM(nnx.Module):
         self,
         token_ids: jax.Array,  # [T] int32
         positions: jax.Array,  # [T] int32
-        kv_cache: tuple[jax.Array, jax.Array],  # 2 x [L, P, S, Hkv, D] or 2 x [L, P, S, C] (lanes)
+        kv_cache: tuple[jax.Array, ...],  # (k, v): [L, P, S, Hkv, D] or [L, P, S, C] (lanes) each,
+        # then (k_scales, v_scales) for quantized pages (`kv_scales_pool_shape`)
         md: AttentionMetadata,
         logits_indices: jax.Array,  # [R] int32
         *,
@@ -163,7 +165,7 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Returns the final-normed hidden states of rows `logits_indices` ([R, E]) and the cache."""
         cfg = self.config
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = kv_cache[:2]
         L, P, S, *row = k_cache.shape
         dtype = self.final_norm[...].dtype  # the activations' dtype (the embedding may be int8)
 
@@ -175,8 +177,7 @@ class LlamaForCausalLM(nnx.Module):
 
         # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are
         # offset by l*P, so no per-layer slice of the cache is ever copied.
-        k_flat = k_cache.reshape(L * P, S, *row)
-        v_flat = v_cache.reshape(L * P, S, *row)
+        pool = (k_cache.reshape(L * P, S, *row), v_cache.reshape(L * P, S, *row), *kv_cache[2:])
         # Quantized dense projections stay stacked [L, ...] and are read in place by layer index
         # (pallas_kernels.quantized_matmul); everything else is sliced per layer by the scan.
         stacked = {k: v[...] for k, v in self.layers.items() if _stacked_quantized(k, self.layers)}
@@ -191,7 +192,7 @@ class LlamaForCausalLM(nnx.Module):
             rope, local_rope = (local_rope if windows[0] else rope), None
 
         def layer(carry, xs):
-            h, k_flat, v_flat = carry
+            h, pool = carry
             lp, per = xs
             window = per["window"] if not uniform else (windows[0] or None)
             cos_sin = rope
@@ -199,8 +200,8 @@ class LlamaForCausalLM(nnx.Module):
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
             lp = _LayerWeights(lp, stacked, per["layer_id"])
-            attn, k_flat, v_flat = self._attention(
-                h, lp, cos_sin, k_flat, v_flat, md, page_offset, S, window, attention_fn, kv_update_fn)
+            attn, pool = self._attention(
+                h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
             if cfg.sandwich_norms:
                 attn = rms_norm(attn, lp["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
             h = h + attn
@@ -208,20 +209,20 @@ class LlamaForCausalLM(nnx.Module):
             y = self._mlp(x, lp, moe_fn)
             if cfg.sandwich_norms:
                 y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-            return (h + y, k_flat, v_flat), None
+            return (h + y, pool), None
 
-        (h, k_flat, v_flat), _ = jax.lax.scan(layer, (h, k_flat, v_flat), (layer_params, per_layer))
+        (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer))
 
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
         h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps,
                           cfg.norm_weight_offset)
-        kv_cache = (k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape))
+        kv_cache = (pool[0].reshape(k_cache.shape), pool[1].reshape(v_cache.shape), *pool[2:])
         return h_last, kv_cache
 
-    def _attention(self, h, lp, cos_sin, k_flat, v_flat, md, page_offset, S, window, attention_fn,
-                   kv_update_fn):
-        """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, cache)."""
+    def _attention(self, h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn):
+        """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, cache).
+        `pool`: the flattened (k, v[, k_scales, v_scales]) of every layer."""
         cfg = self.config
         T = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -238,13 +239,13 @@ class LlamaForCausalLM(nnx.Module):
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
         q = apply_rope(q, *cos_sin)
         k = apply_rope(k, *cos_sin)
-        k_flat, v_flat = kv_update_fn(k, v, k_flat, v_flat, md.slot_mapping + page_offset * S)
+        pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S, **_scales(pool)))
         attn = attention_fn(
-            q, k_flat, v_flat, md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
+            q, pool[0], pool[1], md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,
-            soft_cap=cfg.attn_logit_softcap,
+            soft_cap=cfg.attn_logit_softcap, **_scales(pool),
         )  # [T, Hq, D]
-        return lp.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), k_flat, v_flat
+        return lp.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), pool
 
     def _mlp(self, x, lp, moe_fn):
         """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E]."""
@@ -278,6 +279,11 @@ class LlamaForCausalLM(nnx.Module):
             head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
             logits = (h @ head).astype(jnp.float32)
         return soft_cap(logits, self.config.final_logit_softcap)
+
+
+def _scales(pool: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
+    """The quantized cache's scales as the ops take them (none for a full-precision cache)."""
+    return {"k_scales": pool[2], "v_scales": pool[3]} if len(pool) == 4 else {}
 
 
 def _stacked_quantized(name: str, layers: Any) -> bool:
@@ -320,11 +326,24 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str
     return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
+def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
+    """One of a quantized cache's scale arrays, for the pool of all layers' pages the model
+    flattens the cache into (`pallas_kernels.kv_layout.kv_scales_shape` of L * num_pages)."""
+    from pallas_kernels.kv_layout import kv_scales_shape
+
+    return kv_scales_shape(cfg.num_layers * num_pages, page_size, cfg.num_kv_heads, layout)
+
+
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
-                  tp: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Zeroed K and V caches (see `kv_cache_shape`)."""
+                  tp: int = 1) -> tuple[jax.Array, ...]:
+    """Zeroed K and V caches (see `kv_cache_shape`); for a quantized (1-byte) dtype also their
+    f32 scales (`kv_scales_pool_shape`)."""
     shape = kv_cache_shape(cfg, num_pages, page_size, layout, tp)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    caches = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if jnp.dtype(dtype).itemsize == 1:
+        scales = kv_scales_pool_shape(cfg, num_pages, page_size, layout)
+        caches += (jnp.zeros(scales, jnp.float32), jnp.zeros(scales, jnp.float32))
+    return caches
 
 
 def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout: str = "heads", tp: int = 1) -> int:
