@@ -77,7 +77,7 @@ def quantized_case(name: str, layout: str = "heads", q_dtype=np.float32, heads=(
     """(case on the dequantized pages (heads layout, f32), kernel args (q, pages, ... in `layout`),
     scales (k, v), unquantized case). Every slot of the pool, garbage included, is quantized."""
     hq, hkv, d = heads
-    base = make_case(kw.pop("seqs", [(1, 40), (5, 21), (3, 3)]), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+    base = make_case(list(kw.pop("seqs", ((1, 40), (5, 21), (3, 3)))), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                      **{"num_tokens": 12, "num_rows": 4, **kw})
     dtype = kv_quant.kv_cache_dtype(name)
     kq, ks = kv_quant.quantize_numpy(base.k_pages, dtype)
@@ -183,3 +183,142 @@ def test_attention_implementation_reports_the_cache_dtype():
     assert impl in ("native", "reference")
     impl, why = attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype=jnp.bfloat16)
     assert impl == "pallas"
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_native_cpu_kernel_on_quantized_pages(name):
+    from pallas_kernels.ragged_paged_attention import cpu as native_cpu
+
+    ok, why = native_cpu.available()
+    if not ok:
+        pytest.skip(why)
+    deq, args, (ks, vs), base = quantized_case(name, "heads", heads=(9, 3, 64))
+    assert attention_implementation("cpu", 3, 64, jnp.float32, num_q_heads=9, kv_cache_dtype=name)[0] == "native"
+    attend = jax.jit(functools.partial(pk.ragged_paged_attention, sm_scale=SM_SCALE))
+    out = attend(*args, k_scales=ks, v_scales=vs)
+    check_against_dequantized(out, deq, base, name, atol=2e-5)
+    hlo = attend.lower(*args, k_scales=ks, v_scales=vs).as_text()
+    assert "jaxserve_ragged_paged_attention_cpu_" in hlo and "_quantized" in hlo
+    # bf16 queries, D=48 (the portable loops, not the 16-lane path) and a window.
+    deq, args, (ks, vs), base = quantized_case(name, "heads", q_dtype=jnp.bfloat16, heads=(4, 2, 48))
+    out = pk.ragged_paged_attention(*args, sm_scale=SM_SCALE, sliding_window=7, k_scales=ks, v_scales=vs)
+    assert out.dtype == jnp.bfloat16
+    deq_bf16 = RaggedCase(np.asarray(jnp.asarray(deq.q, jnp.bfloat16).astype(jnp.float32)), *deq.args()[1:])
+    np.testing.assert_allclose(np.asarray(out, np.float32), attention_numpy(deq_bf16, sm_scale=SM_SCALE,
+                                                                            sliding_window=7), atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # the AVX-512 loads (D % 16 == 0) and the portable loops
+def test_native_cpu_kernel_decodes_every_fp8_and_int8_byte_exactly(head_dim):
+    """One key per sequence (softmax weight exactly 1): the output is V's dequantized row, so
+    every one of the 256 byte patterns, NaN and inf included, must come back as ml_dtypes
+    reads it (times a scale of 0.5)."""
+    from pallas_kernels.ragged_paged_attention import cpu as native_cpu
+
+    if not native_cpu.available()[0]:
+        pytest.skip(native_cpu.available()[1])
+    rows = -(-256 // head_dim)
+    raw = np.resize(np.arange(256, dtype=np.uint8), rows * head_dim).reshape(rows, 1, head_dim)
+    pages = np.zeros((rows + 1, 16, 1, head_dim), np.uint8)
+    pages[1:, 0] = raw
+    meta = (jnp.ones((rows,), jnp.int32), jnp.arange(1, rows + 1, dtype=jnp.int32)[:, None],
+            jnp.arange(rows + 1, dtype=jnp.int32), jnp.asarray([rows], jnp.int32))
+    scales = jnp.full((rows + 1, 16, 1), 0.5, jnp.float32)
+    q = jnp.ones((rows, 2, head_dim), jnp.float32)
+    for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        values = jnp.asarray(pages.view(dtype))
+        k = jnp.zeros_like(values)
+        out = native_cpu.ragged_paged_attention_cpu(q, k, values, *meta, sm_scale=1.0, k_scales=scales,
+                                                    v_scales=scales)
+        want = raw.view(dtype).astype(np.float32) * np.float32(0.5)  # [rows, 1, D]
+        np.testing.assert_array_equal(np.asarray(out)[:, 0], want[:, 0])
+        np.testing.assert_array_equal(np.asarray(out)[:, 1], want[:, 0])
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_triton_kernel_interpreted_on_quantized_pages(name):
+    """Tiny shapes (interpret mode is slow): unsplit with f32 queries, and split-KV (2 splits,
+    several key blocks per split) with bf16 queries."""
+    deq, args, (ks, vs), base = quantized_case(name, "heads", heads=(4, 2, 32), seqs=((1, 40), (2, 21)),
+                                               num_tokens=4, num_rows=2)
+    attend = functools.partial(pk.ragged_paged_attention, sm_scale=SM_SCALE, k_scales=ks, v_scales=vs,
+                               backend="pallas_gpu", interpret=True)
+    check_against_dequantized(attend(*args), deq, base, name, atol=2e-5)
+    from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+
+    q16 = args[0].astype(jnp.bfloat16)
+    out = ragged_paged_attention_gpu(q16, *args[1:], sm_scale=SM_SCALE, k_scales=ks, v_scales=vs, max_splits=2,
+                                     block_k=16, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    deq16 = RaggedCase(np.asarray(q16.astype(jnp.float32)), *deq.args()[1:])
+    np.testing.assert_allclose(np.asarray(out, np.float32), attention_numpy(deq16, sm_scale=SM_SCALE), atol=3e-2)
+
+
+def test_triton_kv_update_interpreted_writes_values_and_scales():
+    num_pages, page_size, hkv, d = 4, 16, 3, 32
+    rng = np.random.default_rng(2)
+    k_new = jnp.asarray(rng.standard_normal((5, hkv, d)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((5, hkv, d)), jnp.bfloat16)
+    slots = jnp.asarray([17, 18, 60, 0, 0], jnp.int32)
+    pages = jnp.full((num_pages, page_size, hkv, d), 3, jnp.float8_e4m3fn)
+    sc = jnp.full((num_pages, page_size, hkv), 5.0, jnp.float32)
+    got = pk.update_kv_cache(k_new, v_new, pages, pages, slots, k_scales=sc, v_scales=sc, backend="pallas_gpu",
+                             interpret=True)
+    want = pk.update_kv_cache(k_new, v_new, pages, pages, slots, k_scales=sc, v_scales=sc, backend="reference")
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(pages_as_rows(a)[page_size:], pages_as_rows(b)[page_size:])
+
+
+# ---------------------------------------------------------------------- compile-only targets
+def compiled_hlo(fn, args, device) -> str:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+    sds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    with jax.default_device(device):  # Pallas TPU reads the chip generation from it
+        return jax.jit(fn).lower(*sds).compile().as_text()
+
+
+def step_args(name: str, layout: str, q_dtype, heads=(9, 3, 64), tokens=16, rows=8, max_pages=16, pages=128,
+              page_size=16):
+    """Abstract attention args (+ scales) and KV-update args of one quantized layer."""
+    hq, hkv, d = heads
+    dtype = kv_quant.kv_cache_dtype(name)
+    S = jax.ShapeDtypeStruct
+    page = S((pages, page_size, hkv, d) if layout == "heads" else (pages, page_size, lanes_width(hkv, d)), dtype)
+    sc = S(kv_scales_shape(pages, page_size, hkv, layout), jnp.float32)
+    attn = (S((tokens, hq, d), q_dtype), page, page, S((rows,), jnp.int32), S((rows, max_pages), jnp.int32),
+            S((rows + 1,), jnp.int32), S((1,), jnp.int32), sc, sc)
+    new = S((tokens, hkv, d), q_dtype)
+    return attn, (new, new, page, page, S((tokens,), jnp.int32), sc, sc)
+
+
+def attention_with_scales(num_kv_heads):
+    def fn(q, k, v, kv_lens, tables, cu, n, ks, vs):
+        return pk.ragged_paged_attention(q, k, v, kv_lens, tables, cu, n, sm_scale=SM_SCALE, num_kv_heads=num_kv_heads,
+                                         k_scales=ks, v_scales=vs)
+    return fn
+
+
+def update_with_scales(k_new, v_new, k_pages, v_pages, slots, ks, vs):
+    return pk.update_kv_cache(k_new, v_new, k_pages, v_pages, slots, k_scales=ks, v_scales=vs)
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+def test_auto_compiles_the_triton_kernels_on_fp8_pages_for_an_h200():
+    """SmolLM2's heads, bf16 queries on float8_e4m3fn pages, a 16-token decode bucket (split-KV);
+    the KV update kernel; no dequantized copy of the pages in the program."""
+    try:
+        from jaxserve.targets import Target
+
+        device = Target.parse("gpu:h200").devices()[0]
+    except Exception as e:  # the CUDA plugin is an optional test dependency
+        pytest.skip(f"no compile-only H200: {e}")
+    attn, update = step_args("fp8_e4m3", "heads", jnp.bfloat16)
+    assert attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype="fp8_e4m3")[0] == "pallas"
+    hlo = compiled_hlo(attention_with_scales(3), attn, device)
+    assert "__gpu$xla.gpu.triton" in hlo and "ragged_paged_attention_gpu" in hlo
+    assert "bf16[128,16,3,64]" not in hlo and "f32[128,16,3,64]" not in hlo and "bf16[6144,64]" not in hlo
+    hlo = compiled_hlo(update_with_scales, update, device)
+    assert "__gpu$xla.gpu.triton" in hlo and "update_kv_cache_gpu" in hlo

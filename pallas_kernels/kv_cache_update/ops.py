@@ -84,7 +84,7 @@ def update_kv_cache(
         return by_target_platform(kernel_args, reference=_written(layout_of(k_pages)) if quantized
                                   else update_kv_cache_reference,
                                   tpu=None if lanes or quantized else update_kv_cache_tpu,
-                                  gpu=update_kv_cache_gpu if gpu_ok and not quantized else None)
+                                  gpu=update_kv_cache_gpu if gpu_ok else None)
     impl = resolve_backend(backend, interpret)
     if impl == "gpu" and not gpu_ok:
         raise ValueError(f"the gpu KV-update kernel needs the heads layout and D a multiple of 16 up to 256, "

@@ -24,12 +24,15 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention import window
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
+_SYMBOL_QUANTIZED = "JaxserveRaggedPagedAttentionCpuQuantized"  # + k_scales, v_scales operands
+_QUANTIZED_SUFFIX = "_quantized"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 
 
@@ -100,6 +103,8 @@ def _register() -> tuple[str | None, str]:
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+        jax.ffi.register_ffi_target(name + _QUANTIZED_SUFFIX, jax.ffi.pycapsule(getattr(lib, _SYMBOL_QUANTIZED)),
+                                    platform="cpu")
     except (OSError, AttributeError) as e:
         return None, f"loading the CPU attention kernel {path} failed: {e}"
     return name, why
@@ -112,18 +117,18 @@ def available() -> tuple[bool, str]:
 
 
 # Quantized page dtypes the kernel reads (values times their per-token scales).
-QUANTIZED_DTYPES = ()
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def supports(layout: str, num_q_heads: int) -> bool:
-    """Heads-layout pages ([P, S, Hkv, D]), at most 256 query heads; any D, page size, dtype
-    among f32/bf16."""
+    """Heads-layout pages ([P, S, Hkv, D]), at most 256 query heads; any D, page size; pages
+    f32/bf16, or int8/fp8 with scales (QUANTIZED_DTYPES)."""
     return layout == "heads" and num_q_heads <= 256
 
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # [T, Hq, D] f32 or bf16
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D] f32 or bf16
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D] f32, bf16, int8, float8_e4m3fn, float8_e5m2
     v_pages: jax.Array,  # like k_pages
     kv_lens: jax.Array,  # [R] int32
     block_tables: jax.Array,  # [R, max_pages_per_seq] int32
@@ -133,6 +138,8 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """The reference's contract (see reference.py), computed by the native kernel.
 
@@ -142,6 +149,10 @@ def ragged_paged_attention_cpu(
     name, why = _register()
     if name is None:
         raise RuntimeError(why)
+    scales = ()
+    if k_scales is not None:
+        name += _QUANTIZED_SUFFIX
+        scales = (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, window.raw_array(sliding_window),
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
+    return call(q, k_pages, v_pages, *scales, kv_lens, block_tables, cu_q_lens, num_seqs,
+                window.raw_array(sliding_window), sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))

@@ -12,6 +12,13 @@
 //
 // Work is split into items (one sequence, a block of up to kQueryBlock of its query tokens,
 // every head) that the calling thread and XLA's intra-op pool take from a shared counter.
+//
+// Quantized pages (int8, float8_e4m3fn, float8_e5m2; pallas_kernels/kv_quant.py) come with one
+// f32 scale per token and KV head ([P, S, Hkv]): a key's scores are q.k_raw * k_scale, and each
+// softmax weight is multiplied by its key's v_scale before P.V, so values are widened on load
+// and never written back dequantized. fp8 is widened exactly through f16 (e5m2 is the upper
+// byte of an f16; e4m3fn's 7 low bits shifted into an f16 are the value / 256, a factor folded
+// into the scale).
 
 #include <algorithm>
 #include <atomic>
@@ -55,6 +62,44 @@ inline void store(float x, uint16_t* out) {  // round to nearest even; NaN stays
   *out = static_cast<uint16_t>(b >> 16);
 }
 
+// fp8 page elements (their bits); int8 pages are int8_t.
+struct E4M3 { uint8_t b; };
+struct E5M2 { uint8_t b; };
+
+template <typename KV> struct Quant { static constexpr bool value = false; };
+template <> struct Quant<int8_t> { static constexpr bool value = true; };
+template <> struct Quant<E4M3> { static constexpr bool value = true; };
+template <> struct Quant<E5M2> { static constexpr bool value = true; };
+// What a widened element must be multiplied by (besides its scale) to give its value.
+template <typename KV> constexpr float decode_factor() { return 1.0f; }
+template <> constexpr float decode_factor<E4M3>() { return 256.0f; }
+
+// f16 bits -> f32, exact (subnormals, inf, NaN).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {
+    const float f = static_cast<float>(man) * (1.0f / 16777216.0f);  // man * 2^-24
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// The f16 whose value is an e4m3fn byte's value / 256 (NaN for 0x7f / 0xff).
+inline uint16_t e4m3_as_half(uint8_t b) {
+  if ((b & 0x7fu) == 0x7fu) return static_cast<uint16_t>(((b & 0x80u) << 8) | 0x7e00u);
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
+inline float to_f32(E5M2 x) { return half_to_f32(static_cast<uint16_t>(x.b) << 8); }
+inline float to_f32(E4M3 x) { return half_to_f32(e4m3_as_half(x.b)); }  // value / 256
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #if defined(__AVX512F__)
@@ -62,6 +107,22 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const E5M2* p) {  // the byte is an f16's upper half
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+inline __m512 load16(const E4M3* p) {  // value / 256, as to_f32(E4M3)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i low = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(low, 7));
+  const __m256i nan = _mm256_cmpeq_epi16(low, _mm256_set1_epi16(0x7f));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
+  return _mm512_cvtph_ps(h);
 }
 
 // exp(x) to ~2 ulp (Cephes' polynomial on x - n ln2, then a scale by 2^n).
@@ -203,11 +264,15 @@ struct Problem {
 };
 
 struct Scratch {  // per thread, reused across calls
-  std::vector<float> q, acc, scores, m, l;
+  std::vector<float> q, acc, scores, m, l, vs;  // vs: a page segment's V scales [Hkv, Sp]
 };
 
+// ksc / vsc: the pages' scales [P, S, Hkv] for quantized KV, unused (null) otherwise.
 template <typename Q, typename KV>
-void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* out, int64_t item) {
+void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const float* ksc, const float* vsc, Q* out,
+                 int64_t item) {
+  constexpr bool kQuant = Quant<KV>::value;
+  constexpr float kFactor = decode_factor<KV>();
   const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
   const int64_t ps = p.page_size, Dp = round_up(D, kLanes), Sp = round_up(ps, kLanes);
   const int64_t s = p.item_seq[item], t0 = p.item_first[item], nb = p.item_count[item];
@@ -221,6 +286,7 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* ou
   w.scores.assign(rows * Sp, 0.0f);
   w.m.assign(rows, kMasked);
   w.l.assign(rows, 0.0f);
+  if constexpr (kQuant) w.vs.assign(Hkv * Sp, 0.0f);
   int64_t pos[kQueryBlock], lo[kQueryBlock];
   int64_t key_lo = INT64_MAX, key_hi = 0;
   for (int64_t i = 0; i < nb; ++i) {
@@ -248,6 +314,15 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* ou
         __builtin_prefetch(kn + b);
         __builtin_prefetch(vn + b);
       }
+      if constexpr (kQuant) {
+        const char* ks = reinterpret_cast<const char*>(ksc + next * ps * Hkv);
+        const char* vs_next = reinterpret_cast<const char*>(vsc + next * ps * Hkv);
+        const int64_t sbytes = std::min(ps, key_hi - start - n) * Hkv * static_cast<int64_t>(sizeof(float));
+        for (int64_t b = 0; b < sbytes; b += 64) {
+          __builtin_prefetch(ks + b);
+          __builtin_prefetch(vs_next + b);
+        }
+      }
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = start + j;
@@ -259,6 +334,13 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* ou
         }
         float d[256];
         for (int64_t h = 0; h < Hkv; ++h) dots(w.q.data() + (i * Hq + h * G) * Dp, Dp, kb + j * slot + h * D, G, D, d + h * G);
+        if constexpr (kQuant) {
+          const float* sk = ksc + (page * ps + off + j) * Hkv;
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const float f = sk[h] * kFactor;
+            for (int64_t g = 0; g < G; ++g) d[h * G + g] *= f;
+          }
+        }
         for (int64_t r = 0; r < Hq; ++r)
           sc[r * Sp] = p.soft_cap > 0.0f ? p.soft_cap * std::tanh(d[r] / p.soft_cap) : d[r];
       }
@@ -269,6 +351,17 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, Q* ou
         for (int64_t d = 0; d < D; ++d) w.acc[r * Dp + d] *= alpha;
     }
     // Masked keys have weight 0 (softmax_update), so the PV sum runs over all n keys.
+    // Quantized V: each weight times its key's scale (the denominator l is already summed).
+    if constexpr (kQuant) {
+      const float* sv = vsc + (page * ps + off) * Hkv;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < Hkv; ++h) w.vs[h * Sp + j] = sv[j * Hkv + h] * kFactor;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* f = w.vs.data() + ((r % Hq) / G) * Sp;
+        float* row = w.scores.data() + r * Sp;
+        for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
+      }
+    }
     for (int64_t i = 0; i < nb; ++i)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t r = i * Hq + h * G;
@@ -291,14 +384,15 @@ struct Progress {  // shared with pool tasks, which may start after the call ret
 };
 
 template <typename Q, typename KV>
-void run(const Problem& p, const void* q, const void* kp, const void* vp, void* out, ffi::ThreadPool& pool) {
+void run(const Problem& p, const void* q, const void* kp, const void* vp, const float* ksc, const float* vsc, void* out,
+         ffi::ThreadPool& pool) {
   const int64_t items = static_cast<int64_t>(p.item_seq.size());
   auto progress = std::make_shared<Progress>();
   // Pool tasks hold `progress` only; they touch the buffers just while holding an item, and
   // the call returns only when every item is done.
-  auto work = [&p, q, kp, vp, out, items](Progress& pr) {
+  auto work = [&p, q, kp, vp, ksc, vsc, out, items](Progress& pr) {
     for (int64_t i; (i = pr.next.fetch_add(1)) < items;) {
-      attend_item<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp),
+      attend_item<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp), ksc, vsc,
                          static_cast<Q*>(out), i);
       pr.done.fetch_add(1);
     }
@@ -311,18 +405,45 @@ void run(const Problem& p, const void* q, const void* kp, const void* vp, void* 
   while (progress->done.load() < items) std::this_thread::yield();
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+template <typename Q>
+void run_q(const Problem& p, ffi::DataType kt, const void* q, const void* kp, const void* vp, const float* ksc,
+           const float* vsc, void* out, ffi::ThreadPool& pool) {
+  switch (kt) {
+    case ffi::F32: run<Q, float>(p, q, kp, vp, nullptr, nullptr, out, pool); break;
+    case ffi::BF16: run<Q, uint16_t>(p, q, kp, vp, nullptr, nullptr, out, pool); break;
+    case ffi::S8: run<Q, int8_t>(p, q, kp, vp, ksc, vsc, out, pool); break;
+    case ffi::F8E4M3FN: run<Q, E4M3>(p, q, kp, vp, ksc, vsc, out, pool); break;
+    case ffi::F8E5M2: run<Q, E5M2>(p, q, kp, vp, ksc, vsc, out, pool); break;
+    default: break;
+  }
+}
+
+inline bool quantized(ffi::DataType t) { return t == ffi::S8 || t == ffi::F8E4M3FN || t == ffi::F8E5M2; }
+
+// k_scales / v_scales: null for float pages; [P, S, Hkv] f32 for quantized ones.
+ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                  const ffi::Buffer<ffi::F32>* k_scales, const ffi::Buffer<ffi::F32>* v_scales,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
+                  ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
   if (qd[1] > 256) return ffi::Error::InvalidArgument("at most 256 query heads");
   if (sliding_window.element_count() != 1) return ffi::Error::InvalidArgument("sliding_window must hold one int32");
   const auto qt = q.element_type(), kt = k_pages.element_type();
-  if ((qt != ffi::F32 && qt != ffi::BF16) || (kt != ffi::F32 && kt != ffi::BF16) || v_pages.element_type() != kt)
-    return ffi::Error::InvalidArgument("q and pages must be float32 or bfloat16, K and V alike");
+  if ((qt != ffi::F32 && qt != ffi::BF16) || v_pages.element_type() != kt)
+    return ffi::Error::InvalidArgument("q must be float32 or bfloat16, K and V pages alike");
+  if (k_scales == nullptr && kt != ffi::F32 && kt != ffi::BF16)
+    return ffi::Error::InvalidArgument("pages must be float32 or bfloat16 (quantized ones take the scales target)");
+  if (k_scales != nullptr) {
+    if (!quantized(kt)) return ffi::Error::InvalidArgument("scales come with int8 / float8_e4m3fn / float8_e5m2 pages");
+    const int64_t want = kd[0] * kd[1] * kd[2];
+    const auto sd = k_scales->dimensions(), vd = v_scales->dimensions();
+    if (sd.size() != 3 || vd.size() != 3 || k_scales->element_count() != want || v_scales->element_count() != want ||
+        sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
+      return ffi::Error::InvalidArgument("scales must be f32 [P, S, Hkv] like the pages");
+  }
   Problem p;
   p.num_tokens = qd[0];
   p.num_q_heads = qd[1];
@@ -356,12 +477,29 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, 
               (p.num_tokens - covered) * p.num_q_heads * p.head_dim * elem);
   if (p.item_seq.empty()) return ffi::Error::Success();
   const void *qp = q.untyped_data(), *kp = k_pages.untyped_data(), *vp = v_pages.untyped_data();
+  const float* ksc = k_scales ? k_scales->typed_data() : nullptr;
+  const float* vsc = v_scales ? v_scales->typed_data() : nullptr;
   void* op = out->untyped_data();
-  if (qt == ffi::F32 && kt == ffi::F32) run<float, float>(p, qp, kp, vp, op, pool);
-  else if (qt == ffi::F32) run<float, uint16_t>(p, qp, kp, vp, op, pool);
-  else if (kt == ffi::F32) run<uint16_t, float>(p, qp, kp, vp, op, pool);
-  else run<uint16_t, uint16_t>(p, qp, kp, vp, op, pool);
+  if (qt == ffi::F32) run_q<float>(p, kt, qp, kp, vp, ksc, vsc, op, pool);
+  else run_q<uint16_t>(p, kt, qp, kp, vp, ksc, vsc, op, pool);
   return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
+                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+  return Attend(pool, q, k_pages, v_pages, nullptr, nullptr, kv_lens, block_tables, cu_q_lens, num_seqs,
+                sliding_window, out, sm_scale, soft_cap);
+}
+
+ffi::Error ImplQuantized(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                         ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                         ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+  return Attend(pool, q, k_pages, v_pages, &k_scales, &v_scales, kv_lens, block_tables, cu_q_lens, num_seqs,
+                sliding_window, out, sm_scale, soft_cap);
 }
 
 }  // namespace
@@ -372,6 +510,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::AnyBuffer>()          // q
                                   .Arg<ffi::AnyBuffer>()          // k_pages
                                   .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pages (int8 / f8e4m3fn / f8e5m2)
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales [P, S, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales [P, S, Hkv]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens

@@ -22,6 +22,12 @@ to its last query position), and K/V rows at or past `kv_len` are never loaded (
 give zeros: an unused slot holding NaN cannot leak through 0 * NaN). Head dims that are not a
 power of two (80, 96, ...) are cut into power-of-two column pieces (80 = 64 + 16), each its own
 dot, so no padded column is read.
+
+Quantized pages (int8, float8_e4m3fn, float8_e5m2) come with one f32 scale per token and KV
+head, read as `[P * ps * Hkv]` rows beside the K/V rows: keys and values are widened to the
+query dtype on load (exact: int8 and fp8 fit bf16), the scores of a key are multiplied by its
+K scale and each softmax weight by its key's V scale before P.V (the denominator sums the
+unscaled weights), so dequantized pages never exist in memory.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(pieces)
 
 
-# Quantized page dtypes the kernel reads (values times their per-token scales).
-QUANTIZED_DTYPES = ()
+# Quantized page dtypes the kernel reads (values times their per-token scales). fp8 casts
+# need compute capability 8.9 or newer (H100/H200: 9.0).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def supports(head_dim: int) -> bool:
@@ -80,7 +87,7 @@ def _kernel(
     q_ref,  # [Hkv, (T + Bq) * Gp, D]
     k_ref,  # [P * ps * Hkv, D]: one row per (slot, kv head)
     v_ref,  # [P * ps * Hkv, D]
-    *refs,  # aliased initial outputs, then the outputs themselves
+    *refs,  # quantized: k/v scales [P * ps * Hkv]; then aliased initial outputs, then the outputs
     block_q: int,
     num_blocks: int,
     group_padded: int,
@@ -93,9 +100,12 @@ def _kernel(
     has_window: bool,
     soft_cap: float | None,
     split: bool,
+    quantized: bool,
 ):
     # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
     # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    refs = refs[2:] if quantized else refs
     o_ref, lse_ref = refs[1], (refs[2] if split else None)
     item, h = pl.program_id(0), pl.program_id(1)
     num_splits = num_splits_ref[0]
@@ -138,13 +148,19 @@ def _kernel(
             pages = tables_ref[r * max_pages + page_idx]  # [BK]
             rows = (pages * page_size + k_pos % page_size) * num_kv_heads + h  # [BK]
             ks, vs = [], []
+            zero = 0.0 if jnp.issubdtype(k_ref.dtype, jnp.floating) else 0  # int8 pages load int zeros
             for off, w in pieces:
                 at = (rows[:, None], off + jnp.arange(w, dtype=jnp.int32)[None, :])
                 mask = jnp.broadcast_to(live[:, None], (block_k, w))
-                ks.append(plgpu.load(k_ref.at[at], mask=mask, other=0.0))  # [BK, w]
-                vs.append(plgpu.load(v_ref.at[at], mask=mask, other=0.0))
+                ks.append(plgpu.load(k_ref.at[at], mask=mask, other=zero))  # [BK, w]
+                vs.append(plgpu.load(v_ref.at[at], mask=mask, other=zero))
+            if quantized:  # widen to the query dtype (exact), scale scores and weights below
+                ks = [k.astype(q_ref.dtype) for k in ks]
+                vs = [v.astype(q_ref.dtype) for v in vs]
+                k_scale = plgpu.load(ks_ref.at[rows], mask=live, other=0.0)  # [BK] f32
+                v_scale = plgpu.load(vs_ref.at[rows], mask=live, other=0.0)
             s_ = sum(plgpu.dot(q, k, trans_b=True, precision=precision) for q, k in zip(qs, ks))
-            s_ = s_ * sm_scale  # [BM, BK] f32
+            s_ = s_ * (k_scale[None, :] * sm_scale if quantized else sm_scale)  # [BM, BK] f32
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
             mask = (k_pos[None, :] <= row_pos[:, None]) & live[None, :]
@@ -154,7 +170,8 @@ def _kernel(
             m_new = jnp.maximum(m, s_.max(axis=1))
             p = jnp.where(mask, jnp.exp(s_ - m_new[:, None]), 0.0)  # [BM, BK]
             alpha = jnp.exp(m - m_new)
-            pv = [plgpu.dot(p.astype(v.dtype), v, precision=precision) for v in vs]  # [BM, w] f32
+            pw = p * v_scale[None, :] if quantized else p  # the weights of the values as stored
+            pv = [plgpu.dot(pw.astype(v.dtype), v, precision=precision) for v in vs]  # [BM, w] f32
             accs = tuple(alpha[:, None] * a + x for a, x in zip(accs, pv))
             return m_new, alpha * denom + p.sum(axis=1), accs
 
@@ -248,6 +265,8 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Triton (Pallas) ragged paged attention; same contract as the reference.
 
@@ -285,17 +304,21 @@ def ragged_paged_attention_gpu(
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     k_rows = k_pages.reshape(num_pages * page_size * num_kv_heads, head_dim)
     v_rows = v_pages.reshape(num_pages * page_size * num_kv_heads, head_dim)
+    quantized = k_scales is not None
+    scales = (k_scales.reshape(-1).astype(jnp.float32), v_scales.reshape(-1).astype(jnp.float32)) if quantized \
+        else ()
+    init_at = 10 + len(scales)  # operand index of the aliased initial output
     split = max_splits > 1
     if split:
         lse_shape = (max_splits, num_kv_heads, qg.shape[1])
         init = jnp.full(lse_shape, -jnp.inf, jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((max_splits, *qg.shape), jnp.float32),
                      jax.ShapeDtypeStruct(lse_shape, jnp.float32))
-        aliases = {10: 1}
+        aliases = {init_at: 1}
     else:
         init = jnp.zeros(qg.shape, q.dtype)  # rows no program writes (padding) stay zero
         out_shape = (jax.ShapeDtypeStruct(qg.shape, q.dtype),)
-        aliases = {10: 0}
+        aliases = {init_at: 0}
 
     kernel = functools.partial(
         _kernel,
@@ -311,6 +334,7 @@ def ragged_paged_attention_gpu(
         has_window=sliding_window is not None,
         soft_cap=soft_cap,
         split=split,
+        quantized=quantized,
     )
     outs = pl.pallas_call(
         kernel,
@@ -331,6 +355,7 @@ def ragged_paged_attention_gpu(
         qg,
         k_rows,
         v_rows,
+        *scales,
         init,
     )
     out = _combine(*outs).astype(q.dtype) if split else outs[0]  # [Hkv, (T + Bq) * Gp, D]
