@@ -21,7 +21,7 @@ engine's host and device work on one workload (wraps engine methods; diagnostic 
 
     .venv/bin/python scripts/bench_throughput.py [--quick] [--workloads a,b,c] [--no-hf]
         [--hf-dtypes float32,bfloat16] [--vllm-python .venv-vllm/bin/python | --no-vllm]
-        [--attention auto,reference]
+        [--attention auto,reference] [--quantization none,int8] [--kv-cache-dtype auto]
 
 Every ratio is jaxserve / peer from this run; greedy agreement is against HF f32.
 """
@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--attention", default="auto",
                     help="jaxserve attention backends to run, e.g. auto,reference (an A/B)")
+    ap.add_argument("--quantization", default="none",
+                    help="jaxserve weight modes to run, e.g. none,int8 (f32 activations either way)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="jaxserve's KV pages (auto: f32)")
     args = ap.parse_args()
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     all_wl = make_workloads(args.quick, args.hf_batch_uniform)
@@ -307,24 +310,29 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}; quick={args.quick}; workloads={','.join(keys)}; "
           f"num_pages={num_pages}", flush=True)
-    ours: dict[str, dict[str, Result]] = {}  # attention backend -> workload -> result
-    for backend in [b.strip() for b in args.attention.split(",") if b.strip()]:
+    ours: dict[str, dict[str, Result]] = {}  # "<weights>, <attention>" -> workload -> result
+    variants = [(b.strip(), q.strip()) for q in args.quantization.split(",") if q.strip()
+                for b in args.attention.split(",") if b.strip()]
+    for backend, quant in variants:
         t0 = time.perf_counter()
         llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=num_pages, dtype="float32", warmup=False, attention_backend=backend,
+                  quantization=None if quant == "none" else quant, kv_cache_dtype=args.kv_cache_dtype,
                   **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
+        label = f"{'f32' if quant == 'none' else quant}" + (
+            f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + f" [{backend}]"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         report = llm.warmup()  # an int (shapes) or a report with .records, depending on version
         warm_s = time.perf_counter() - t0
         nshapes = len(report.records) if hasattr(report, "records") else report
         engine = llm.engine
-        print(f"jaxserve (attention {backend}: {engine.attention[0]}): load {load_s:.1f} s, warmup {warm_s:.1f} s "
+        print(f"jaxserve {label} (attention {engine.attention[0]}): load {load_s:.1f} s, warmup {warm_s:.1f} s "
               f"({nshapes} shapes; not timed below); token buckets {engine.token_buckets}", flush=True)
-        ours[backend] = {}
+        ours[label] = {}
         for w in wls:
             r = run_jaxserve(engine, w, f"bench-{backend}-{w.key}")
-            ours[backend][w.key] = r
+            ours[label][w.key] = r
             st = step_stats(r.steps)
             print(f"  jaxserve {w.name:8s}: {w.num_output_tokens} tok in {r.wall_s:.1f} s = "
                   f"{r.tok_s(w):.1f} tok/s; {st['steps']} steps, median {st['median_ms']:.1f} ms, "
@@ -372,7 +380,7 @@ def report_table(wls: list[Workload], ours: dict[str, dict[str, Result]], peers:
     oracle = peers.get("HF f32")
     for w in wls:
         print(f"\n{w.name} ({w.num_output_tokens} output tokens):")
-        for name, res in [(f"jaxserve f32 [{b}]", r) for b, r in ours.items()] + list(peers.items()):
+        for name, res in [(f"jaxserve {b}", r) for b, r in ours.items()] + list(peers.items()):
             r = res[w.key]
             line = f"  {name:24s} {r.tok_s(w):8.1f} tok/s"
             if oracle is not None and name != "HF f32":
@@ -388,12 +396,13 @@ def report_table(wls: list[Workload], ours: dict[str, dict[str, Result]], peers:
             ratios = [f"{mine / p[w.key].tok_s(w):.2f}x {name}" for name, p in peers.items()]
             if peers:
                 best = max(peers, key=lambda n: peers[n][w.key].tok_s(w))
-                print(f"  jaxserve [{b}] / peer: {', '.join(ratios)}; vs best peer ({best}) "
+                print(f"  jaxserve {b} / peer: {', '.join(ratios)}; vs best peer ({best}) "
                       f"{mine / peers[best][w.key].tok_s(w):.2f}x")
     print(f"\nload avg at end {os.getloadavg()[0]:.2f} (other processes share the CPUs: figures are noisy). "
           "f32 near-ties may diverge between engines; bf16 peers diverge more.")
     print("Targets (issue 17): uniform >= 1.1x best peer; mixed >= 2.5x HF bf16 and >= 1.1x vLLM; "
-          "batch 1 >= 65 tok/s.")
+          "batch 1 >= 65 tok/s. With --quantization int8 (issue 28): batch 1 >= 1.5x vLLM bf16, "
+          "uniform and mixed >= 1.1x vLLM bf16.")
 
 
 if __name__ == "__main__":
