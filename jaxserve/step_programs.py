@@ -55,7 +55,7 @@ class StepPrograms:
     @property
     def dtype(self) -> Any:
         """The activations' dtype (the final norm's; weights and KV pages may be quantized)."""
-        return self.state["final_norm"].value.dtype
+        return jax.tree.leaves(self.state["final_norm"])[0].dtype
 
     def lower(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it.
