@@ -51,12 +51,12 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     from jaxserve.loading.checkpoint import save_checkpoint
 
     t0 = time.perf_counter()
-    loaded = load_model(ns.src, dtype=ns.dtype)
+    loaded = load_model(ns.src, dtype=ns.dtype, quantization=ns.quantization, quantize_lm_head=ns.quantize_lm_head)
     t_convert = time.perf_counter() - t0
     save_checkpoint(ns.dst, loaded.config, loaded.params, loaded.dtype, loaded.tokenizer)
     t_save = time.perf_counter() - t0 - t_convert
     t1 = time.perf_counter()
-    load_model(ns.dst, dtype=ns.dtype)
+    load_model(ns.dst, dtype=ns.dtype)  # a quantized checkpoint restores quantized
     t_restore = time.perf_counter() - t1
     print(f"converted {ns.src} ({loaded.source}) -> {ns.dst}: load+convert {t_convert:.2f} s, "
           f"save {t_save:.2f} s, restore {t_restore:.2f} s ({t_convert / max(t_restore, 1e-9):.1f}x faster)")
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="store the linear layers quantized (default: as the source holds them)")
+    c.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: the LM head too")
     c.set_defaults(func=cmd_convert)
 
     for ep in sorted(importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINTS), key=lambda e: e.name):

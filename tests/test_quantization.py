@@ -160,3 +160,20 @@ def test_fp8_is_refused_on_targets_without_fp8_arithmetic():
     assert fp8_weights_unsupported("cpu") is None
     assert "v5e" in fp8_weights_unsupported("tpu", "v5e") and "int8" in fp8_weights_unsupported("tpu", "v6e")
     assert "compute capability" in fp8_weights_unsupported("gpu", compute_capability=(8, 0))
+
+
+def test_convert_stores_a_quantized_checkpoint_that_restores_quantized(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
+    from jaxserve.cli import main
+    from jaxserve.loading import load_model
+
+    src = save_tiny_llama(tmp_path / "tiny", 2)
+    assert main(["convert", str(src), str(tmp_path / "ckpt"), "--quantization", "int8"]) == 0
+    assert "converted" in capsys.readouterr().out
+    restored = load_model(str(tmp_path / "ckpt"), "float32")
+    want = quantize_params(load_model(str(src), "float32").params, "int8")
+    assert restored.quantization == "int8" and params_quantization(restored.params) == "int8"
+    for name in ("q_proj", "q_proj_scale", "down_proj", "down_proj_scale"):
+        np.testing.assert_array_equal(restored.params["layers"][name], want["layers"][name])
