@@ -63,15 +63,18 @@ _CHILD = textwrap.dedent("""
         path, layouts = arg.split("=")
         loaded = load_model(path, "float32")
         for layout in ["tp1", *layouts.split(",")]:
-            tp, ep = int(layout[2:]), layout.startswith("ep")
-            result[f"{path}-{layout}"] = greedy(loaded, tp, prompts, token_buckets=(16,), enable_expert_parallel=ep)
+            quant, _, split = layout.rpartition(":")
+            tp, ep = int(split[2:]), split.startswith("ep")
+            result[f"{path}-{layout}"] = greedy(loaded, tp, prompts, token_buckets=(16,), enable_expert_parallel=ep,
+                                                quantization=quant or None)
     print(json.dumps(result))
 """).replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
-# tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism.
+# tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism;
+# "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1.
 # Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window
 # entering the per-shard attention (and KV heads replicated 2x at tp4).
-LAYOUTS = {"qwen3_moe": ("tp2", "ep8"), "gemma3": ("tp4",)}
+LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",)}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):
@@ -81,8 +84,8 @@ def test_tensor_and_expert_parallel_match_single_device(family_dirs):
     result = json.loads(res.stdout.strip().splitlines()[-1])
     for family, layouts in LAYOUTS.items():
         path = family_dirs[family][0]
-        base, _ = result[f"{path}-tp1"]
         for layout in layouts:
+            base, _ = result[f"{path}-{layout.rpartition(':')[0] + ':' if ':' in layout else ''}tp1"]
             tokens, compiles = result[f"{path}-{layout}"]
             assert tokens == base, f"{family} {layout}: {tokens} != {base}"
             assert compiles == 0, f"{family} {layout}: {compiles} compilations after warmup"
