@@ -83,7 +83,7 @@ def update_kv_cache(
         # The kernels get rows already quantized, so every branch takes the kernel's args.
         return by_target_platform(kernel_args, reference=_written(layout_of(k_pages)) if quantized
                                   else update_kv_cache_reference,
-                                  tpu=None if lanes or quantized else update_kv_cache_tpu,
+                                  tpu=None if lanes else update_kv_cache_tpu,
                                   gpu=update_kv_cache_gpu if gpu_ok else None)
     impl = resolve_backend(backend, interpret)
     if impl == "gpu" and not gpu_ok:

@@ -4,6 +4,10 @@ The slot mapping is scalar-prefetched into SMEM; a program owns `block_t` tokens
 one async copy per token (its row, `[Hkv, D]` or `[C]`, into `[page, offset]`) and then waits for all of them,
 so the copies overlap. Both caches stay in HBM (memory space ANY) and are aliased input ->
 output: only the written rows move.
+
+Quantized pages: the rows arrive quantized (`ops.update_kv_cache`, `kv_quant`); the kernel
+moves them like any rows and their scales are written by XLA's scatter (one f32 per token
+and head: a DMA per element would cost more than it moves).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_layout import layout_of
 
 
 def _kernel(
@@ -65,11 +72,26 @@ def update_kv_cache_tpu(
     k_pages: jax.Array,  # [num_pages, page_size, *row]
     v_pages: jax.Array,  # [num_pages, page_size, *row]
     slot_mapping: jax.Array,  # [T] int32
+    k_scales: jax.Array | None = None,  # quantized pages: kv_layout.kv_scales_shape(...) f32
+    v_scales: jax.Array | None = None,
+    k_new_scales: jax.Array | None = None,  # [T, Hkv] f32, the scales of the (quantized) new rows
+    v_new_scales: jax.Array | None = None,
     *,
     block_t: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Write the new K/V rows into their slots; padding tokens must point at page 0."""
+):
+    """Write the new K/V rows into their slots; padding tokens must point at page 0.
+    Quantized pages: k_new / v_new hold quantized values, their scales are written too, and
+    the result is (k_pages, v_pages, k_scales, v_scales)."""
+    pages = _write_rows(k_new, v_new, k_pages, v_pages, slot_mapping, block_t=block_t, interpret=interpret)
+    if k_scales is None:
+        return pages
+    layout, slots = layout_of(k_pages), slot_mapping.astype(jnp.int32)
+    return (*pages, kv_quant.write_scales(k_scales, slots, k_new_scales, layout),
+            kv_quant.write_scales(v_scales, slots, v_new_scales, layout))
+
+
+def _write_rows(k_new, v_new, k_pages, v_pages, slot_mapping, *, block_t, interpret):
     num_tokens = k_new.shape[0]
     page_size = k_pages.shape[1]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

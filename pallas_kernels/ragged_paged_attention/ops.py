@@ -130,6 +130,7 @@ def ragged_paged_attention(
     if backend == "auto" and not interpret:
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+        from pallas_kernels.ragged_paged_attention.tpu import scales_page_size_ok as tpu_scales_ok
 
         fits = functools.partial(_kernel_supports, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  dtype=k_pages.dtype, layout=layout)
@@ -140,7 +141,7 @@ def ragged_paged_attention(
             cpu=functools.partial(ragged_paged_attention_cpu, **kw)
             if _native_cpu_choice(layout, q.shape[1], k_pages.dtype)[0] else None,
             tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw)
-            if fits("tpu", device_kind=tpu_kind) else None,
+            if fits("tpu", device_kind=tpu_kind) and (k_scales is None or tpu_scales_ok(k_pages.shape[1])) else None,
             gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
         )
     impl = resolve_backend(backend, interpret)

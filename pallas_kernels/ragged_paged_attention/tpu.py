@@ -21,6 +21,16 @@ lanes, and of the W output lanes the wrapper keeps the head's own. Selects that 
 row mask across lanes run in f32 (Mosaic cannot broadcast across lanes of packed 16-bit
 rows when the head group is odd).
 
+Quantized pages (int8, float8_e4m3fn, float8_e5m2; `pallas_kernels.kv_quant`) come with f32
+scales `[Hkv, ceil(P * ps / 128), 128]` (`kv_layout.kv_scales_shape`, lanes layout: slot s of
+head h at `[h, s // 128, s % 128]`). With each page, the row(s) of every head holding its
+scales are DMAed beside it; the chunk's scales are assembled into `[Hkv, chunk]` rows (keys in
+the lanes) by rotating each page's `ps` lanes into place (`pltpu.roll`, a dynamic lane
+rotate: the page's offset in its row depends on its id). Keys and values are widened to the
+query's compute dtype in VMEM (exact), the scores of each key multiplied by its K scale and
+each softmax weight by its key's V scale before P.V (the denominator sums the unscaled
+weights): no dequantized page is written anywhere.
+
 Only chunks a sequence's rows can see are visited (its window start to its last position
 in the block), and only pages inside the block table are fetched (indices are clamped), so
 nothing is read out of bounds.
@@ -53,7 +63,13 @@ def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
 def quantized_dtypes(device_kind: str | None = None) -> tuple:
     """Quantized page dtypes the kernel reads on `device_kind` (None: any generation)."""
     del device_kind
-    return ()
+    return (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def scales_page_size_ok(page_size: int) -> bool:
+    """A page's scales lie in one 128-lane row of the scales (S divides 128) or in whole rows
+    (128 divides S): the kernel DMAs rows."""
+    return page_size > 0 and (LANE % page_size == 0 or page_size % LANE == 0)
 
 
 def _kernel(
@@ -67,23 +83,24 @@ def _kernel(
     q_ref,  # [Bq, Hq, W] VMEM block of the token axis, each head in its KV head's lanes
     k_hbm,  # [P, ps, C] HBM
     v_hbm,
-    # output
-    o_ref,  # [Bq, Hq, W]
-    # scratch
-    k_buf,  # [2, Cp, ps, C] VMEM (double-buffered chunks of whole pages)
-    v_buf,
-    sems,  # DMA semaphores [2, 2] (buffer slot, k/v)
-    m_ref,  # [Hkv, Bq * G, 1] f32
-    l_ref,  # [Hkv, Bq * G, 1] f32
-    acc_ref,  # [Hkv, Bq * G, W] f32
-    *,
+    *refs,
     sm_scale: float,
     has_window: bool,
     soft_cap: float | None,
     max_pages: int,
     num_kv_heads: int,
     head_dim: int,
+    quantized: bool,
 ):
+    # Quantized pages add inputs ks_hbm, vs_hbm ([Hkv, N, 128] f32 HBM) and scratch ks_buf,
+    # vs_buf ([2, Hkv, Cp * R, 128] f32 VMEM: R rows of 128 scales per page and head).
+    # o_ref: [Bq, Hq, W] output; k_buf, v_buf: [2, Cp, ps, C] VMEM (double-buffered chunks of
+    # whole pages); sems: DMA semaphores [2, 2 or 4] (buffer slot, k/v/k scales/v scales);
+    # m_ref, l_ref: [Hkv, Bq * G, 1] f32; acc_ref: [Hkv, Bq * G, W] f32.
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     block_q, num_q_heads, width = q_ref.shape
     _, chunk_pages, page_size, _ = k_buf.shape
     group = num_q_heads // num_kv_heads
@@ -100,13 +117,45 @@ def _kernel(
         lambda s: (s < num_seqs) & (cu_q_lens_ref[s + 1] <= blk_start), lambda s: s + 1, 0
     )
 
+    scale_rows_per_page = max(1, page_size // LANE)  # R
+
+    def chunk_page(seq, c, p):
+        return tables_ref[seq * max_pages + jnp.minimum(c * chunk_pages + p, max_pages - 1)]
+
     def chunk_copies(seq, c, slot):
         copies = []
         for p in range(chunk_pages):
-            page = tables_ref[seq * max_pages + jnp.minimum(c * chunk_pages + p, max_pages - 1)]
+            page = chunk_page(seq, c, p)
             for kv, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
                 copies.append(pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[slot, kv]))
+            if quantized:  # the row(s) of every head holding this page's scales
+                r = scale_rows_per_page
+                row = page * page_size // LANE
+                for kv, (src, dst) in enumerate(((ks_hbm, ks_buf), (vs_hbm, vs_buf))):
+                    copies.append(pltpu.make_async_copy(src.at[:, pl.ds(row, r), :], dst.at[slot, :, pl.ds(p * r, r), :],
+                                                        sems.at[slot, 2 + kv]))
         return copies
+
+    def chunk_scales(buf, seq, c, slot):
+        """[Hkv, chunk] f32: the chunk's scales per head, keys in the lanes."""
+        rows = chunk_pages * scale_rows_per_page
+        if page_size >= LANE:  # whole rows per page, in key order
+            parts = [buf[slot, :, r, :] for r in range(rows)]  # [Hkv, 128] each
+            return jnp.concatenate(parts, axis=1) if rows > 1 else parts[0]
+        per_row = LANE // page_size
+        lane = jax.lax.broadcasted_iota(jnp.int32, (num_kv_heads, LANE), 1)
+        groups = []
+        for g0 in range(0, chunk_pages, per_row):
+            acc = jnp.zeros((num_kv_heads, LANE), jnp.float32)
+            for j, p in enumerate(range(g0, min(g0 + per_row, chunk_pages))):
+                # The page's ps scales sit at lanes [(page * ps) % 128, + ps) of its row: rotate
+                # them to lanes [j * ps, (j + 1) * ps) of this group.
+                at = (chunk_page(seq, c, p) * page_size) % LANE
+                shifted = pltpu.roll(buf[slot, :, p, :], (j * page_size - at + LANE) % LANE, 1)
+                acc = jnp.where((lane >= j * page_size) & (lane < (j + 1) * page_size), shifted, acc)
+            groups.append(acc)
+        out = jnp.concatenate(groups, axis=1) if len(groups) > 1 else groups[0]
+        return out[:, :chunk] if out.shape[1] != chunk else out
 
     def in_block(s):  # sequence s is real and has rows in this block
         return (s < num_seqs) & (cu_q_lens_ref[jnp.minimum(s, num_seqs)] < blk_end)
@@ -164,6 +213,10 @@ def _kernel(
                 mask &= row_pos - k_pos < sliding_window
             # Slots past the context may hold anything (NaN too): p is 0 there, 0 * NaN is not.
             live = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, width), 0) < kv_len  # [S, W]
+            if quantized:
+                k_sc = chunk_scales(ks_buf, seq, c, slot)  # [Hkv, S]
+                live_keys = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1) < kv_len
+                v_sc = jnp.where(live_keys, chunk_scales(vs_buf, seq, c, slot), 0.0)
             for h in range(num_kv_heads):
                 q = q_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :]  # [ntok, G, W]
                 if q.dtype.itemsize < 4 and group % (4 // q.dtype.itemsize):
@@ -174,13 +227,15 @@ def _kernel(
                 w0, _, _ = head_window(h, head_dim)
                 k = k_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
                 v = v_buf[slot, :, :, w0 : w0 + width].reshape(chunk, width)
+                if quantized:  # widened to the query's compute dtype (exact for int8 and fp8)
+                    k, v = k.astype(q.dtype), v.astype(q.dtype)
                 v = jnp.where(live, v, jnp.zeros_like(v))
                 if q.dtype != k.dtype:
                     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
                 s = jax.lax.dot_general(
                     q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                 )  # [N, S]
-                s = s * sm_scale
+                s = s * (k_sc[h : h + 1, :] * sm_scale if quantized else sm_scale)
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(mask, s, _MASKED)
@@ -190,6 +245,8 @@ def _kernel(
                 alpha = jnp.exp(m_prev - m_new)
                 m_ref[h, rows_of, :] = m_new
                 l_ref[h, rows_of, :] = alpha * l_ref[h, rows_of, :] + p.sum(axis=1, keepdims=True)
+                if quantized:  # the weights of the values as stored (l summed the unscaled ones)
+                    p = p * v_sc[h : h + 1, :]
                 pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
                 acc_ref[h, rows_of, :] = alpha * acc_ref[h, rows_of, :] + pv
             return 1 - slot
@@ -294,6 +351,8 @@ def ragged_paged_attention_tpu(
     block_q: int = 32,
     chunk_pages: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    k_scales: jax.Array | None = None,  # quantized pages: [Hkv, ceil(P * ps / 128), 128] f32
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic (Pallas TPU) ragged paged attention over the lanes layout; same contract as
     the reference (which reads either layout).
@@ -312,6 +371,9 @@ def ragged_paged_attention_tpu(
         raise ValueError(f"k_pages rows of {lanes} lanes do not hold {num_kv_heads} heads of D={head_dim} "
                          "in the lanes layout")
     _, width, _ = head_window(0, head_dim)
+    quantized = k_scales is not None
+    if quantized and not scales_page_size_ok(page_size):
+        raise ValueError(f"quantized pages need page_size dividing 128 or a multiple of 128, got {page_size}")
     if chunk_pages is None:
         chunk_pages = _default_chunk_pages(page_size, lanes, k_pages.dtype)
     chunk_pages = min(chunk_pages, max_pages)
@@ -329,21 +391,25 @@ def ragged_paged_attention_tpu(
         max_pages=max_pages,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        quantized=quantized,
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, width), lambda j, *_: (j, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
     buf_shape = (2, chunk_pages, page_size, lanes)
+    scale_bufs = [pltpu.VMEM((2, num_kv_heads, chunk_pages * max(1, page_size // LANE), LANE), jnp.float32)] * 2 \
+        if quantized else []
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(padded_tokens // block_q,),
-            in_specs=[q_spec, hbm, hbm],
+            in_specs=[q_spec, hbm, hbm] + [hbm, hbm] * quantized,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf_shape, k_pages.dtype),
                 pltpu.VMEM(buf_shape, v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2, 4 if quantized else 2)),
+                *scale_bufs,
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, width), jnp.float32),
@@ -364,6 +430,7 @@ def ragged_paged_attention_tpu(
         q_p,
         k_pages,
         v_pages,
+        *((k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)) if quantized else ()),
     )
     out = out[:num_tokens]
     return _own_lanes(out, group, head_dim) if width != head_dim else out
