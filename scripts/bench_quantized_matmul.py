@@ -2,9 +2,12 @@
 
 Each case runs as the model calls it: a `lax.scan` over L stacked layers ([L, K, N] weights,
 the layer index traced), L chosen so that the int8 stack (~48 MB) does not sit in the last
-level cache, capped for large M. Reported per layer: median ms over interleaved repeats
-(the three implementations alternate inside each repeat), the GB/s of the weight bytes as
-stored (f32: 4 bytes per weight, int8: 1), and f32 ms / ms ratios.
+level cache, capped for large M. f32 activations. Reported per layer: median ms over
+interleaved repeats (the implementations alternate inside each repeat), the GB/s of the
+weight bytes as stored (f32: 4 bytes per weight, int8: 1), and f32 ms / ms ratios.
+Implementations: f32 (`x @ w[l]`, f32 weights), ref (the jnp reference on int8), native (the
+kernel, f32 products), nat-bf16 (the kernel with precision="bf16": for M > 4 bf16 dot
+products; for M <= 4 the same path as native, so not run).
 
     .venv/bin/python scripts/bench_quantized_matmul.py [--m 1,4,64,512] [--shapes qkv,o] [--reps 7]
 """
@@ -12,6 +15,7 @@ stored (f32: 4 bytes per weight, int8: 1), and f32 ms / ms ratios.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -67,8 +71,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, {why}; load average at start {os.getloadavg()}")
     print(f"{'shape':8s} {'K':>5s} {'N':>6s} {'M':>4s} {'L':>3s} | {'f32 ms':>8s} {'GB/s':>5s} | "
-          f"{'ref ms':>8s} {'GB/s':>5s} | {'native ms':>9s} {'GB/s':>5s} | "
-          f"{'f32/ref':>7s} {'f32/nat':>7s} {'ref/nat':>7s} | load")
+          f"{'ref ms':>8s} {'GB/s':>5s} | {'native ms':>9s} {'GB/s':>5s} | {'nat-bf16':>8s} | "
+          f"{'f32/ref':>7s} {'f32/nat':>7s} {'f32/bf16':>8s} | load")
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         for m in (int(v) for v in args.m.split(",")):
@@ -82,6 +86,9 @@ def main() -> None:
             runs = [(scanned(f32_matmul, num_layers), (x, w32, s)),
                     (scanned(quantized_matmul_reference, num_layers), (x, w8, s)),
                     (scanned(cpu.quantized_matmul_cpu, num_layers), (x, w8, s))]
+            if m > 4:
+                bf16 = functools.partial(cpu.quantized_matmul_cpu, precision="bf16")
+                runs.append((scanned(bf16, num_layers), (x, w8, s)))
             for f, a in runs:
                 jax.block_until_ready(f(*a))
             times: list[list[float]] = [[] for _ in runs]
@@ -93,9 +100,11 @@ def main() -> None:
             ms = [statistics.median(t) * 1e3 for t in times]
             gbs = [4 * k * n / ms[0] / 1e6, k * n / ms[1] / 1e6, k * n / ms[2] / 1e6]
             load = os.getloadavg()[0]
+            bf16_ms, bf16_ratio = ((f"{ms[3]:8.3f}", f"{ms[0] / ms[3]:8.2f}") if len(ms) > 3
+                                   else ("", ""))
             print(f"{name:8s} {k:5d} {n:6d} {m:4d} {num_layers:3d} | {ms[0]:8.3f} {gbs[0]:5.1f} | "
-                  f"{ms[1]:8.3f} {gbs[1]:5.1f} | {ms[2]:9.3f} {gbs[2]:5.1f} | "
-                  f"{ms[0] / ms[1]:7.2f} {ms[0] / ms[2]:7.2f} {ms[1] / ms[2]:7.2f} | {load:.2f}",
+                  f"{ms[1]:8.3f} {gbs[1]:5.1f} | {ms[2]:9.3f} {gbs[2]:5.1f} | {bf16_ms:>8s} | "
+                  f"{ms[0] / ms[1]:7.2f} {ms[0] / ms[2]:7.2f} {bf16_ratio:>8s} | {load:.2f}",
                   flush=True)
             del runs, w8, w32
     print(f"load average at end {os.getloadavg()}")

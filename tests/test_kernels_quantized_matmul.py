@@ -77,6 +77,23 @@ def test_kernel_bf16_activations(m):
     assert np.all(np.abs(np.asarray(ref, np.float64) - want) <= tol)
 
 
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
+def test_bf16_products(m):
+    """precision="bf16": x rounded to bf16, exact products, f32 sums (the packed path runs on
+    bf16 dot-product instructions); within 2^-9 of the f32 result, relative to the sum of
+    |terms|, on top of f32 summation error."""
+    x, w, scale = operands(m, 577, 131, seed=m + 5)
+    got = jax.jit(functools.partial(quantized_matmul, backend="cpu", precision="bf16"))(x, w, scale)
+    ref = quantized_matmul_reference(x, w, scale, precision="bf16")
+    assert got.dtype == jnp.float32 == ref.dtype
+    xb = x.astype(jnp.bfloat16)
+    assert_close(got, exact(xb, w, scale), xb, w, scale, 1e-6)
+    assert_close(ref, exact(xb, w, scale), xb, w, scale, 1e-6)
+    assert_close(got, exact(x, w, scale), x, w, scale, 2.0**-9 + 1e-6)
+    with pytest.raises(ValueError, match="precision"):
+        quantized_matmul(x, w, scale, precision="int8")
+
+
 def test_zero_scale_columns_are_zero():
     x, w, scale = operands(5, 64, 40)
     scale = scale.at[::3].set(0.0)

@@ -5,21 +5,26 @@
 // x [M, K] f32 or bf16, w [K, N] int8 or stacked [L, K, N] with an int32 `layer` operand
 // (read in place: no slice is copied), scale [N] or [L, N] f32, out [M, N] in x's dtype.
 // XLA:CPU converts the whole int8 weight into an f32 temporary on every call and then runs
-// an f32 GEMM, so int8 is slower than f32 there; this kernel reads each int8 weight once per
-// row block and widens it in registers.
+// an f32 GEMM, so int8 is slower than f32 there; this kernel reads the int8 weight and widens
+// it in registers or in a cache-resident panel.
 //
-// Two paths, both f32 FMAs (no activation quantization: the result matches the reference up
-// to summation order):
-// - Direct (M <= 4, decode): a tile of MR = M rows by NV * 16 columns keeps MR * NV
-//   accumulators in registers over all of K; each k row of the weight is read once (NV * 16
-//   contiguous bytes), widened int8 -> int32 -> f32 and multiplied into every row. Bound by
-//   memory bandwidth on the weight.
-// - Packed (M > 4): a tile of up to kPanelK rows of a 64-column panel of the weight is
-//   widened once into an f32 buffer (L2-resident), then a 6 x 64 register-blocked micro
-//   kernel runs over every 6-row tile of an m-block (GEMM blocking: the conversion is paid
-//   once per m-block, not per row tile). Partial sums live in a per-item f32 scratch.
+// `bf16_products`: x is rounded to bf16 before the products (exact when x is bf16 already).
+// Without it (f32 x) every product is f32 x f32 and the result is the reference's up to
+// summation order.
 //
-// Work items (column tiles; for the packed path m-block x 64-column panels) are taken from a
+// - Direct path (M <= 4, decode): a tile of MR = M rows by NV * 16 columns keeps MR * NV
+//   accumulators in registers; each k row of the weight is read once (NV * 16 contiguous
+//   bytes), widened int8 -> int32 -> f32 and multiplied into every row with f32 FMAs. Bound
+//   by memory bandwidth on the weight. Wide items walk K in blocks (every tile of the item
+//   per block) so that a block's rows stay few for the TLB when rows are far apart.
+// - Packed path (M > 4, compute-bound): up to kPanelK rows of a 64-column panel of the weight
+//   are widened once into a cache-resident buffer, then a 6 x 64 register-blocked micro
+//   kernel runs over every 6-row tile of an m-block (the conversion is paid once per m-block,
+//   not per row tile); partial sums live in a per-item scratch. f32 products: f32 panel and
+//   FMAs. bf16 products (with AVX512-BF16): a bf16 panel with pairs of k rows interleaved and
+//   VDPBF16PS, twice the f32 FMA rate.
+//
+// Work items (direct: column ranges; packed: m-block x 64-column panel) are taken from a
 // shared atomic counter by the calling thread and XLA's intra-op pool (ffi::ThreadPool), as
 // in the attention kernel: pool tasks hold only the counter, and the call returns when every
 // item is done.
@@ -37,17 +42,22 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QMM_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define QMM_AVX512_BF16 1
+#endif
 #endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDirectMaxRows = 4;  // M at or below this: the direct path
-constexpr int64_t kPackedRows = 6;     // rows of the packed micro kernel's register tile
-constexpr int64_t kPanel = 64;         // columns of a packed panel
-constexpr int64_t kPanelK = 384;       // k rows of one packed panel tile (96 KiB of f32)
-constexpr int64_t kMBlock = 48;        // target rows of one packed m-block (a multiple of 6)
+constexpr int64_t kDirectMaxRows = 4;   // M at or below this: the direct path
+constexpr int64_t kDirectBlockK = 256;  // k rows per block of the direct path's wide items
+constexpr int64_t kDirectMaxTiles = 8;  // column tiles per direct item at most
+constexpr int64_t kPackedRows = 6;      // rows of the packed micro kernel's register tile
+constexpr int64_t kPanel = 64;          // columns of a packed panel
+constexpr int64_t kPanelK = 384;        // k rows of one packed panel (even: bf16 pairs)
+constexpr int64_t kMBlock = 48;         // target rows of one packed m-block
 
 inline float bf16_to_f32(uint16_t x) {
   const uint32_t b = static_cast<uint32_t>(x) << 16;
@@ -63,28 +73,71 @@ inline uint16_t f32_to_bf16(float x) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(b >> 16);
 }
 
+// dst[i] = src[i] as f32, for n values (bf16 widened, or f32 rounded to bf16 and back).
+void to_f32(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(QMM_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(QMM_AVX512_BF16)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
 struct Problem {
   int64_t M, K, N;
-  const float* x;     // [M, K] f32 (bf16 inputs are widened first)
-  const int8_t* w;    // [K, N] of the selected layer
-  const float* scale; // [N]
-  void* out;          // [M, N]
+  const float* x;      // [M, K] f32 (bf16 inputs widened; with bf16 products, rounded first)
+  const uint16_t* xb;  // packed bf16 path: [M, Kp] bf16, K padded to even with 0; else null
+  int64_t Kp;
+  const int8_t* w;      // [K, N] of the selected layer
+  const float* scale;   // [N]
+  void* out;            // [M, N]
   bool out_bf16;
-  // Direct path: column tile width in 16-lane vectors. Packed path: m-block rows.
-  int64_t nv, num_col_tiles, m_block, num_m_blocks;
+  // Direct path: column tile width in 16-lane vectors, columns per item. Packed path: rows
+  // per m-block, m-blocks.
+  int64_t nv, span, m_block, num_m_blocks;
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale.
-inline void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int64_t rows,
-                       int64_t n0, int64_t cols) {
+void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int64_t rows, int64_t n0,
+                int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) {
     const float* a = acc + i * ld;
-    if (p.out_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(p.out) + (m0 + i) * p.N + n0;
-      for (int64_t j = 0; j < cols; ++j) o[j] = f32_to_bf16(a[j] * p.scale[n0 + j]);
-    } else {
-      float* o = static_cast<float*>(p.out) + (m0 + i) * p.N + n0;
-      for (int64_t j = 0; j < cols; ++j) o[j] = a[j] * p.scale[n0 + j];
+    const int64_t o = (m0 + i) * p.N + n0;
+    int64_t j = 0;
+#if defined(QMM_AVX512)
+    for (; j < cols; j += 16) {
+      const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1u);
+      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, p.scale + n0 + j));
+      if (!p.out_bf16) {
+        _mm512_mask_storeu_ps(static_cast<float*>(p.out) + o + j, m, v);
+      } else {
+#if defined(QMM_AVX512_BF16)
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + o + j, m,
+                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+        alignas(64) float t[16];
+        _mm512_store_ps(t, v);
+        for (int64_t l = 0; l < std::min<int64_t>(16, cols - j); ++l)
+          static_cast<uint16_t*>(p.out)[o + j + l] = f32_to_bf16(t[l]);
+#endif
+      }
+    }
+#endif
+    for (; j < cols; ++j) {
+      const float v = a[j] * p.scale[n0 + j];
+      if (p.out_bf16) static_cast<uint16_t*>(p.out)[o + j] = f32_to_bf16(v);
+      else static_cast<float*>(p.out)[o + j] = v;
     }
   }
 }
@@ -105,9 +158,13 @@ inline __m512 load_w16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
-// Direct path: acc[MR][NV*16] = x[0:MR, :] @ w[:, n0:n0 + NV*16] over all K, read from int8.
+// ---- Direct path ----
+
+// acc[MR][NV*16] (+)= x[0:MR, k0:k1] @ w[k0:k1, n0:n0 + NV*16], read from int8; acc rows ld
+// floats apart.
 template <int MR, int NV, bool kMasked>
-void direct_tile(const Problem& p, int64_t n0, float* acc_out) {
+void direct_tile(const Problem& p, int64_t n0, int64_t k0, int64_t k1, float* acc_out, int64_t ld,
+                 bool accumulate) {
   const int64_t K = p.K, N = p.N;
   __m512 acc[MR][NV];
   __mmask16 masks[NV];
@@ -116,13 +173,14 @@ void direct_tile(const Problem& p, int64_t n0, float* acc_out) {
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = accumulate ? _mm512_loadu_ps(acc_out + m * ld + 16 * v) : _mm512_setzero_ps();
   const int8_t* w = p.w + n0;
   const float* x = p.x;
   constexpr int64_t kAhead = 16;  // rows prefetched ahead (rows are N bytes apart)
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     const int8_t* row = w + k * N;
-    if (k + kAhead < K) {
+    if (k + kAhead < k1) {
 #pragma GCC unroll 4
       for (int v = 0; v < NV; v += 4) __builtin_prefetch(row + kAhead * N + 16 * v);
     }
@@ -139,29 +197,76 @@ void direct_tile(const Problem& p, int64_t n0, float* acc_out) {
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc_out + m * NV * 16 + 16 * v, acc[m][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc_out + m * ld + 16 * v, acc[m][v]);
 }
 
+// One item of the direct path: columns [c0, c0 + span) as tiles of NV * 16 columns. With one
+// tile, or K at most kDirectBlockK, each tile runs over all of K in registers. Otherwise K is
+// walked in blocks of kDirectBlockK rows, every tile of the span per block (partial sums in a
+// scratch), so that one block's rows stay few enough for the TLB and each row's bytes of the
+// span are read close together.
+template <int MR, int NV>
+void direct_item(const Problem& p, int64_t item) {
+  constexpr int64_t tile = NV * 16;
+  const int64_t c0 = item * p.span, c1 = std::min(p.N, c0 + p.span);
+  if (c1 - c0 <= tile || p.K <= kDirectBlockK) {
+    alignas(64) float acc[MR * tile];
+    for (int64_t n0 = c0; n0 < c1; n0 += tile) {
+      const int64_t cols = std::min(tile, c1 - n0);
+      if (cols == tile) direct_tile<MR, NV, false>(p, n0, 0, p.K, acc, tile, false);
+      else direct_tile<MR, NV, true>(p, n0, 0, p.K, acc, tile, false);
+      store_tile(p, acc, tile, 0, MR, n0, cols);
+    }
+    return;
+  }
+  thread_local std::vector<float> scratch;
+  const int64_t ld = (c1 - c0 + tile - 1) / tile * tile;
+  scratch.resize(MR * ld);
+  for (int64_t k0 = 0; k0 < p.K; k0 += kDirectBlockK) {
+    const int64_t k1 = std::min(p.K, k0 + kDirectBlockK);
+    for (int64_t n0 = c0; n0 < c1; n0 += tile) {
+      float* acc = scratch.data() + (n0 - c0);
+      if (n0 + tile <= c1) direct_tile<MR, NV, false>(p, n0, k0, k1, acc, ld, k0 > 0);
+      else direct_tile<MR, NV, true>(p, n0, k0, k1, acc, ld, k0 > 0);
+    }
+  }
+  store_tile(p, scratch.data(), ld, 0, MR, c0, c1 - c0);
+}
+
+template <int MR>
+void direct_item_nv(const Problem& p, int64_t item) {
+  // direct_split gives 16 only for one row and 8 for at most 3 (the accumulators' registers).
+  if constexpr (MR == 1) {
+    if (p.nv == 16) return direct_item<MR, 16>(p, item);
+  }
+  if constexpr (MR <= 3) {
+    if (p.nv == 8) return direct_item<MR, 8>(p, item);
+  }
+  switch (p.nv) {
+    case 4: return direct_item<MR, 4>(p, item);
+    case 2: return direct_item<MR, 2>(p, item);
+    default: return direct_item<MR, 1>(p, item);
+  }
+}
+
+// ---- Packed path, f32 products ----
+
 // Widen w[k0:k0 + kc, n0:n0 + 64] into panel [kc][64] f32 (columns past N are 0).
-inline void pack_panel(const Problem& p, int64_t k0, int64_t kc, int64_t n0, float* panel) {
+void pack_panel_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, float* panel) {
   __mmask16 masks[4];
   for (int v = 0; v < 4; ++v) masks[v] = lane_mask(p.N - n0 - 16 * v);
   const bool full = n0 + kPanel <= p.N;
   for (int64_t k = 0; k < kc; ++k) {
     const int8_t* row = p.w + (k0 + k) * p.N + n0;
     float* dst = panel + k * kPanel;
-    if (full) {
-      for (int v = 0; v < 4; ++v) _mm512_store_ps(dst + 16 * v, load_w16<false>(row + 16 * v, 0));
-    } else {
-      for (int v = 0; v < 4; ++v) _mm512_store_ps(dst + 16 * v, load_w16<true>(row + 16 * v, masks[v]));
-    }
+    for (int v = 0; v < 4; ++v)
+      _mm512_store_ps(dst + 16 * v, full ? load_w16<false>(row + 16 * v, 0) : load_w16<true>(row + 16 * v, masks[v]));
   }
 }
 
-// Packed path: c[MR][64] (+)= a[0:MR, 0:kc] @ panel[0:kc][64]; a rows lda apart.
+// c[MR][64] (+)= a[0:MR, 0:kc] @ panel[0:kc][64]; a rows lda floats apart.
 template <int MR>
-void packed_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* c,
-                 bool accumulate) {
+void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc, float* c, bool accumulate) {
   __m512 acc[MR][4];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -187,54 +292,119 @@ void packed_tile(const float* a, int64_t lda, const float* panel, int64_t kc, fl
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kPanel + 16 * v, acc[m][v]);
 }
 
-template <int MR, int NV>
-void direct_item(const Problem& p, int64_t item) {
-  const int64_t n0 = item * NV * 16, cols = std::min<int64_t>(NV * 16, p.N - n0);
-  alignas(64) float acc[MR * NV * 16];
-  if (cols == NV * 16) direct_tile<MR, NV, false>(p, n0, acc);
-  else direct_tile<MR, NV, true>(p, n0, acc);
-  store_tile(p, acc, NV * 16, 0, MR, n0, cols);
-}
+struct PackedF32 {
+  using Panel = float;
+  static constexpr bool kPairs = false;
+  static constexpr int64_t kPanelElems = kPanelK * kPanel;
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, Panel* panel) {
+    pack_panel_f32(p, k0, kc, n0, panel);
+  }
+  template <int MR>
+  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
+    packed_tile_f32<MR>(p.x + m * p.K + k0, p.K, panel, kc, c, acc);
+  }
+};
 
-template <int MR>
-void direct_item_nv(const Problem& p, int64_t item) {
-  switch (p.nv) {
-    case 16: if constexpr (MR == 1) { direct_item<MR, 16>(p, item); break; } [[fallthrough]];
-    case 8: if constexpr (MR <= 3) { direct_item<MR, 8>(p, item); break; } [[fallthrough]];
-    case 4: direct_item<MR, 4>(p, item); break;
-    case 2: direct_item<MR, 2>(p, item); break;
-    default: direct_item<MR, 1>(p, item); break;
+// ---- Packed path, bf16 products ----
+#if defined(QMM_AVX512_BF16)
+
+// w[k0:k0 + kc, n0:n0 + 64] as bf16 (exact: |w| <= 128) into panel [kc / 2][64][2]: for each
+// pair of k rows and each column the two weights side by side, as VDPBF16PS reads them. A row
+// past K and columns past N are 0; kc is even.
+void pack_panel_bf16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, uint16_t* panel) {
+  __mmask16 masks[4];
+  for (int v = 0; v < 4; ++v) masks[v] = lane_mask(p.N - n0 - 16 * v);
+  for (int64_t j = 0; j < kc / 2; ++j) {
+    const int8_t* ra = p.w + (k0 + 2 * j) * p.N + n0;
+    const bool has_b = k0 + 2 * j + 1 < p.K;
+    uint16_t* dst = panel + j * kPanel * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m128i a = _mm_maskz_loadu_epi8(masks[v], ra + 16 * v);
+      const __m128i b = has_b ? _mm_maskz_loadu_epi8(masks[v], ra + p.N + 16 * v) : _mm_setzero_si128();
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+      _mm512_store_si512(dst + 32 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
   }
 }
 
+// c[MR][64] (+)= a[0:MR, 0:2 * pairs] @ panel (bf16 pairs); a rows lda bf16 apart.
+template <int MR>
+void packed_tile_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t pairs, float* c,
+                      bool accumulate) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v)
+      acc[m][v] = accumulate ? _mm512_loadu_ps(c + m * kPanel + 16 * v) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* b = panel + j * kPanel * 2;
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_load_si512(b));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_load_si512(b + 32));
+    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_load_si512(b + 64));
+    const __m512bh b3 = reinterpret_cast<__m512bh>(_mm512_load_si512(b + 96));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, a + m * lda + 2 * j, 4);
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, b1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], x, b2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], x, b3);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kPanel + 16 * v, acc[m][v]);
+}
+
+struct PackedBf16 {
+  using Panel = uint16_t;
+  static constexpr bool kPairs = true;  // k rows go in pairs: a block's rows rounded up to even
+  static constexpr int64_t kPanelElems = kPanelK * kPanel;
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, Panel* panel) {
+    pack_panel_bf16(p, k0, kc, n0, panel);
+  }
+  template <int MR>
+  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
+    packed_tile_bf16<MR>(p.xb + m * p.Kp + k0, p.Kp, panel, kc / 2, c, acc);
+  }
+};
+#endif
+
+// One packed item: rows [m0, m0 + m_block) by a 64-column panel, over K in kPanelK blocks.
+template <typename Path>
 void packed_item(const Problem& p, int64_t item) {
-  struct Scratch {
-    std::vector<float, std::allocator<float>> panel_storage, acc;
-  };
-  thread_local Scratch s;
+  using Panel = typename Path::Panel;
+  thread_local std::vector<Panel> panel_storage;
+  thread_local std::vector<float> acc_storage;
   const int64_t mb = item % p.num_m_blocks, nb = item / p.num_m_blocks;
   const int64_t m0 = mb * p.m_block, rows = std::min(p.m_block, p.M - m0);
   const int64_t n0 = nb * kPanel, cols = std::min<int64_t>(kPanel, p.N - n0);
-  s.panel_storage.resize(kPanelK * kPanel + 16);
-  float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(s.panel_storage.data()) + 63) &
+  panel_storage.resize(Path::kPanelElems + 64);
+  Panel* panel = reinterpret_cast<Panel*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) &
                                           ~static_cast<uintptr_t>(63));
-  s.acc.resize(rows * kPanel);
-  float* acc = s.acc.data();
+  acc_storage.resize(rows * kPanel);
+  float* acc = acc_storage.data();
   if (p.K == 0) std::fill(acc, acc + rows * kPanel, 0.0f);
   for (int64_t k0 = 0; k0 < p.K; k0 += kPanelK) {
-    const int64_t kc = std::min(kPanelK, p.K - k0);
-    pack_panel(p, k0, kc, n0, panel);
+    int64_t kc = std::min(kPanelK, p.K - k0);
+    if (Path::kPairs) kc += kc & 1;
+    Path::pack(p, k0, kc, n0, panel);
     const bool accumulate = k0 > 0;
     int64_t i = 0;
     for (; i + kPackedRows <= rows; i += kPackedRows)
-      packed_tile<kPackedRows>(p.x + (m0 + i) * p.K + k0, p.K, panel, kc, acc + i * kPanel, accumulate);
-    const float* a = p.x + (m0 + i) * p.K + k0;
+      Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, acc + i * kPanel, accumulate);
+    float* c = acc + i * kPanel;
     switch (rows - i) {
-      case 5: packed_tile<5>(a, p.K, panel, kc, acc + i * kPanel, accumulate); break;
-      case 4: packed_tile<4>(a, p.K, panel, kc, acc + i * kPanel, accumulate); break;
-      case 3: packed_tile<3>(a, p.K, panel, kc, acc + i * kPanel, accumulate); break;
-      case 2: packed_tile<2>(a, p.K, panel, kc, acc + i * kPanel, accumulate); break;
-      case 1: packed_tile<1>(a, p.K, panel, kc, acc + i * kPanel, accumulate); break;
+      case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+      case 4: Path::template tile<4>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+      case 3: Path::template tile<3>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+      case 2: Path::template tile<2>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+      case 1: Path::template tile<1>(p, m0 + i, k0, kc, panel, c, accumulate); break;
       default: break;
     }
   }
@@ -242,7 +412,12 @@ void packed_item(const Problem& p, int64_t item) {
 }
 
 void run_item(const Problem& p, int64_t item) {
-  if (p.M > kDirectMaxRows) return packed_item(p, item);
+  if (p.M > kDirectMaxRows) {
+#if defined(QMM_AVX512_BF16)
+    if (p.xb != nullptr) return packed_item<PackedBf16>(p, item);
+#endif
+    return packed_item<PackedF32>(p, item);
+  }
   switch (p.M) {
     case 1: return direct_item_nv<1>(p, item);
     case 2: return direct_item_nv<2>(p, item);
@@ -254,7 +429,7 @@ void run_item(const Problem& p, int64_t item) {
 #else  // portable loops (auto-vectorised by the compiler for the host's vector width)
 
 void run_item(const Problem& p, int64_t item) {
-  const int64_t nc = p.nv * 16, n0 = item * nc, cols = std::min(nc, p.N - n0);
+  const int64_t nc = p.span, n0 = item * nc, cols = std::min(nc, p.N - n0);
   std::vector<float> acc(nc);
   for (int64_t m = 0; m < p.M; ++m) {
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -291,19 +466,25 @@ void run(const Problem& p, int64_t items, ffi::ThreadPool& pool) {
   while (progress->done.load() < items) std::this_thread::yield();
 }
 
-// The column tile width (16-lane vectors) of the direct path for M rows: the widest that
-// keeps the accumulators in registers and still gives every thread several items.
-int64_t direct_width(int64_t M, int64_t N, int64_t workers) {
-  const int64_t widest = M == 1 ? 16 : M <= 3 ? 8 : 4;
-  const int64_t vectors = (N + 15) / 16;
-  for (int64_t nv = widest; nv > 1; nv /= 2)
-    if ((vectors + nv - 1) / nv >= 4 * workers) return nv;
-  return 1;
+// The direct path's split of N for M rows: column tiles of nv 16-lane vectors (the widest
+// that keeps the accumulators in registers and still gives every thread several tiles), and
+// items of up to kDirectMaxTiles tiles (span columns) where there are many tiles.
+void direct_split(Problem& p, int64_t rows, int64_t workers) {
+  const int64_t widest = rows == 1 ? 16 : rows <= 3 ? 8 : 4;
+  const int64_t vectors = (p.N + 15) / 16, wanted = 4 * workers;
+  p.nv = 1;
+  for (int64_t nv = widest; nv > 1; nv /= 2) {
+    if ((vectors + nv - 1) / nv >= wanted) {
+      p.nv = nv;
+      break;
+    }
+  }
+  const int64_t tiles = (vectors + p.nv - 1) / p.nv;
+  p.span = p.nv * 16 * std::clamp<int64_t>(tiles / wanted, 1, kDirectMaxTiles);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w,
-                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
-                ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, bool bf16_products) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || sd.size() + 1 != wd.size())
     return ffi::Error::InvalidArgument("expected x [M, K], w [K, N] or [L, K, N], scale [N] or [L, N]");
@@ -329,14 +510,39 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w,
   p.scale = scale.typed_data() + l * N;
   p.out = out->untyped_data();
   p.out_bf16 = xt == ffi::BF16;
-  thread_local std::vector<float> widened;
-  if (xt == ffi::BF16) {
-    widened.resize(M * K);
-    const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_f32(src[i]);
-    p.x = widened.data();
+  p.xb = nullptr;
+  p.Kp = K + (K & 1);
+  const bool bf16_x = xt == ffi::BF16 || bf16_products;
+  // The activations in the form the chosen path reads, converted once per call.
+  thread_local std::vector<float> x32;
+  thread_local std::vector<uint16_t> x16;
+  const float* xf = xt == ffi::F32 ? static_cast<const float*>(x.untyped_data()) : nullptr;
+  const uint16_t* xh = xt == ffi::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+#if defined(QMM_AVX512_BF16)
+  const bool packed_bf16 = M > kDirectMaxRows && bf16_x;
+#else
+  const bool packed_bf16 = false;
+#endif
+  if (packed_bf16) {  // bf16 rows padded to an even length
+    x16.assign(M * p.Kp, 0);
+    for (int64_t i = 0; i < M; ++i) {
+      if (xh) std::memcpy(x16.data() + i * p.Kp, xh + i * K, K * sizeof(uint16_t));
+      else round_to_bf16(xf + i * K, x16.data() + i * p.Kp, K);
+    }
+    p.xb = x16.data();
+    p.x = nullptr;
+  } else if (xh || bf16_x) {  // f32 values of bf16 (or bf16-rounded) activations
+    x32.resize(M * K);
+    if (xh) {
+      to_f32(xh, x32.data(), M * K);
+    } else {
+      x16.resize(M * K);
+      round_to_bf16(xf, x16.data(), M * K);
+      to_f32(x16.data(), x32.data(), M * K);
+    }
+    p.x = x32.data();
   } else {
-    p.x = static_cast<const float*>(x.untyped_data());
+    p.x = xf;
   }
   const int64_t workers = pool.num_threads() + 1;
   int64_t items;
@@ -349,12 +555,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w,
     p.num_m_blocks = (M + p.m_block - 1) / p.m_block;
     items = p.num_m_blocks * ((N + kPanel - 1) / kPanel);
   } else {
-    p.nv = direct_width(M, N, workers);
-    items = (N + p.nv * 16 - 1) / (p.nv * 16);
+    direct_split(p, M, workers);
+    items = (N + p.span - 1) / p.span;
   }
 #else
-  p.nv = direct_width(1, N, workers);
-  items = (N + p.nv * 16 - 1) / (p.nv * 16);
+  direct_split(p, 1, workers);  // the portable loop runs row by row
+  items = (N + p.span - 1) / p.span;
 #endif
   run(p, items, pool);
   return ffi::Error::Success();
@@ -369,4 +575,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
-                                  .Ret<ffi::AnyBuffer>());        // out [M, N]
+                                  .Ret<ffi::AnyBuffer>()          // out [M, N]
+                                  .Attr<bool>("bf16_products"));

@@ -7,6 +7,10 @@ summed in f32 and the result is cast to `x.dtype`. With `layer` given, `w` and `
 stacked over layers ([L, K, N], [L, N]) and layer `layer` (an int32 scalar, traced inside
 the layer scan) is used, so an implementation can read the weight where it lies instead of
 taking a copy of the slice.
+
+`precision="bf16"` rounds x to bf16 before the products (still f32 sums, output in x's
+dtype): the products of a bf16 activation and an int8 (or float8) weight are exact in f32, so
+this is what a bf16 dot-product instruction computes. "highest" (the default) keeps f32 x.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ def quantized_matmul_reference(
     w: jax.Array,  # [K, N] int8 / float8 (or [L, K, N] with `layer`)
     scale: jax.Array,  # [N] float32 (or [L, N] with `layer`)
     layer: jax.Array | int | None = None,
+    *,
+    precision: str = "highest",  # or "bf16": x rounded to bf16 before the products
 ) -> jax.Array:  # [M, N], x.dtype
     w, scale = select_layer(w, scale, layer)
-    acc = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    xp = x.astype(jnp.bfloat16) if precision == "bf16" else x
+    acc = jnp.dot(xp, w.astype(xp.dtype), preferred_element_type=jnp.float32)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
