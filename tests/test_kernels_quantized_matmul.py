@@ -48,10 +48,11 @@ def assert_close(got, want, x, w, scale, rel):
     assert np.all(err <= rel * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
 
 
-# M: decode (direct path: 1, 3), and the packed path with a partial 6-row tile (64, 130);
-# K not a multiple of 8 or 16, N odd (a partial 16-lane vector and a partial 64-column panel).
+# M: decode (direct path: 1, 3, 4), and the packed path with a partial 6-row tile (5, 64,
+# 130); K not a multiple of 8 or 16, N odd (a partial 16-lane vector and a partial 64-column
+# panel); N past 4096: the direct path's two column parts, each summing its K-parts.
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 64, 130])
-@pytest.mark.parametrize("k,n", [(37, 75), (579, 131), (803, 1)])
+@pytest.mark.parametrize("k,n", [(37, 75), (579, 131), (803, 1), (203, 4201)])
 def test_kernel_matches_reference_f32(m, k, n):
     x, w, scale = operands(m, k, n, seed=m * 1000 + k + n)
     got = jax.jit(functools.partial(quantized_matmul, backend="cpu"))(x, w, scale)

@@ -12,11 +12,15 @@
 // Without it (f32 x) every product is f32 x f32 and the result is the reference's up to
 // summation order.
 //
-// - Direct path (M <= 4, decode): a tile of MR = M rows by NV * 16 columns keeps MR * NV
-//   accumulators in registers; each k row of the weight is read once (NV * 16 contiguous
-//   bytes), widened int8 -> int32 -> f32 and multiplied into every row with f32 FMAs. Bound
-//   by memory bandwidth on the weight. Wide items walk K in blocks (every tile of the item
-//   per block) so that a block's rows stay few for the TLB when rows are far apart.
+// - Direct path (M <= 4, decode; every M without AVX-512): bound by memory bandwidth on the
+//   weight. An item is a block of weight rows by up to 4096 columns (one contiguous block
+//   when N fits); it streams 8 rows side by side, widens each 16-column slice int8 -> int32
+//   -> f32 once and multiplies it into every row's partial sums (L1-resident), while the
+//   next 8 rows are prefetched into L2 (small matrices are otherwise bound by DRAM latency:
+//   2-3x slower measured). Splitting K gives every thread contiguous memory; each k-part
+//   writes partial sums and the last one of a column range to finish adds them up. Reading
+//   down a column tile instead (accumulators in registers, rows N bytes apart) measured at
+//   half the bandwidth.
 // - Packed path (M > 4, compute-bound): up to kPanelK rows of a 64-column panel of the weight
 //   are widened once into a cache-resident buffer, then a 6 x 64 register-blocked micro
 //   kernel runs over every 6-row tile of an m-block (the conversion is paid once per m-block,
@@ -24,10 +28,10 @@
 //   FMAs. bf16 products (with AVX512-BF16): a bf16 panel with pairs of k rows interleaved and
 //   VDPBF16PS, twice the f32 FMA rate.
 //
-// Work items (direct: column ranges; packed: m-block x 64-column panel) are taken from a
-// shared atomic counter by the calling thread and XLA's intra-op pool (ffi::ThreadPool), as
-// in the attention kernel: pool tasks hold only the counter, and the call returns when every
-// item is done.
+// Work items (direct: weight-row block x column range; packed: m-block x 64-column panel) are
+// taken from a shared atomic counter by the calling thread and XLA's intra-op pool
+// (ffi::ThreadPool), as in the attention kernel: pool tasks hold only the counter, and the
+// call returns when every item is done.
 
 #include <algorithm>
 #include <atomic>
@@ -51,9 +55,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDirectMaxRows = 4;   // M at or below this: the direct path
-constexpr int64_t kDirectBlockK = 256;  // k rows per block of the direct path's wide items
-constexpr int64_t kDirectMaxTiles = 8;  // column tiles per direct item at most
+constexpr int64_t kDirectMaxRows = 4;    // M at or below this: the direct path
+constexpr int64_t kDirectCols = 4096;    // columns of a direct item at most
+constexpr int64_t kDirectMinRows = 64;   // weight rows of a direct item at least
 constexpr int64_t kPackedRows = 6;      // rows of the packed micro kernel's register tile
 constexpr int64_t kPanel = 64;          // columns of a packed panel
 constexpr int64_t kPanelK = 384;        // k rows of one packed panel (even: bf16 pairs)
@@ -103,9 +107,13 @@ struct Problem {
   const float* scale;   // [N]
   void* out;            // [M, N]
   bool out_bf16;
-  // Direct path: column tile width in 16-lane vectors, columns per item. Packed path: rows
-  // per m-block, m-blocks.
-  int64_t nv, span, m_block, num_m_blocks;
+  // Direct path: items of krows weight rows by cw columns, kparts x nparts of them; with
+  // several k-parts, their partial sums [kparts][M][N] and per column part a count of the
+  // k-parts done. Packed path: rows per m-block, m-blocks.
+  int64_t cw, nparts, krows, kparts;
+  float* partial;
+  std::atomic<int64_t>* parts_done;
+  int64_t m_block, num_m_blocks;
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale.
@@ -160,94 +168,132 @@ inline __m512 load_w16(const int8_t* p, __mmask16 m) {
 
 // ---- Direct path ----
 
-// acc[MR][NV*16] (+)= x[0:MR, k0:k1] @ w[k0:k1, n0:n0 + NV*16], read from int8; acc rows ld
-// floats apart.
-template <int MR, int NV, bool kMasked>
-void direct_tile(const Problem& p, int64_t n0, int64_t k0, int64_t k1, float* acc_out, int64_t ld,
-                 bool accumulate) {
-  const int64_t K = p.K, N = p.N;
-  __m512 acc[MR][NV];
-  __mmask16 masks[NV];
-#pragma GCC unroll 16
-  for (int v = 0; v < NV; ++v) masks[v] = lane_mask(N - n0 - 16 * v);
-#pragma GCC unroll 16
+// acc[MR][0:cols] += x[0:MR, k:k + KU] @ w[k:k + KU, c0:c0 + cols] (acc rows ld floats
+// apart): KU weight rows are streamed side by side, each 16-column slice widened once and
+// multiplied into every row. With `prefetch` the next KU rows are requested into L2 as these
+// are read, so a small matrix does not wait on DRAM latency row by row.
+template <int MR, int KU>
+inline void direct_rows(const Problem& p, int64_t k, int64_t c0, int64_t cols, float* acc, int64_t ld,
+                        bool prefetch) {
+  const int64_t N = p.N, K = p.K;
+  const int8_t* w = p.w + k * N + c0;
+  __m512 xs[MR][KU];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v)
-      acc[m][v] = accumulate ? _mm512_loadu_ps(acc_out + m * ld + 16 * v) : _mm512_setzero_ps();
-  const int8_t* w = p.w + n0;
-  const float* x = p.x;
-  constexpr int64_t kAhead = 16;  // rows prefetched ahead (rows are N bytes apart)
-  for (int64_t k = k0; k < k1; ++k) {
-    const int8_t* row = w + k * N;
-    if (k + kAhead < k1) {
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; v += 4) __builtin_prefetch(row + kAhead * N + 16 * v);
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) xs[m][u] = _mm512_set1_ps(p.x[m * K + k + u]);
+  const int64_t full = cols & ~int64_t{15};
+  for (int64_t j = 0; j < full; j += 16) {
+    if (prefetch && (j & 63) == 0) {
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (KU + u) * N + j), _MM_HINT_T1);
     }
-    __m512 b[NV];
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) b[v] = load_w16<kMasked>(row + 16 * v, masks[v]);
-#pragma GCC unroll 16
+    __m512 wv[KU];
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) wv[u] = load_w16<false>(w + u * N + j, 0);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * K + k]);
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(a, b[v], acc[m][v]);
+      __m512 a = _mm512_loadu_ps(acc + m * ld + j);
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) a = _mm512_fmadd_ps(xs[m][u], wv[u], a);
+      _mm512_storeu_ps(acc + m * ld + j, a);
     }
   }
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc_out + m * ld + 16 * v, acc[m][v]);
-}
-
-// One item of the direct path: columns [c0, c0 + span) as tiles of NV * 16 columns. With one
-// tile, or K at most kDirectBlockK, each tile runs over all of K in registers. Otherwise K is
-// walked in blocks of kDirectBlockK rows, every tile of the span per block (partial sums in a
-// scratch), so that one block's rows stay few enough for the TLB and each row's bytes of the
-// span are read close together.
-template <int MR, int NV>
-void direct_item(const Problem& p, int64_t item) {
-  constexpr int64_t tile = NV * 16;
-  const int64_t c0 = item * p.span, c1 = std::min(p.N, c0 + p.span);
-  if (c1 - c0 <= tile || p.K <= kDirectBlockK) {
-    alignas(64) float acc[MR * tile];
-    for (int64_t n0 = c0; n0 < c1; n0 += tile) {
-      const int64_t cols = std::min(tile, c1 - n0);
-      if (cols == tile) direct_tile<MR, NV, false>(p, n0, 0, p.K, acc, tile, false);
-      else direct_tile<MR, NV, true>(p, n0, 0, p.K, acc, tile, false);
-      store_tile(p, acc, tile, 0, MR, n0, cols);
+  if (full < cols) {
+    const __mmask16 mask = lane_mask(cols - full);
+    if (prefetch && (full & 63) == 0) {
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (KU + u) * N + full), _MM_HINT_T1);
     }
-    return;
-  }
-  thread_local std::vector<float> scratch;
-  const int64_t ld = (c1 - c0 + tile - 1) / tile * tile;
-  scratch.resize(MR * ld);
-  for (int64_t k0 = 0; k0 < p.K; k0 += kDirectBlockK) {
-    const int64_t k1 = std::min(p.K, k0 + kDirectBlockK);
-    for (int64_t n0 = c0; n0 < c1; n0 += tile) {
-      float* acc = scratch.data() + (n0 - c0);
-      if (n0 + tile <= c1) direct_tile<MR, NV, false>(p, n0, k0, k1, acc, ld, k0 > 0);
-      else direct_tile<MR, NV, true>(p, n0, k0, k1, acc, ld, k0 > 0);
+    __m512 wv[KU];
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) wv[u] = load_w16<true>(w + u * N + full, mask);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      __m512 a = _mm512_maskz_loadu_ps(mask, acc + m * ld + full);
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) a = _mm512_fmadd_ps(xs[m][u], wv[u], a);
+      _mm512_mask_storeu_ps(acc + m * ld + full, mask, a);
     }
   }
-  store_tile(p, scratch.data(), ld, 0, MR, c0, c1 - c0);
 }
 
 template <int MR>
-void direct_item_nv(const Problem& p, int64_t item) {
-  // direct_split gives 16 only for one row and 8 for at most 3 (the accumulators' registers).
-  if constexpr (MR == 1) {
-    if (p.nv == 16) return direct_item<MR, 16>(p, item);
-  }
-  if constexpr (MR <= 3) {
-    if (p.nv == 8) return direct_item<MR, 8>(p, item);
-  }
-  switch (p.nv) {
-    case 4: return direct_item<MR, 4>(p, item);
-    case 2: return direct_item<MR, 2>(p, item);
-    default: return direct_item<MR, 1>(p, item);
-  }
+void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t cols, float* acc, int64_t ld) {
+  constexpr int KU = 8;  // weight rows per pass
+  int64_t k = k0;
+  for (; k + KU <= k1; k += KU) direct_rows<MR, KU>(p, k, c0, cols, acc, ld, k + 2 * KU <= k1);
+  for (; k < k1; ++k) direct_rows<MR, 1>(p, k, c0, cols, acc, ld, false);
 }
+
+#endif  // QMM_AVX512
+
+// acc[0:rows][0:cols] += x[m0:m0 + rows, k0:k1] @ w[k0:k1, c0:c0 + cols] for the direct
+// path (any rows on a host without AVX-512, which runs every M this way).
+void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int64_t k1, int64_t c0, int64_t cols,
+                     float* acc, int64_t ld) {
+  const Problem q = [&] {
+    Problem r = p;
+    r.x = p.x + m0 * p.K;
+    return r;
+  }();
+#if defined(QMM_AVX512)
+  switch (rows) {
+    case 1: return direct_block<1>(q, k0, k1, c0, cols, acc, ld);
+    case 2: return direct_block<2>(q, k0, k1, c0, cols, acc, ld);
+    case 3: return direct_block<3>(q, k0, k1, c0, cols, acc, ld);
+    default: return direct_block<4>(q, k0, k1, c0, cols, acc, ld);
+  }
+#else
+  for (int64_t k = k0; k < k1; ++k) {
+    const int8_t* row = q.w + k * q.N + c0;
+    for (int64_t m = 0; m < rows; ++m) {
+      const float xv = q.x[m * q.K + k];
+      float* a = acc + m * ld;
+      for (int64_t j = 0; j < cols; ++j) a[j] += xv * static_cast<float>(row[j]);
+    }
+  }
+#endif
+}
+
+// One direct item: rows [k0, k1) of the weight by columns [c0, c0 + cw), every row of x. With
+// one k-part the result goes to out; otherwise into this k-part's partial sums, and the last
+// k-part of the column range to finish adds them up and writes out.
+void direct_item(const Problem& p, int64_t item) {
+  const int64_t np = item % p.nparts, kp = item / p.nparts;
+  const int64_t c0 = np * p.cw, cols = std::min(p.cw, p.N - c0);
+  const int64_t k0 = kp * p.krows, k1 = std::min(p.K, k0 + p.krows);
+  thread_local std::vector<float> own;
+  float* acc;
+  int64_t ld;
+  if (p.kparts == 1) {
+    ld = (cols + 15) / 16 * 16;
+    own.resize(p.M * ld);
+    acc = own.data();
+  } else {
+    ld = p.N;
+    acc = p.partial + kp * p.M * p.N + c0;
+  }
+  for (int64_t m = 0; m < p.M; ++m) std::fill(acc + m * ld, acc + m * ld + cols, 0.0f);
+  for (int64_t m0 = 0; m0 < p.M; m0 += kDirectMaxRows) {
+    const int64_t rows = std::min(kDirectMaxRows, p.M - m0);
+    direct_rows_any(p, m0, rows, k0, k1, c0, cols, acc + m0 * ld, ld);
+  }
+  if (p.kparts == 1) return store_tile(p, acc, ld, 0, p.M, c0, cols);
+  // Release this part's sums; the last part to arrive acquires all of them.
+  if (p.parts_done[np].fetch_add(1, std::memory_order_acq_rel) + 1 < p.kparts) return;
+  float* sum = p.partial + c0;  // k-part 0's rows receive the total
+  for (int64_t m = 0; m < p.M; ++m) {
+    float* dst = sum + m * p.N;
+    for (int64_t q = 1; q < p.kparts; ++q) {
+      const float* src = p.partial + q * p.M * p.N + m * p.N + c0;
+      for (int64_t j = 0; j < cols; ++j) dst[j] += src[j];
+    }
+  }
+  store_tile(p, sum, p.N, 0, p.M, c0, cols);
+}
+
+#if defined(QMM_AVX512)
 
 // ---- Packed path, f32 products ----
 
@@ -411,39 +457,19 @@ void packed_item(const Problem& p, int64_t item) {
   store_tile(p, acc, kPanel, m0, rows, n0, cols);
 }
 
+#endif  // QMM_AVX512
+
 void run_item(const Problem& p, int64_t item) {
+#if defined(QMM_AVX512)
   if (p.M > kDirectMaxRows) {
 #if defined(QMM_AVX512_BF16)
     if (p.xb != nullptr) return packed_item<PackedBf16>(p, item);
 #endif
     return packed_item<PackedF32>(p, item);
   }
-  switch (p.M) {
-    case 1: return direct_item_nv<1>(p, item);
-    case 2: return direct_item_nv<2>(p, item);
-    case 3: return direct_item_nv<3>(p, item);
-    default: return direct_item_nv<4>(p, item);
-  }
-}
-
-#else  // portable loops (auto-vectorised by the compiler for the host's vector width)
-
-void run_item(const Problem& p, int64_t item) {
-  const int64_t nc = p.span, n0 = item * nc, cols = std::min(nc, p.N - n0);
-  std::vector<float> acc(nc);
-  for (int64_t m = 0; m < p.M; ++m) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const float* x = p.x + m * p.K;
-    for (int64_t k = 0; k < p.K; ++k) {
-      const int8_t* row = p.w + k * p.N + n0;
-      const float xv = x[k];
-      for (int64_t j = 0; j < cols; ++j) acc[j] += xv * static_cast<float>(row[j]);
-    }
-    store_tile(p, acc.data(), nc, m, 1, n0, cols);
-  }
-}
-
 #endif
+  direct_item(p, item);
+}
 
 struct Progress {  // shared with pool tasks, which may start after the call returned
   std::atomic<int64_t> next{0};
@@ -460,27 +486,25 @@ void run(const Problem& p, int64_t items, ffi::ThreadPool& pool) {
       pr.done.fetch_add(1);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
+  // The calling thread plus pool threads, as many as the pool has (one per core): more
+  // would share cores (measured slower).
+  const int64_t helpers = std::clamp<int64_t>(pool.num_threads() - 1, 0, items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([progress, work]() { work(*progress); });
   work(*progress);
   while (progress->done.load() < items) std::this_thread::yield();
 }
 
-// The direct path's split of N for M rows: column tiles of nv 16-lane vectors (the widest
-// that keeps the accumulators in registers and still gives every thread several tiles), and
-// items of up to kDirectMaxTiles tiles (span columns) where there are many tiles.
-void direct_split(Problem& p, int64_t rows, int64_t workers) {
-  const int64_t widest = rows == 1 ? 16 : rows <= 3 ? 8 : 4;
-  const int64_t vectors = (p.N + 15) / 16, wanted = 4 * workers;
-  p.nv = 1;
-  for (int64_t nv = widest; nv > 1; nv /= 2) {
-    if ((vectors + nv - 1) / nv >= wanted) {
-      p.nv = nv;
-      break;
-    }
-  }
-  const int64_t tiles = (vectors + p.nv - 1) / p.nv;
-  p.span = p.nv * 16 * std::clamp<int64_t>(tiles / wanted, 1, kDirectMaxTiles);
+// The direct path's split: column parts of at most kDirectCols (one part when N fits, so
+// that an item's weight rows are one contiguous block), and the rows of K in enough parts to
+// give every worker about two items, none under kDirectMinRows rows.
+void direct_split(Problem& p, int64_t workers) {
+  p.nparts = (p.N + kDirectCols - 1) / kDirectCols;
+  p.cw = p.nparts == 1 ? p.N : ((p.N + p.nparts - 1) / p.nparts + 63) / 64 * 64;
+  p.nparts = (p.N + p.cw - 1) / p.cw;
+  const int64_t wanted = (2 * workers + p.nparts - 1) / p.nparts;
+  const int64_t kparts = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, p.K / kDirectMinRows));
+  p.krows = std::max<int64_t>(8, ((p.K + kparts - 1) / kparts + 7) / 8 * 8);
+  p.kparts = std::max<int64_t>(1, (p.K + p.krows - 1) / p.krows);
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
@@ -544,8 +568,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
   } else {
     p.x = xf;
   }
-  const int64_t workers = pool.num_threads() + 1;
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   int64_t items;
+  thread_local std::vector<float> partial;
+  std::unique_ptr<std::atomic<int64_t>[]> parts_done;
 #if defined(QMM_AVX512)
   if (M > kDirectMaxRows) {
     // m-blocks of about kMBlock rows, as even as whole 6-row tiles allow.
@@ -554,14 +580,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
     p.m_block = (per + kPackedRows - 1) / kPackedRows * kPackedRows;
     p.num_m_blocks = (M + p.m_block - 1) / p.m_block;
     items = p.num_m_blocks * ((N + kPanel - 1) / kPanel);
-  } else {
-    direct_split(p, M, workers);
-    items = (N + p.span - 1) / p.span;
-  }
-#else
-  direct_split(p, 1, workers);  // the portable loop runs row by row
-  items = (N + p.span - 1) / p.span;
+  } else
 #endif
+  {
+    direct_split(p, workers);
+    items = p.nparts * p.kparts;
+    if (p.kparts > 1) {
+      partial.resize(p.kparts * M * N);
+      p.partial = partial.data();
+      parts_done.reset(new std::atomic<int64_t>[p.nparts]);
+      for (int64_t i = 0; i < p.nparts; ++i) parts_done[i].store(0, std::memory_order_relaxed);
+      p.parts_done = parts_done.get();
+    }
+  }
   run(p, items, pool);
   return ffi::Error::Success();
 }
