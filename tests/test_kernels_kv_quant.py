@@ -195,11 +195,24 @@ def test_reference_attention_on_quantized_pages(name, layout):
     check_against_dequantized(out, deq, base, name, atol=2e-5)
 
 
-def test_attention_implementation_reports_the_cache_dtype():
-    impl, why = attention_implementation("cpu", 3, 64, jnp.float32, num_q_heads=9, kv_cache_dtype="int8")
-    assert impl in ("native", "reference")
-    impl, why = attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype=jnp.bfloat16)
-    assert impl == "pallas"
+def test_attention_implementation_reports_the_cache_dtype(monkeypatch):
+    from pallas_kernels.ragged_paged_attention import ops
+
+    assert attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype=jnp.bfloat16)[0] == "pallas"
+    impl, why = attention_implementation("tpu", 3, 64, jnp.bfloat16, kv_cache_dtype="fp8_e5m2",
+                                         device_kind="TPU v5 lite")
+    assert impl == "pallas" and "float8_e5m2 pages" in why
+    # A GPU without fp8 conversions (compute capability < 8.9): auto runs the reference and
+    # says why; forcing the kernel raises, naming the kernel, the dtype and what it reads.
+    monkeypatch.setattr(ops, "_gpu_compute_capability", lambda: 8.0)
+    impl, why = attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype="fp8_e4m3")
+    assert impl == "reference" and "gpu (Triton) attention kernel cannot read float8_e4m3fn pages" in why
+    assert "it reads float pages and int8" in why
+    assert attention_implementation("gpu", 3, 64, jnp.bfloat16, kv_cache_dtype="int8")[0] == "pallas"
+    _, args, (ks, vs), _ = quantized_case("fp8_e4m3")
+    with pytest.raises(ValueError, match="cannot read float8_e4m3fn pages; it reads float pages and int8"):
+        pk.ragged_paged_attention(*args, sm_scale=SM_SCALE, k_scales=ks, v_scales=vs, backend="pallas_gpu",
+                                  interpret=True)
 
 
 @pytest.mark.parametrize("name", DTYPES)

@@ -67,9 +67,16 @@ def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(pieces)
 
 
-# Quantized page dtypes the kernel reads (values times their per-token scales). fp8 casts
-# need compute capability 8.9 or newer (H100/H200: 9.0).
+# Quantized page dtypes the kernel reads (values times their per-token scales).
 QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def quantized_dtypes(compute_capability: float | None = None) -> tuple:
+    """Quantized page dtypes on a GPU of this compute capability (None: unknown, all of them):
+    Triton converts fp8 from 8.9 on (Ada, Hopper: H100/H200 are 9.0); int8 everywhere."""
+    if compute_capability is not None and compute_capability < 8.9:
+        return (jnp.dtype(jnp.int8),)
+    return QUANTIZED_DTYPES
 
 
 def supports(head_dim: int) -> bool:

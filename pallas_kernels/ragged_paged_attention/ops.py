@@ -213,9 +213,9 @@ def _kernel_quantized_dtypes(impl: str, device_kind: str | None = None) -> tuple
     if impl == "cpu":
         return native_cpu.QUANTIZED_DTYPES
     if impl == "gpu":
-        from pallas_kernels.ragged_paged_attention.gpu import QUANTIZED_DTYPES
+        from pallas_kernels.ragged_paged_attention.gpu import quantized_dtypes as gpu_dtypes
 
-        return QUANTIZED_DTYPES
+        return gpu_dtypes(_gpu_compute_capability())
     from pallas_kernels.ragged_paged_attention.tpu import quantized_dtypes
 
     return quantized_dtypes(device_kind)
@@ -235,6 +235,20 @@ def _dtype_refusal(impl: str, dtype, device_kind: str | None = None) -> str:
     quantized = [jax.numpy.dtype(d).name for d in _kernel_quantized_dtypes(impl, device_kind)]
     return (f"the {name} attention kernel cannot read {jax.numpy.dtype(dtype).name} pages{on}; "
             f"it reads {floats} pages" + (f" and {', '.join(quantized)}" if quantized else " (no quantized dtype)"))
+
+
+def _gpu_compute_capability() -> float | None:
+    """The compute capability of the GPU programs are compiled for here, where known: the
+    default device's (`jax.default_device`) or the first GPU's; None otherwise."""
+    device = jax.config.jax_default_device
+    if device is None or getattr(device, "platform", None) != "gpu":
+        if jax.default_backend() != "gpu":
+            return None
+        device = jax.devices()[0]
+    try:
+        return float(device.compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _tpu_device_kind() -> str | None:
