@@ -48,10 +48,11 @@ def assert_close(got, want, x, w, scale, rel):
     assert np.all(err <= rel * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
 
 
-# M: decode (direct path: 1, 3, 4), and the packed path with a partial 6-row tile (5, 64,
-# 130); K not a multiple of 8 or 16, N odd (a partial 16-lane vector and a partial 64-column
-# panel); N past 4096: the direct path's two column parts, each summing its K-parts.
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 64, 130])
+# M: decode (direct path: 1, 3, 4; 5 and 8 in two passes), and the packed path with a
+# partial 6-row tile (9, 64, 130); K not a multiple of 8 or 16, N odd (a partial 16-lane
+# vector and a partial 64-column panel); N past 4096: the direct path's two column parts,
+# each summing its K-parts, and the packed path's partial span of panels.
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 64, 130])
 @pytest.mark.parametrize("k,n", [(37, 75), (579, 131), (803, 1), (203, 4201)])
 def test_kernel_matches_reference_f32(m, k, n):
     x, w, scale = operands(m, k, n, seed=m * 1000 + k + n)
@@ -78,7 +79,7 @@ def test_kernel_bf16_activations(m):
     assert np.all(np.abs(np.asarray(ref, np.float64) - want) <= tol)
 
 
-@pytest.mark.parametrize("m", [1, 5, 64, 130])
+@pytest.mark.parametrize("m", [1, 5, 9, 64, 130])
 def test_bf16_products(m):
     """precision="bf16": x rounded to bf16, exact products, f32 sums (the packed path runs on
     bf16 dot-product instructions); within 2^-9 of the f32 result, relative to the sum of

@@ -133,7 +133,7 @@ def quantized_matmul_cpu(
 
     The stacked weight and the layer index are operands: the kernel reads layer `layer` in
     place. `layer` is clamped (negative counts from the end) as `dynamic_index_in_dim` does.
-    precision "bf16" (x rounded to bf16 before the products) lets rows past 4 run on bf16
+    precision "bf16" (x rounded to bf16 before the products) lets rows past 8 run on bf16
     dot-product instructions (AVX512-BF16) at twice the f32 FMA rate; bf16 x always does.
     """
     name, why = _register()

@@ -12,7 +12,7 @@
 // Without it (f32 x) every product is f32 x f32 and the result is the reference's up to
 // summation order.
 //
-// - Direct path (M <= 4, decode; every M without AVX-512): bound by memory bandwidth on the
+// - Direct path (M <= 8, decode; every M without AVX-512): bound by memory bandwidth on the
 //   weight. An item is a block of weight rows by up to 4096 columns (one contiguous block
 //   when N fits); it streams 8 rows side by side, widens each 16-column slice int8 -> int32
 //   -> f32 once and multiplies it into every row's partial sums (L1-resident), while the
@@ -21,14 +21,15 @@
 //   writes partial sums and the last one of a column range to finish adds them up. Reading
 //   down a column tile instead (accumulators in registers, rows N bytes apart) measured at
 //   half the bandwidth.
-// - Packed path (M > 4, compute-bound): up to kPanelK rows of a 64-column panel of the weight
-//   are widened once into a cache-resident buffer, then a 6 x 64 register-blocked micro
-//   kernel runs over every 6-row tile of an m-block (the conversion is paid once per m-block,
-//   not per row tile); partial sums live in a per-item scratch. f32 products: f32 panel and
-//   FMAs. bf16 products (with AVX512-BF16): a bf16 panel with pairs of k rows interleaved and
-//   VDPBF16PS, twice the f32 FMA rate.
+// - Packed path (M > 8, compute-bound): a block of up to kPanelK weight rows by up to 4
+//   64-column panels is widened once into cache-resident panels (row by row: contiguous
+//   reads), then a 6 x 64 register-blocked micro kernel runs over every 6-row tile of an
+//   m-block (the conversion is paid once per m-block, not per row tile); partial sums live
+//   in a per-item scratch. f32 products: f32 panels and FMAs. bf16 products (with
+//   AVX512-BF16): bf16 panels with pairs of k rows interleaved and VDPBF16PS, twice the f32
+//   FMA rate. Below 9 rows the packing costs more than re-reading the weights from L2.
 //
-// Work items (direct: weight-row block x column range; packed: m-block x 64-column panel) are
+// Work items (direct: weight-row block x column range; packed: m-block x panels) are
 // taken from a shared atomic counter by the calling thread and XLA's intra-op pool
 // (ffi::ThreadPool), as in the attention kernel: pool tasks hold only the counter, and the
 // call returns when every item is done.
@@ -55,13 +56,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDirectMaxRows = 4;    // M at or below this: the direct path
+constexpr int64_t kDirectMaxRows = 8;    // M at or below this: the direct path
+constexpr int64_t kDirectGroup = 4;      // rows of x per pass over a direct item's weights
 constexpr int64_t kDirectCols = 4096;    // columns of a direct item at most
 constexpr int64_t kDirectMinRows = 64;   // weight rows of a direct item at least
 constexpr int64_t kPackedRows = 6;      // rows of the packed micro kernel's register tile
 constexpr int64_t kPanel = 64;          // columns of a packed panel
 constexpr int64_t kPanelK = 384;        // k rows of one packed panel (even: bf16 pairs)
 constexpr int64_t kMBlock = 48;         // target rows of one packed m-block
+constexpr int64_t kMaxSpan = 4;         // 64-column panels packed together at most
+constexpr int64_t kPackAhead = 8;       // weight rows prefetched ahead while packing
 
 inline float bf16_to_f32(uint16_t x) {
   const uint32_t b = static_cast<uint32_t>(x) << 16;
@@ -113,7 +117,7 @@ struct Problem {
   int64_t cw, nparts, krows, kparts;
   float* partial;
   std::atomic<int64_t>* parts_done;
-  int64_t m_block, num_m_blocks;
+  int64_t m_block, num_m_blocks, span_panels;
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale.
@@ -275,8 +279,9 @@ void direct_item(const Problem& p, int64_t item) {
     acc = p.partial + kp * p.M * p.N + c0;
   }
   for (int64_t m = 0; m < p.M; ++m) std::fill(acc + m * ld, acc + m * ld + cols, 0.0f);
-  for (int64_t m0 = 0; m0 < p.M; m0 += kDirectMaxRows) {
-    const int64_t rows = std::min(kDirectMaxRows, p.M - m0);
+  // Up to 4 rows per pass; a second pass re-reads the item's weight rows from L2.
+  for (int64_t m0 = 0; m0 < p.M; m0 += kDirectGroup) {
+    const int64_t rows = std::min(kDirectGroup, p.M - m0);
     direct_rows_any(p, m0, rows, k0, k1, c0, cols, acc + m0 * ld, ld);
   }
   if (p.kparts == 1) return store_tile(p, acc, ld, 0, p.M, c0, cols);
@@ -297,16 +302,22 @@ void direct_item(const Problem& p, int64_t item) {
 
 // ---- Packed path, f32 products ----
 
-// Widen w[k0:k0 + kc, n0:n0 + 64] into panel [kc][64] f32 (columns past N are 0).
-void pack_panel_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, float* panel) {
-  __mmask16 masks[4];
-  for (int v = 0; v < 4; ++v) masks[v] = lane_mask(p.N - n0 - 16 * v);
-  const bool full = n0 + kPanel <= p.N;
+// Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels [kc][64] f32, kPanelK * 64 apart
+// (columns past N are 0). Row by row: each row's np * 64 bytes are one contiguous read
+// (reading a 64-column panel down its rows, N bytes apart, measured 3x slower).
+void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
   for (int64_t k = 0; k < kc; ++k) {
     const int8_t* row = p.w + (k0 + k) * p.N + n0;
-    float* dst = panel + k * kPanel;
-    for (int v = 0; v < 4; ++v)
-      _mm512_store_ps(dst + 16 * v, full ? load_w16<false>(row + 16 * v, 0) : load_w16<true>(row + 16 * v, masks[v]));
+    if (k + kPackAhead < kc)
+      for (int64_t c = 0; c < cols; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
+    for (int64_t q = 0; q < np; ++q) {
+      float* dst = panel + q * kPanelK * kPanel + k * kPanel;
+      for (int v = 0; v < 4; ++v) {
+        const int64_t c = q * kPanel + 16 * v;
+        _mm512_store_ps(dst + 16 * v, c + 16 <= cols ? load_w16<false>(row + c, 0) : load_w16<true>(row + c, lane_mask(cols - c)));
+      }
+    }
   }
 }
 
@@ -341,9 +352,8 @@ void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc
 struct PackedF32 {
   using Panel = float;
   static constexpr bool kPairs = false;
-  static constexpr int64_t kPanelElems = kPanelK * kPanel;
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, Panel* panel) {
-    pack_panel_f32(p, k0, kc, n0, panel);
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
+    pack_panels_f32(p, k0, kc, n0, np, panel);
   }
   template <int MR>
   static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
@@ -354,22 +364,30 @@ struct PackedF32 {
 // ---- Packed path, bf16 products ----
 #if defined(QMM_AVX512_BF16)
 
-// w[k0:k0 + kc, n0:n0 + 64] as bf16 (exact: |w| <= 128) into panel [kc / 2][64][2]: for each
-// pair of k rows and each column the two weights side by side, as VDPBF16PS reads them. A row
-// past K and columns past N are 0; kc is even.
-void pack_panel_bf16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, uint16_t* panel) {
-  __mmask16 masks[4];
-  for (int v = 0; v < 4; ++v) masks[v] = lane_mask(p.N - n0 - 16 * v);
+// w[k0:k0 + kc, n0:n0 + 64 * np] as bf16 (exact: |w| <= 128) into np panels
+// [kc / 2][64][2], kPanelK * 64 apart: for each pair of k rows and each column the two weights
+// side by side, as VDPBF16PS reads them. A row past K and columns past N are 0; kc is even.
+void pack_panels_bf16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, uint16_t* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
   for (int64_t j = 0; j < kc / 2; ++j) {
     const int8_t* ra = p.w + (k0 + 2 * j) * p.N + n0;
     const bool has_b = k0 + 2 * j + 1 < p.K;
-    uint16_t* dst = panel + j * kPanel * 2;
-    for (int v = 0; v < 4; ++v) {
-      const __m128i a = _mm_maskz_loadu_epi8(masks[v], ra + 16 * v);
-      const __m128i b = has_b ? _mm_maskz_loadu_epi8(masks[v], ra + p.N + 16 * v) : _mm_setzero_si128();
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
-      _mm512_store_si512(dst + 32 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    if (2 * j + kPackAhead + 1 < kc)
+      for (int64_t c = 0; c < cols; c += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ra + kPackAhead * p.N + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ra + (kPackAhead + 1) * p.N + c), _MM_HINT_T0);
+      }
+    for (int64_t q = 0; q < np; ++q) {
+      uint16_t* dst = panel + q * kPanelK * kPanel + j * kPanel * 2;
+      for (int v = 0; v < 4; ++v) {
+        const int64_t c = q * kPanel + 16 * v;
+        const __mmask16 m = lane_mask(cols - c);
+        const __m128i a = _mm_maskz_loadu_epi8(m, ra + c);
+        const __m128i b = has_b ? _mm_maskz_loadu_epi8(m, ra + p.N + c) : _mm_setzero_si128();
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+        _mm512_store_si512(dst + 32 * v, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
     }
   }
 }
@@ -410,9 +428,8 @@ void packed_tile_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int
 struct PackedBf16 {
   using Panel = uint16_t;
   static constexpr bool kPairs = true;  // k rows go in pairs: a block's rows rounded up to even
-  static constexpr int64_t kPanelElems = kPanelK * kPanel;
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, Panel* panel) {
-    pack_panel_bf16(p, k0, kc, n0, panel);
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
+    pack_panels_bf16(p, k0, kc, n0, np, panel);
   }
   template <int MR>
   static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
@@ -421,40 +438,48 @@ struct PackedBf16 {
 };
 #endif
 
-// One packed item: rows [m0, m0 + m_block) by a 64-column panel, over K in kPanelK blocks.
+// One packed item: rows [m0, m0 + m_block) by np 64-column panels, over K in kPanelK blocks:
+// the panels of a block are packed together (contiguous row reads), then each panel runs
+// over the m-block's row tiles.
 template <typename Path>
 void packed_item(const Problem& p, int64_t item) {
   using Panel = typename Path::Panel;
   thread_local std::vector<Panel> panel_storage;
   thread_local std::vector<float> acc_storage;
-  const int64_t mb = item % p.num_m_blocks, nb = item / p.num_m_blocks;
+  const int64_t mb = item % p.num_m_blocks, sb = item / p.num_m_blocks;
   const int64_t m0 = mb * p.m_block, rows = std::min(p.m_block, p.M - m0);
-  const int64_t n0 = nb * kPanel, cols = std::min<int64_t>(kPanel, p.N - n0);
-  panel_storage.resize(Path::kPanelElems + 64);
-  Panel* panel = reinterpret_cast<Panel*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) &
-                                          ~static_cast<uintptr_t>(63));
-  acc_storage.resize(rows * kPanel);
-  float* acc = acc_storage.data();
-  if (p.K == 0) std::fill(acc, acc + rows * kPanel, 0.0f);
+  const int64_t n0 = sb * p.span_panels * kPanel;
+  const int64_t np = std::min(p.span_panels, (p.N - n0 + kPanel - 1) / kPanel);
+  panel_storage.resize(np * kPanelK * kPanel + 64);
+  Panel* panels = reinterpret_cast<Panel*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) &
+                                           ~static_cast<uintptr_t>(63));
+  acc_storage.resize(np * rows * kPanel);
+  if (p.K == 0) std::fill(acc_storage.begin(), acc_storage.end(), 0.0f);
   for (int64_t k0 = 0; k0 < p.K; k0 += kPanelK) {
     int64_t kc = std::min(kPanelK, p.K - k0);
     if (Path::kPairs) kc += kc & 1;
-    Path::pack(p, k0, kc, n0, panel);
+    Path::pack(p, k0, kc, n0, np, panels);
     const bool accumulate = k0 > 0;
-    int64_t i = 0;
-    for (; i + kPackedRows <= rows; i += kPackedRows)
-      Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, acc + i * kPanel, accumulate);
-    float* c = acc + i * kPanel;
-    switch (rows - i) {
-      case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-      case 4: Path::template tile<4>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-      case 3: Path::template tile<3>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-      case 2: Path::template tile<2>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-      case 1: Path::template tile<1>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-      default: break;
+    for (int64_t q = 0; q < np; ++q) {
+      const Panel* panel = panels + q * kPanelK * kPanel;
+      float* acc = acc_storage.data() + q * rows * kPanel;
+      int64_t i = 0;
+      for (; i + kPackedRows <= rows; i += kPackedRows)
+        Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, acc + i * kPanel, accumulate);
+      float* c = acc + i * kPanel;
+      switch (rows - i) {
+        case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+        case 4: Path::template tile<4>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+        case 3: Path::template tile<3>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+        case 2: Path::template tile<2>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+        case 1: Path::template tile<1>(p, m0 + i, k0, kc, panel, c, accumulate); break;
+        default: break;
+      }
     }
   }
-  store_tile(p, acc, kPanel, m0, rows, n0, cols);
+  for (int64_t q = 0; q < np; ++q)
+    store_tile(p, acc_storage.data() + q * rows * kPanel, kPanel, m0, rows, n0 + q * kPanel,
+               std::min(kPanel, p.N - n0 - q * kPanel));
 }
 
 #endif  // QMM_AVX512
@@ -579,7 +604,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
     const int64_t per = (M + blocks - 1) / blocks;
     p.m_block = (per + kPackedRows - 1) / kPackedRows * kPackedRows;
     p.num_m_blocks = (M + p.m_block - 1) / p.m_block;
-    items = p.num_m_blocks * ((N + kPanel - 1) / kPanel);
+    // Panels packed together: as many as leave every worker about four items.
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    p.span_panels = std::clamp<int64_t>(p.num_m_blocks * panels / (4 * workers), 1, kMaxSpan);
+    items = p.num_m_blocks * ((panels + p.span_panels - 1) / p.span_panels);
   } else
 #endif
   {
