@@ -79,16 +79,18 @@ STANDARD = dict(heads=(6, 3, 64), seqs=((1, 40), (2, 21)), num_tokens=4, num_row
 def quantized_case(name: str, layout: str = "heads", q_dtype=np.float32, heads=(6, 3, 64),
                    seqs=((1, 40), (2, 21)), **kw):
     """(case on the dequantized pages (heads layout, f32), kernel args (q, pages, ... in `layout`),
-    scales (k, v), unquantized case). Every slot of the pool, garbage included, is quantized.
+    scales (k, v), unquantized case). Every slot of the pool is quantized; unused slots hold NaN
+    (NaN values for fp8, NaN scales for all): no implementation may let them leak.
     The default is one decode and one 2-token chunk over 12 shuffled pages of 16 (192 slots:
     two rows of lanes-layout scales)."""
     hq, hkv, d = heads
     base = make_case(list(seqs), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                     **{"num_tokens": 4, "num_rows": 2, "num_pages": 12, **kw})
+                     **{"num_tokens": 4, "num_rows": 2, "num_pages": 12, "unused_fill": np.nan, **kw})
     dtype = kv_quant.kv_cache_dtype(name)
     kq, ks = kv_quant.quantize_numpy(base.k_pages, dtype)
     vq, vs = kv_quant.quantize_numpy(base.v_pages, dtype)
-    deq = RaggedCase(base.q, np.asarray(kv_quant.dequantize(kq, ks)), np.asarray(kv_quant.dequantize(vq, vs)),
+    deq = RaggedCase(base.q, np.asarray(kv_quant.dequantize(jnp.asarray(kq), jnp.asarray(ks))),
+                     np.asarray(kv_quant.dequantize(jnp.asarray(vq), jnp.asarray(vs))),
                      *base.args()[3:])
     num_pages, page_size = kq.shape[:2]
     if layout == "lanes":
