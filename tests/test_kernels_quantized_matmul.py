@@ -96,6 +96,13 @@ def test_bf16_products(m):
         quantized_matmul(x, w, scale, precision="int8")
 
 
+def test_vmap_over_activations():
+    x, w, scale = operands(6, 40, 24)
+    xs = x.reshape(3, 2, 40)
+    got = jax.vmap(lambda a: quantized_matmul(a, w, scale, backend="cpu"))(xs)
+    assert_close(got.reshape(6, 24), exact(x, w, scale), x, w, scale, 1e-6)
+
+
 def test_zero_scale_columns_are_zero():
     x, w, scale = operands(5, 64, 40)
     scale = scale.at[::3].set(0.0)

@@ -144,5 +144,6 @@ def quantized_matmul_cpu(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype))
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype),
+                            vmap_method="sequential")
     return call(x, w, scale, layer, bf16_products=precision == "bf16")
