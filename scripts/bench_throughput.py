@@ -291,6 +291,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none",
                     help="jaxserve weight modes to run, e.g. none,int8 (f32 activations either way)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="jaxserve's KV pages (auto: f32)")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="with int8: the (tied) LM head too")
     args = ap.parse_args()
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     all_wl = make_workloads(args.quick, args.hf_batch_uniform)
@@ -318,8 +319,9 @@ def main() -> None:
         llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=num_pages, dtype="float32", warmup=False, attention_backend=backend,
                   quantization=None if quant == "none" else quant, kv_cache_dtype=args.kv_cache_dtype,
+                  quantize_lm_head=args.quantize_lm_head and quant != "none",
                   **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
-        label = f"{'f32' if quant == 'none' else quant}" + (
+        label = f"{'f32' if quant == 'none' else quant}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
             f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + f" [{backend}]"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -39,6 +39,7 @@ MODES = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
+    "int8+lm-head": {"quantization": "int8", "quantize_lm_head": True},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
     "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
