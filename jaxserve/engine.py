@@ -30,12 +30,18 @@ from jaxserve.loading import LoadedModel, load_model
 from jaxserve.output_processor import OutputProcessor, child_ids
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
-from jaxserve.quantization import fp8_weights_unsupported, params_quantization, quantize_params
+from jaxserve.quantization import (
+    fp8_weights_unsupported,
+    params_quantization,
+    quantize_params,
+    storage_dtype,
+)
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
 from jaxserve.sampler import bitmask_width
 from jaxserve.structured import StructuredOutputManager, make_manager
 from jaxserve.warmup import WarmupReport, compile_ahead
+from pallas_kernels.quantized_matmul.ops import quantized_matmul_implementation
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 from scheduler import (
     FinishReason,
@@ -93,6 +99,11 @@ class Engine:
         # loaded from `compiled_dir` (never traced here) call by name.
         self.attention = self._attention_implementation()
         logger.info("attention on %s: %s (%s)", self.platform, *self.attention)
+        held = params_quantization(self.model.params)
+        if held is not None:  # which matmul reads the quantized weights (a slow fallback is visible)
+            impl = quantized_matmul_implementation(self.platform, storage_dtype(held))
+            (logger.warning if impl.startswith("reference") and self.platform == "cpu" else logger.info)(
+                "%s weights on %s: %s", held, self.platform, impl)
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
