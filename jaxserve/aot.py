@@ -66,6 +66,7 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
         "dtype": resolved.dtype,
         "quantization": config.quantization,
         "quantize_lm_head": config.quantize_lm_head,
+        "quantized_matmul_precision": resolved.quantized_matmul_precision,
         "kv_cache_dtype": resolved.kv_cache_dtype,
         "kv_layout": resolved.kv_layout,
         "tensor_parallel_size": tensor_parallel_size,
@@ -119,7 +120,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         return sds(shape, param_dtype(name, config.quantization, config.quantize_lm_head, dtype, tied), place(spec))
 
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
-    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1))
+    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
+                                                 matmul_precision=resolved.quantized_matmul_precision))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
     kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)

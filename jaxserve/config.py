@@ -57,6 +57,10 @@ class EngineConfig:
     # KV pages: "auto" (the model dtype), "int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2", with
     # one f32 scale per token and KV head.
     kv_cache_dtype: str = "auto"
+    # Activations of the quantized matmuls: "auto" (bf16 products, f32 sums: the CPU int8
+    # kernel's fast path for more than 8 rows; activations already bf16 on TPU/GPU),
+    # "highest" (f32 activations as given) or "bf16".
+    quantized_matmul_precision: Literal["auto", "highest", "bf16"] = "auto"
     tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)
     # MoE models: whole experts per device over the tensor-parallel devices (expert
     # parallelism) instead of a width slice of every expert.
@@ -93,6 +97,9 @@ class EngineConfig:
             )
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantized_matmul_precision not in ("auto", "highest", "bf16"):
+            raise ValueError("quantized_matmul_precision must be 'auto', 'highest' or 'bf16', got "
+                             f"{self.quantized_matmul_precision!r}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs quantization ('int8' or 'fp8')")
         if self.min_token_bucket is not None and (
@@ -217,6 +224,7 @@ class EngineConfig:
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
+            quantized_matmul_precision="highest" if self.quantized_matmul_precision == "highest" else "bf16",
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
         )
 
@@ -230,6 +238,7 @@ class ResolvedConfig:
     kv_layout: str  # "heads" | "lanes" (pallas_kernels.kv_layout)
     kv_cache_dtype: str | None  # quantized page dtype ("int8", "float8_e4m3fn", ...); None: `dtype`
     plan: Any  # CompilePlan: token and request buckets, sampler variants, swap sizes
+    quantized_matmul_precision: str = "highest"  # "highest" | "bf16" (pallas_kernels.quantized_matmul)
 
     @property
     def max_model_len(self) -> int:

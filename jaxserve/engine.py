@@ -172,6 +172,7 @@ class Engine:
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
             kv_cache_dtype=self.resolved.kv_cache_dtype,
             structured=self.structured, expert_parallel=config.enable_expert_parallel,
+            matmul_precision=self.resolved.quantized_matmul_precision,
         )
 
     @property

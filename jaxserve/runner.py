@@ -84,6 +84,7 @@ class ModelRunner:
         kv_cache_dtype: str | None = None,
         structured: Any = None,
         expert_parallel: bool = False,
+        matmul_precision: str = "highest",
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
@@ -107,7 +108,8 @@ class ModelRunner:
             params = {**params, "layers": fuse_projections(params["layers"], tp, 1 if expert_parallel else tp)}
             params = parallel.shard_params(params, self.config, self.mesh, expert_parallel)
             self.input_sharding = parallel.replicated(self.mesh)
-        model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1)
+        model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1,
+                                 matmul_precision=matmul_precision)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype

@@ -135,7 +135,7 @@ def test_quantized_engine_equals_the_engine_on_dequantized_weights(tmp_path, met
     head = "lm_head" if "lm_head_scale" in quant else "embed"
     deq[head] = dequantize_weight(quant[head], quant[head + "_scale"], axis=-2 if head == "lm_head" else -1)
     del deq[head + "_scale"]
-    got = _greedy_logprobs(dataclasses.replace(loaded, params=quant))
+    got = _greedy_logprobs(dataclasses.replace(loaded, params=quant), quantized_matmul_precision="highest")
     want = _greedy_logprobs(dataclasses.replace(loaded, params=deq))
     for (gt, glp), (wt, wlp) in zip(got, want):
         assert gt == wt

@@ -132,8 +132,12 @@ class LlamaForCausalLM(nnx.Module):
     whether routed experts are split whole over the devices (else by width, like the MLP).
     """
 
-    def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False):
+    def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False,
+                 matmul_precision: str = "highest"):
         self.config = config
+        # The quantized matmuls' activation precision ("highest" | "bf16": activations rounded
+        # to bf16 before the products, f32 sums; `pallas_kernels.quantized_matmul`).
+        self.matmul_precision = matmul_precision
         self.shards = shards
         self.expert_parallel = expert_parallel
         self.embed = nnx.Param(params["embed"])  # [V, E]
@@ -199,7 +203,7 @@ class LlamaForCausalLM(nnx.Module):
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
-            lp = _LayerWeights(lp, stacked, per["layer_id"])
+            lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision)
             attn, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
             if cfg.sandwich_norms:
@@ -299,14 +303,16 @@ class _LayerWeights(dict):
     """One layer's weights inside the scan: the sliced ones as a dict, plus `matmul(x, name)`
     that runs a quantized projection from the stacked weights by layer index."""
 
-    def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array):
+    def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array, precision: str):
         super().__init__(sliced)
         self._stacked = stacked
         self._layer = layer
+        self._precision = precision
 
     def matmul(self, x: jax.Array, name: str) -> jax.Array:
         if name in self._stacked:
-            return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer)
+            return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
+                                    precision=self._precision)
         return x @ self[name]
 
 
