@@ -31,6 +31,14 @@ PROMPTS = [
     "Translate 'good morning' into Spanish:",
     "The quick brown fox",
     "In 1969, the first person to walk on the moon was",
+    "Give me a short recipe for pancakes.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a limerick about a cat.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "How many legs does a spider have?",
+    "Suggest a name for a coffee shop.",
+    "What does HTTP stand for?",
+    "Describe the colour blue to someone who cannot see.",
 ]
 
 # mode -> EngineConfig settings (f32 is the reference every mode is compared with)
@@ -153,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     ap.add_argument("--modes", default=",".join(m for m in MODES if m != "f32"))
     args = ap.parse_args()
     from jaxserve.loading import load_model
@@ -166,7 +175,7 @@ def main() -> None:
 
     tok = load("float32").tokenizer
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in PROMPTS]
+             for p in PROMPTS[:args.prompts]]
     prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
