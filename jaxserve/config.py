@@ -53,7 +53,7 @@ class EngineConfig:
     # Weight-only quantization of the linear layers ("int8" | "fp8"; None: the checkpoint's own
     # scheme when it is pre-quantized, else full precision). docs/quantization.md.
     quantization: str | None = None
-    quantize_lm_head: bool = False  # also the LM head / tied embedding (off: measured costlier)
+    quantize_lm_head: bool = False  # also the LM head / tied embedding (off: adds KL, docs/quantization.md)
     # KV pages: "auto" (the model dtype), "int8", "fp8" (= "fp8_e4m3") or "fp8_e5m2", with
     # one f32 scale per token and KV head.
     kv_cache_dtype: str = "auto"
