@@ -129,6 +129,8 @@ def _sample(logits, tensors, *, flags):
 backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
 sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
+
+
 def _gather_pages(kv, ids):
     """Pages `ids` of every layer: K, V [L, n, S, ...] (and a quantized cache's scales [L, n, S, Hkv])."""
     L, P, S = kv[0].shape[:3]

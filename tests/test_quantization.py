@@ -225,3 +225,32 @@ def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose([lp.logprob for lp in g.outputs[0].logprobs],
                                    [lp.logprob for lp in w.outputs[0].logprobs], atol=0.1)
+
+
+@pytest.mark.parametrize("layout", ["heads", "lanes"])
+def test_swap_views_of_the_scales_pool_address_each_page(layout):
+    """The swap copies see a scales pool (either layout) as [L, P, S, Hkv] pages: slot
+    (l * P + p) * S + o of head h, written and read back at the right place."""
+    import jax.numpy as jnp
+
+    from jaxserve.step_programs import _scale_pages, _set_scale_pages
+    from pallas_kernels.kv_layout import kv_scales_shape
+
+    L, P, S, H = 3, 5, 16, 2
+    shape = kv_scales_shape(L * P, S, H, layout)
+    slots = np.arange(L * P * S)
+    value = {(h, t): 1000.0 * h + t for h in range(H) for t in slots}
+    pool = np.full(shape, -1.0, np.float32)
+    for (h, t), v in value.items():
+        pool[(t // S, t % S, h) if layout == "heads" else (h, t // 128, t % 128)] = v
+    view = np.asarray(_scale_pages(jnp.asarray(pool), L, P, S))
+    want = np.array([[[[value[h, (l * P + p) * S + o] for h in range(H)] for o in range(S)] for p in range(P)]
+                     for l in range(L)])  # noqa: E741
+    np.testing.assert_array_equal(view, want)
+    new = np.random.default_rng(0).normal(size=(L, 2, S, H)).astype(np.float32)
+    ids = jnp.asarray([4, 1], jnp.int32)
+    out = np.asarray(_set_scale_pages(jnp.asarray(pool), L, P, S, ids, jnp.asarray(new)))
+    assert out.shape == pool.shape
+    back = np.asarray(_scale_pages(jnp.asarray(out), L, P, S))
+    np.testing.assert_array_equal(back[:, [4, 1]], new)
+    np.testing.assert_array_equal(back[:, [0, 2, 3]], want[:, [0, 2, 3]])
