@@ -123,6 +123,7 @@ def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int, expert_parall
     vocab_split = cfg.vocab_size % tp == 0
     if not vocab_split:
         logger.warning("vocabulary %d not divisible by tp=%d: embeddings replicated", cfg.vocab_size, tp)
+
     def layer_spec(name: str) -> P:
         return (_EXPERT_PARALLEL_SPECS if expert_parallel else {}).get(name, _LAYER_SPECS.get(name, P()))
 
