@@ -17,82 +17,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._native_cpu import build
+
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _SYMBOL = "JaxserveQuantizedMatmulCpu"
 PRECISIONS = ("highest", "bf16")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
-
-
-def _cpu_features() -> str:
-    """The host's CPU feature flags (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxserve" / "cpu_kernels"
 
 
 @functools.cache
 def _build() -> tuple[Path | None, str, str]:
-    """(shared library or None, why, target name). Compiles once per distinct binary."""
-    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-        return None, f"no native CPU quantized matmul for {platform.machine()}", ""
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        return None, ("no C++ compiler (c++, g++ or clang++) on PATH to build the CPU quantized "
-                      "matmul"), ""
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{cxx} --version failed: {e}", ""
-    parts = [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(),
-             jax.__version__.encode(), _cpu_features().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    # The target name carries the key: a compiled program (and the persistent compile cache)
-    # always names the binary it was built against.
-    name = f"jaxserve_quantized_matmul_cpu_{key}"
-    out = _cache_dir() / f"{name}.so"
-    if out.exists():
-        return out, f"native CPU kernel {out.name}", name
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = out.parent
-    except OSError:
-        tmp_dir = Path(tempfile.gettempdir())
-        out = tmp_dir / out.name
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
-    os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        os.unlink(tmp)
-        return None, f"building the CPU quantized matmul failed: {e}", ""
-    if done.returncode != 0:
-        os.unlink(tmp)
-        return None, (f"building the CPU quantized matmul failed ({' '.join(cmd)}):\n"
-                      f"{done.stderr[-2000:]}"), ""
-    os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
-    return out, f"native CPU kernel {out.name}", name
+    """(shared library or None, why, target name), built once per process."""
+    return build(_SOURCE, "jaxserve_quantized_matmul_cpu", "CPU quantized matmul")
 
 
 @functools.cache

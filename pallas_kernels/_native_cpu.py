@@ -1,0 +1,78 @@
+"""Building the native CPU kernels (XLA FFI custom calls compiled from C++ on first use).
+
+Each kernel's source is compiled for the host CPU (`-march=native`) into a cache keyed by
+everything that changes the binary (source, flags, compiler, jaxlib, CPU features), so a home
+directory shared between machines never runs code built for another CPU. The target name
+carries the key: a compiled program (and the persistent compile cache) always names the
+binary it was built against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+
+def cpu_features() -> str:
+    """The host's CPU feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxserve" / "cpu_kernels"
+
+
+def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
+    """(shared library or None, why, target name `<prefix>_<key>`) for `source`; `what`
+    names the kernel in the messages. Compiles once per distinct binary."""
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None, f"no native {what} for {platform.machine()}", ""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        return None, f"no C++ compiler (c++, g++ or clang++) on PATH to build the {what}", ""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cxx} --version failed: {e}", ""
+    parts = [source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jax.__version__.encode(),
+             cpu_features().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    name = f"{prefix}_{key}"
+    out = cache_dir() / f"{name}.so"
+    if out.exists():
+        return out, f"native CPU kernel {out.name}", name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = out.parent
+    except OSError:
+        tmp_dir = Path(tempfile.gettempdir())
+        out = tmp_dir / out.name
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        os.unlink(tmp)
+        return None, f"building the {what} failed: {e}", ""
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return None, f"building the {what} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}", ""
+    os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
+    return out, f"native CPU kernel {out.name}", name
