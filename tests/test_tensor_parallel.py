@@ -33,9 +33,9 @@ _CHILD = textwrap.dedent("""
         prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
         for tp in (1, *map(int, tps.split(","))):
             result[f"{path}-tp{tp}"] = greedy(tiny, tp, prompts)
-    # int8 weights: scales split with their columns, KV-head scales replicated like the heads
+    # int8 weights and KV: weight scales split with their columns, KV scales split by head
     for tp in (1, 4):
-        result[f"int8-tp{tp}"] = greedy(tiny, tp, prompts, quantization="int8")
+        result[f"int8-tp{tp}"] = greedy(tiny, tp, prompts, quantization="int8", kv_cache_dtype="int8")
     print(json.dumps(result))
 """).replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
