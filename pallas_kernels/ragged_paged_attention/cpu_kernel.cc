@@ -39,7 +39,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kQueryBlock = 8;  // query tokens of one sequence that share each K/V row
+constexpr int64_t kQueryBlock = 16;  // query tokens of one sequence that share each K/V row
+constexpr int64_t kBlockKeys = 64;   // keys per segment of the query-block path
 constexpr int64_t kLanes = 16;      // scratch rows are padded to this many floats
 constexpr float kMasked = -1e30f;   // finite "minus infinity", as in the reference
 
@@ -378,6 +379,199 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
   }
 }
 
+#if defined(__AVX512F__)
+// ---- Query-block path (items of more than one query token: prefill and chunks) ----------
+//
+// Per KV head, the block's query rows (token i, query head g of the group: row i * G + g)
+// are the lanes: queries are transposed once per item into qt [D, Rp], and each segment of
+// up to kBlockKeys keys (gathered across pages, widened, V pre-multiplied by its scales)
+// gives transposed scores st [key, Rp] from broadcast key elements times 16 rows at a time.
+// The online softmax then runs lane-wise over keys (no horizontal reductions anywhere), and
+// P.V broadcasts st[key][row] against V rows. Same numbers as the per-key path up to
+// summation order.
+
+struct BlockScratch {  // per thread, reused across calls
+  std::vector<float> qt, st, kw, vw, acc, m, l, alpha, ks;
+  std::vector<int32_t> posv, lov;
+};
+
+// st[j][c*16 .. c*16+16) for 4 keys j0..j0+3 and NC chunks of 16 rows: sum_d kw[j][d] * qt[d][...].
+template <int NC>
+inline void scores_t_tile(const float* kw, const float* qt, int64_t Rp, int64_t D, float* st) {
+  __m512 a[4][NC];
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < NC; ++c) a[j][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qt + d * Rp + 16 * c);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 x = _mm512_set1_ps(kw[j * D + d]);
+      for (int c = 0; c < NC; ++c) a[j][c] = _mm512_fmadd_ps(x, qv[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(st + j * Rp + 16 * c, a[j][c]);
+}
+
+// acc[r][d0 .. d0+16*S) += sum_j st[j][r] * vw[j][...] for the 4 rows r0..r0+3.
+template <int S>
+inline void pv_t_tile(float* acc, int64_t D, const float* st, int64_t Rp, const float* vw, int64_t n, int64_t d0) {
+  __m512 a[4][S];
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < S; ++k) a[r][k] = _mm512_loadu_ps(acc + r * D + d0 + 16 * k);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[S];
+    for (int k = 0; k < S; ++k) v[k] = _mm512_loadu_ps(vw + j * D + d0 + 16 * k);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 x = _mm512_set1_ps(st[j * Rp + r]);
+      for (int k = 0; k < S; ++k) a[r][k] = _mm512_fmadd_ps(x, v[k], a[r][k]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < S; ++k) _mm512_storeu_ps(acc + r * D + d0 + 16 * k, a[r][k]);
+}
+
+template <typename Q, typename KV>
+void attend_block(const Problem& p, const Q* q, const KV* kp, const KV* vp, const float* ksc, const float* vsc, Q* out,
+                  int64_t s, int64_t t0, int64_t nb) {
+  constexpr bool kQuant = Quant<KV>::value;
+  constexpr float kFactor = decode_factor<KV>();
+  const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
+  const int64_t ps = p.page_size, slot = Hkv * D;
+  const int64_t kv_len = std::min<int64_t>(std::max(p.kv_lens[s], 0), p.max_pages * ps);
+  const int64_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
+  const int64_t R = nb * G, Rp = round_up(R, kLanes);
+  const int32_t* table = p.tables + s * p.max_pages;
+
+  thread_local BlockScratch b;
+  b.qt.resize(D * Rp);
+  b.st.resize(kBlockKeys * Rp);
+  b.kw.resize(kBlockKeys * D);
+  b.vw.resize(kBlockKeys * D);
+  b.acc.resize(Rp * D);
+  b.m.resize(Rp);
+  b.l.resize(Rp);
+  b.alpha.resize(Rp);
+  b.ks.resize(kBlockKeys);
+  b.posv.assign(Rp, -1);  // padding rows: every key masked
+  b.lov.assign(Rp, 0);
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    const int64_t pos = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
+    const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+    key_lo = std::min(key_lo, lo);
+    key_hi = std::max(key_hi, std::min(pos + 1, kv_len));
+    for (int64_t g = 0; g < G; ++g) {
+      b.posv[i * G + g] = static_cast<int32_t>(std::clamp<int64_t>(pos, -1, INT32_MAX));
+      b.lov[i * G + g] = static_cast<int32_t>(std::clamp<int64_t>(lo, 0, INT32_MAX));
+    }
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    std::fill(b.qt.begin(), b.qt.end(), 0.0f);
+    for (int64_t r = 0; r < R; ++r) {
+      const Q* qr = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) b.qt[d * Rp + r] = to_f32(qr[d]) * p.sm_scale;
+    }
+    std::fill(b.acc.begin(), b.acc.end(), 0.0f);
+    std::fill(b.m.begin(), b.m.end(), kMasked);
+    std::fill(b.l.begin(), b.l.end(), 0.0f);
+    for (int64_t start = key_lo; start < key_hi;) {
+      const int64_t n = std::min(kBlockKeys, key_hi - start), n4 = round_up(n, 4);
+      for (int64_t j = 0; j < n4; ++j) {  // gather the segment's keys and values, widened
+        float* kr = b.kw.data() + j * D;
+        float* vr = b.vw.data() + j * D;
+        if (j >= n) {
+          std::fill(kr, kr + D, 0.0f);
+          std::fill(vr, vr + D, 0.0f);
+          continue;
+        }
+        const int64_t key = start + j;
+        const int64_t page = std::clamp<int64_t>(table[key / ps], 0, p.num_pages - 1);
+        const int64_t at = (page * ps + key % ps) * slot + h * D;
+        const __m512 vsc16 = _mm512_set1_ps(kQuant ? vsc[(page * ps + key % ps) * Hkv + h] * kFactor : 1.0f);
+        if constexpr (kQuant) b.ks[j] = ksc[(page * ps + key % ps) * Hkv + h] * kFactor;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          _mm512_storeu_ps(kr + d, load16(kp + at + d));
+          _mm512_storeu_ps(vr + d, kQuant ? _mm512_mul_ps(load16(vp + at + d), vsc16) : load16(vp + at + d));
+        }
+      }
+      for (int64_t j = 0; j < n4; j += 4) {  // st = K . Q^T
+        for (int64_t c = 0; c < Rp / kLanes; c += 4) {
+          const float* kw = b.kw.data() + j * D;
+          const float* qt = b.qt.data() + c * kLanes;
+          float* st = b.st.data() + j * Rp + c * kLanes;
+          switch (std::min<int64_t>(4, Rp / kLanes - c)) {
+            case 4: scores_t_tile<4>(kw, qt, Rp, D, st); break;
+            case 3: scores_t_tile<3>(kw, qt, Rp, D, st); break;
+            case 2: scores_t_tile<2>(kw, qt, Rp, D, st); break;
+            default: scores_t_tile<1>(kw, qt, Rp, D, st); break;
+          }
+        }
+      }
+      const __m512 masked = _mm512_set1_ps(kMasked), half = _mm512_set1_ps(0.5f * kMasked);
+      for (int64_t c = 0; c < Rp; c += kLanes) {  // scale, cap, mask; online softmax over keys
+        const __m512i posv = _mm512_loadu_si512(b.posv.data() + c), lov = _mm512_loadu_si512(b.lov.data() + c);
+        const __m512 m_old = _mm512_loadu_ps(b.m.data() + c);
+        __m512 mx = m_old;
+        for (int64_t j = 0; j < n; ++j) {
+          float* sj = b.st.data() + j * Rp + c;
+          __m512 x = _mm512_loadu_ps(sj);
+          if constexpr (kQuant) x = _mm512_mul_ps(x, _mm512_set1_ps(b.ks[j]));
+          if (p.soft_cap > 0.0f) {
+            alignas(64) float t[kLanes];
+            _mm512_store_ps(t, x);
+            for (int64_t l = 0; l < kLanes; ++l) t[l] = p.soft_cap * std::tanh(t[l] / p.soft_cap);
+            x = _mm512_load_ps(t);
+          }
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(start + j));
+          const __mmask16 live = _mm512_cmple_epi32_mask(key, posv) & _mm512_cmpge_epi32_mask(key, lov);
+          x = _mm512_mask_blend_ps(live, masked, x);
+          _mm512_storeu_ps(sj, x);
+          mx = _mm512_max_ps(mx, x);
+        }
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          float* sj = b.st.data() + j * Rp + c;
+          const __m512 x = _mm512_loadu_ps(sj);
+          const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, half, _CMP_GT_OQ), exp16(_mm512_sub_ps(x, mx)));
+          _mm512_storeu_ps(sj, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 alpha = exp16(_mm512_sub_ps(m_old, mx));
+        _mm512_storeu_ps(b.l.data() + c, _mm512_fmadd_ps(_mm512_loadu_ps(b.l.data() + c), alpha, sum));
+        _mm512_storeu_ps(b.m.data() + c, mx);
+        _mm512_storeu_ps(b.alpha.data() + c, alpha);
+      }
+      for (int64_t r = 0; r < Rp; ++r) {
+        const float a = b.alpha[r];
+        if (a == 1.0f) continue;
+        const __m512 av = _mm512_set1_ps(a);
+        for (int64_t d = 0; d < D; d += kLanes)
+          _mm512_storeu_ps(b.acc.data() + r * D + d, _mm512_mul_ps(av, _mm512_loadu_ps(b.acc.data() + r * D + d)));
+      }
+      for (int64_t r = 0; r < Rp; r += 4) {  // acc += P . V
+        for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {
+          float* acc = b.acc.data() + r * D;
+          const float* st = b.st.data() + r;
+          switch (std::min<int64_t>(4, (D - d0) / kLanes)) {
+            case 4: pv_t_tile<4>(acc, D, st, Rp, b.vw.data(), n, d0); break;
+            case 3: pv_t_tile<3>(acc, D, st, Rp, b.vw.data(), n, d0); break;
+            case 2: pv_t_tile<2>(acc, D, st, Rp, b.vw.data(), n, d0); break;
+            default: pv_t_tile<1>(acc, D, st, Rp, b.vw.data(), n, d0); break;
+          }
+        }
+      }
+      start += n;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      Q* o = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
+      const float l = b.l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < D; ++d) store(b.acc[r * D + d] * inv, o + d);
+    }
+  }
+}
+#endif
+
 struct Progress {  // shared with pool tasks, which may start after the call returned
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -392,6 +586,14 @@ void run(const Problem& p, const void* q, const void* kp, const void* vp, const 
   // the call returns only when every item is done.
   auto work = [&p, q, kp, vp, ksc, vsc, out, items](Progress& pr) {
     for (int64_t i; (i = pr.next.fetch_add(1)) < items;) {
+#if defined(__AVX512F__)
+      if (p.item_count[i] > 1 && p.head_dim % kLanes == 0) {
+        attend_block<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp), ksc,
+                            vsc, static_cast<Q*>(out), p.item_seq[i], p.item_first[i], p.item_count[i]);
+        pr.done.fetch_add(1);
+        continue;
+      }
+#endif
       attend_item<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp), ksc, vsc,
                          static_cast<Q*>(out), i);
       pr.done.fetch_add(1);
