@@ -21,7 +21,7 @@ engine's host and device work on one workload (wraps engine methods; diagnostic 
 
     .venv/bin/python scripts/bench_throughput.py [--quick] [--workloads a,b,c] [--no-hf]
         [--hf-dtypes float32,bfloat16] [--vllm-python .venv-vllm/bin/python | --no-vllm]
-        [--attention auto,reference] [--quantization none,int8] [--kv-cache-dtype auto]
+        [--attention auto,reference] [--quantization none,int8] [--kv-cache-dtype auto,int8]
 
 Every ratio is jaxserve / peer from this run; greedy agreement is against HF f32.
 """
@@ -290,7 +290,8 @@ def main() -> None:
                     help="jaxserve attention backends to run, e.g. auto,reference (an A/B)")
     ap.add_argument("--quantization", default="none",
                     help="jaxserve weight modes to run, e.g. none,int8 (f32 activations either way)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="jaxserve's KV pages (auto: f32)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="jaxserve's KV pages, e.g. auto,int8 (auto: f32); each weight mode runs with each")
     ap.add_argument("--quantize-lm-head", action="store_true", help="with int8: the (tied) LM head too")
     args = ap.parse_args()
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
@@ -312,17 +313,18 @@ def main() -> None:
           f"load avg {os.getloadavg()[0]:.2f}; quick={args.quick}; workloads={','.join(keys)}; "
           f"num_pages={num_pages}", flush=True)
     ours: dict[str, dict[str, Result]] = {}  # "<weights>, <attention>" -> workload -> result
-    variants = [(b.strip(), q.strip()) for q in args.quantization.split(",") if q.strip()
+    variants = [(b.strip(), q.strip(), kv.strip()) for q in args.quantization.split(",") if q.strip()
+                for kv in args.kv_cache_dtype.split(",") if kv.strip()
                 for b in args.attention.split(",") if b.strip()]
-    for backend, quant in variants:
+    for backend, quant, kv_dtype in variants:
         t0 = time.perf_counter()
         llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=num_pages, dtype="float32", warmup=False, attention_backend=backend,
-                  quantization=None if quant == "none" else quant, kv_cache_dtype=args.kv_cache_dtype,
+                  quantization=None if quant == "none" else quant, kv_cache_dtype=kv_dtype,
                   quantize_lm_head=args.quantize_lm_head and quant != "none",
                   **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
         label = f"{'f32' if quant == 'none' else quant}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
-            f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + f" [{backend}]"
+            f" kv {kv_dtype}" if kv_dtype != "auto" else "") + f" [{backend}]"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         report = llm.warmup()  # an int (shapes) or a report with .records, depending on version
