@@ -101,6 +101,28 @@ def test_bf16_products(m):
         quantized_matmul(x, w, scale, precision="int8")
 
 
+# w [N, K] (a tied embedding as the LM head): the direct path's row dot products (1, 5: a
+# second 4-row pass) and the packed path's gathered panels (9, 64), with K not a multiple
+# of 4 or 16 (the scalar packing tail, masked lanes) and N not a multiple of 4 or 64.
+@pytest.mark.parametrize("m", [1, 5, 9, 64])
+@pytest.mark.parametrize("k,n", [(579, 131), (64, 1030)])
+@pytest.mark.parametrize("precision", ["highest", "bf16"])
+def test_transposed_weights(m, k, n, precision):
+    x, w, scale = operands(m, k, n, seed=m + k + n)
+    wt = jnp.asarray(np.ascontiguousarray(np.asarray(w).T))  # [N, K]
+    fn = functools.partial(quantized_matmul, transposed=True, precision=precision)
+    got = jax.jit(functools.partial(fn, backend="cpu"))(x, wt, scale)
+    ref = fn(x, wt, scale, backend="reference")
+    assert got.shape == (m, n) == ref.shape
+    xp = x.astype(jnp.bfloat16) if precision == "bf16" else x
+    assert_close(got, exact(xp, w, scale), xp, w, scale, 1e-6)
+    assert_close(ref, exact(xp, w, scale), xp, w, scale, 1e-6)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        quantized_matmul(x, w, scale, transposed=True)  # [K, N] given
+    with pytest.raises(ValueError, match="unstacked"):
+        quantized_matmul(x, wt[None], scale[None], layer=0, transposed=True)
+
+
 def test_vmap_over_activations():
     x, w, scale = operands(6, 40, 24)
     xs = x.reshape(3, 2, 40)

@@ -275,10 +275,11 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """h: [R, E] final-normed hidden states -> logits [R, V] in f32."""
         if self.lm_head_qscale is not None:
-            logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...]).astype(jnp.float32)
+            logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...],
+                                      precision=self.matmul_precision).astype(jnp.float32)
         elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows, one scale per row
-            acc = jnp.dot(h, self.embed[...].astype(h.dtype).T, preferred_element_type=jnp.float32)
-            logits = acc * self.embed_qscale[...]
+            logits = quantized_matmul(h, self.embed[...], self.embed_qscale[...], transposed=True,
+                                      precision=self.matmul_precision).astype(jnp.float32)
         else:
             head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
             logits = (h @ head).astype(jnp.float32)

@@ -68,8 +68,10 @@ def quantized_matmul_cpu(
     layer: jax.Array | int | None = None,
     *,
     precision: str = "highest",
+    transposed: bool = False,  # w [N, K] (unstacked): a tied embedding as the LM head
 ) -> jax.Array:  # [M, N], x.dtype
-    """The reference's contract (reference.py), computed by the native kernel.
+    """The reference's contract (reference.py), computed by the native kernel. With
+    `transposed`, w is [N, K] (output channels as rows) and read in that layout.
 
     The stacked weight and the layer index are operands: the kernel reads layer `layer` in
     place. `layer` is clamped (negative counts from the end) as `dynamic_index_in_dim` does.
@@ -84,6 +86,8 @@ def quantized_matmul_cpu(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype),
-                            vmap_method="sequential")
-    return call(x, w, scale, layer, bf16_products=precision == "bf16")
+    if transposed and w.ndim != 2:
+        raise ValueError(f"transposed takes an unstacked w [N, K], got shape {w.shape}")
+    n = w.shape[0] if transposed else w.shape[-1]
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), vmap_method="sequential")
+    return call(x, w, scale, layer, bf16_products=precision == "bf16", w_transposed=transposed)

@@ -3,7 +3,9 @@
 //   out[m, n] = (sum_k x[m, k] * w[k, n]) * scale[n]      (f32 accumulation)
 //
 // x [M, K] f32 or bf16, w [K, N] int8 or stacked [L, K, N] with an int32 `layer` operand
-// (read in place: no slice is copied), scale [N] or [L, N] f32, out [M, N] in x's dtype.
+// (read in place: no slice is copied), or with `w_transposed` w [N, K] (a tied embedding
+// read as the LM head, without a transposed copy), scale [N] or [L, N] f32, out [M, N] in
+// x's dtype.
 // XLA:CPU converts the whole int8 weight into an f32 temporary on every call and then runs
 // an f32 GEMM, so int8 is slower than f32 there; this kernel reads the int8 weight and widens
 // it in registers or in a cache-resident panel.
@@ -107,7 +109,8 @@ struct Problem {
   const float* x;      // [M, K] f32 (bf16 inputs widened; with bf16 products, rounded first)
   const uint16_t* xb;  // packed bf16 path: [M, Kp] bf16, K padded to even with 0; else null
   int64_t Kp;
-  const int8_t* w;      // [K, N] of the selected layer
+  const int8_t* w;      // [K, N] of the selected layer; [N, K] when wt
+  bool wt;              // w_transposed: rows are output channels (a tied embedding as the LM head)
   const float* scale;   // [N]
   void* out;            // [M, N]
   bool out_bf16;
@@ -298,6 +301,21 @@ void direct_item(const Problem& p, int64_t item) {
   store_tile(p, sum, p.N, 0, p.M, c0, cols);
 }
 
+// The direct path for w [N, K] on a host without AVX-512 (every M runs here there).
+void direct_t_item_any(const Problem& p, int64_t item) {
+  const int64_t c0 = item * p.cw, cols = std::min(p.cw, p.N - c0);
+  thread_local std::vector<float> own;
+  own.resize(p.M * cols);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int8_t* row = p.w + (c0 + c) * p.K;
+      float sum = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) sum += p.x[m * p.K + k] * static_cast<float>(row[k]);
+      own[m * cols + c] = sum;
+    }
+  store_tile(p, own.data(), cols, 0, p.M, c0, cols);
+}
+
 #if defined(QMM_AVX512)
 
 // ---- Packed path, f32 products ----
@@ -438,6 +456,144 @@ struct PackedBf16 {
 };
 #endif
 
+// ---- Transposed weights (w [N, K]: a tied embedding read as the LM head) ----
+//
+// Packing reads 4 k values of 16 output channels with one gather (a dword per channel row)
+// and spreads its bytes over 4 panel rows, so the panels are the same as for [K, N] and the
+// micro kernels are shared. Rows whose 4-byte read would pass the end of a channel row (K not
+// a multiple of 4) take a scalar loop.
+
+// The dword at w[n0 + lane][k] for the lanes of `m` (0 elsewhere).
+inline __m512i gather_t16(const Problem& p, int64_t n0, int64_t k, __mmask16 m) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int32_t>(p.K)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, p.w + n0 * p.K + k, 1);
+}
+
+// Byte j (0..3) of each dword, sign-extended, as f32.
+template <int J>
+inline __m512 byte_f32(__m512i v) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
+  for (int64_t c = 0; c < np * kPanel; c += 16) {
+    const __mmask16 m = lane_mask(cols - c);
+    float* dst = panel + (c / kPanel) * kPanelK * kPanel + c % kPanel;
+    int64_t k = 0;
+    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) {
+      const __m512i v = gather_t16(p, n0 + c, k0 + k, m);
+      _mm512_store_ps(dst + (k + 0) * kPanel, byte_f32<0>(v));
+      _mm512_store_ps(dst + (k + 1) * kPanel, byte_f32<1>(v));
+      _mm512_store_ps(dst + (k + 2) * kPanel, byte_f32<2>(v));
+      _mm512_store_ps(dst + (k + 3) * kPanel, byte_f32<3>(v));
+    }
+    for (; k < kc; ++k)
+      for (int64_t l = 0; l < 16; ++l)
+        dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? static_cast<float>(p.w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
+  }
+}
+
+struct PackedF32T : PackedF32 {
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
+    pack_panels_f32_t(p, k0, kc, n0, np, panel);
+  }
+};
+
+#if defined(QMM_AVX512_BF16)
+// bf16 panels [kc / 2][64][2] (as pack_panels_bf16) from w [N, K]: the dword for k = 2j..2j+3
+// gives pairs j and j + 1.
+void pack_panels_bf16_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, uint16_t* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  auto pair = [&](__m512 lo, __m512 hi) {  // bf16(lo) in the low half, bf16(hi) in the high half (exact)
+    return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                           _mm512_and_si512(_mm512_castps_si512(hi), high));
+  };
+  for (int64_t c = 0; c < np * kPanel; c += 16) {
+    const __mmask16 m = lane_mask(cols - c);
+    uint16_t* dst = panel + (c / kPanel) * kPanelK * kPanel + (c % kPanel) * 2;
+    int64_t k = 0;
+    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) {
+      const __m512i v = gather_t16(p, n0 + c, k0 + k, m);
+      _mm512_store_si512(dst + (k / 2) * kPanel * 2, pair(byte_f32<0>(v), byte_f32<1>(v)));
+      _mm512_store_si512(dst + (k / 2 + 1) * kPanel * 2, pair(byte_f32<2>(v), byte_f32<3>(v)));
+    }
+    for (; k < kc; k += 2) {
+      alignas(64) float lo[16], hi[16];
+      for (int64_t l = 0; l < 16; ++l) {
+        const int8_t* row = p.w + (n0 + c + l) * p.K;
+        const bool live = c + l < cols;
+        lo[l] = live && k0 + k < p.K ? static_cast<float>(row[k0 + k]) : 0.0f;
+        hi[l] = live && k0 + k + 1 < p.K ? static_cast<float>(row[k0 + k + 1]) : 0.0f;
+      }
+      _mm512_store_si512(dst + (k / 2) * kPanel * 2, pair(_mm512_load_ps(lo), _mm512_load_ps(hi)));
+    }
+  }
+}
+
+struct PackedBf16T : PackedBf16 {
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
+    pack_panels_bf16_t(p, k0, kc, n0, np, panel);
+  }
+};
+#endif
+
+// Direct path for w [N, K] (M <= 8): dot products along the channel rows, 4 channels by MR
+// rows of x per pass (16 accumulators), each summed across its lanes at the end.
+template <int MR>
+void direct_t_rows(const Problem& p, const float* x, int64_t n0, int64_t cols, float* acc, int64_t ld) {
+  const int64_t K = p.K, full = K & ~int64_t{15};
+  const __mmask16 tail = lane_mask(K - full);
+  int64_t c = 0;
+  for (; c < cols; c += 4) {
+    const int64_t nc = std::min<int64_t>(4, cols - c);
+    const int8_t* w[4];
+    for (int64_t j = 0; j < 4; ++j) w[j] = p.w + (n0 + c + std::min<int64_t>(j, nc - 1)) * K;
+    __m512 a[4][MR];
+    for (int j = 0; j < 4; ++j)
+      for (int m = 0; m < MR; ++m) a[j][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += 16) {
+      __m512 xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wv = load_w16<false>(w[j] + k, 0);
+        for (int m = 0; m < MR; ++m) a[j][m] = _mm512_fmadd_ps(xv[m], wv, a[j][m]);
+      }
+    }
+    if (full < K) {
+      __m512 xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm512_maskz_loadu_ps(tail, x + m * K + full);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wv = load_w16<true>(w[j] + full, tail);
+        for (int m = 0; m < MR; ++m) a[j][m] = _mm512_fmadd_ps(xv[m], wv, a[j][m]);
+      }
+    }
+    for (int64_t j = 0; j < nc; ++j)
+      for (int m = 0; m < MR; ++m) acc[m * ld + c + j] = _mm512_reduce_add_ps(a[j][m]);
+  }
+}
+
+void direct_t_item(const Problem& p, int64_t item) {
+  const int64_t c0 = item * p.cw, cols = std::min(p.cw, p.N - c0);
+  thread_local std::vector<float> own;
+  const int64_t ld = (cols + 15) / 16 * 16;
+  own.resize(p.M * ld);
+  for (int64_t m0 = 0; m0 < p.M; m0 += kDirectGroup) {
+    const int64_t rows = std::min(kDirectGroup, p.M - m0);
+    const float* x = p.x + m0 * p.K;
+    float* acc = own.data() + m0 * ld;
+    switch (rows) {
+      case 1: direct_t_rows<1>(p, x, c0, cols, acc, ld); break;
+      case 2: direct_t_rows<2>(p, x, c0, cols, acc, ld); break;
+      case 3: direct_t_rows<3>(p, x, c0, cols, acc, ld); break;
+      default: direct_t_rows<4>(p, x, c0, cols, acc, ld); break;
+    }
+  }
+  store_tile(p, own.data(), ld, 0, p.M, c0, cols);
+}
+
 // One packed item: rows [m0, m0 + m_block) by np 64-column panels, over K in kPanelK blocks:
 // the panels of a block are packed together (contiguous row reads), then each panel runs
 // over the m-block's row tiles.
@@ -488,11 +644,13 @@ void run_item(const Problem& p, int64_t item) {
 #if defined(QMM_AVX512)
   if (p.M > kDirectMaxRows) {
 #if defined(QMM_AVX512_BF16)
-    if (p.xb != nullptr) return packed_item<PackedBf16>(p, item);
+    if (p.xb != nullptr) return p.wt ? packed_item<PackedBf16T>(p, item) : packed_item<PackedBf16>(p, item);
 #endif
-    return packed_item<PackedF32>(p, item);
+    return p.wt ? packed_item<PackedF32T>(p, item) : packed_item<PackedF32>(p, item);
   }
+  if (p.wt) return direct_t_item(p, item);
 #endif
+  if (p.wt) return direct_t_item_any(p, item);
   direct_item(p, item);
 }
 
@@ -533,12 +691,14 @@ void direct_split(Problem& p, int64_t workers) {
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, bool bf16_products) {
+                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || sd.size() + 1 != wd.size())
     return ffi::Error::InvalidArgument("expected x [M, K], w [K, N] or [L, K, N], scale [N] or [L, N]");
   const bool stacked = wd.size() == 3;
-  const int64_t L = stacked ? wd[0] : 1, K = wd[stacked ? 1 : 0], N = wd[stacked ? 2 : 1];
+  if (stacked && w_transposed) return ffi::Error::InvalidArgument("w_transposed takes an unstacked w [N, K]");
+  const int64_t L = stacked ? wd[0] : 1;
+  const int64_t K = w_transposed ? wd[1] : wd[stacked ? 1 : 0], N = w_transposed ? wd[0] : wd[stacked ? 2 : 1];
   if (xd[1] != K || sd[sd.size() - 1] != N || (stacked && sd[0] != L) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("x, w and scale shapes disagree");
   const auto xt = x.element_type();
@@ -556,6 +716,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
   p.K = K;
   p.N = N;
   p.w = w.typed_data() + l * K * N;
+  p.wt = w_transposed;
   p.scale = scale.typed_data() + l * N;
   p.out = out->untyped_data();
   p.out_bf16 = xt == ffi::BF16;
@@ -610,7 +771,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
     items = p.num_m_blocks * ((panels + p.span_panels - 1) / p.span_panels);
   } else
 #endif
-  {
+  if (p.wt) {  // column parts only: each channel's dot product runs along its own row
+    p.cw = std::clamp<int64_t>((N + 4 * workers - 1) / (4 * workers), 64, 1024) / 4 * 4;
+    items = (N + p.cw - 1) / p.cw;
+  } else {
     direct_split(p, workers);
     items = p.nparts * p.kparts;
     if (p.kparts > 1) {
@@ -635,4 +799,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
                                   .Ret<ffi::AnyBuffer>()          // out [M, N]
-                                  .Attr<bool>("bf16_products"));
+                                  .Attr<bool>("bf16_products")
+                                  .Attr<bool>("w_transposed"));  // w [N, K] (unstacked)

@@ -14,10 +14,15 @@ QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 BACKENDS = ("auto", "reference", "cpu")
 
 
-def _validate(x, w, scale, layer) -> None:
+def _validate(x, w, scale, layer, transposed) -> None:
     check_shape("x", x, (None, None), "[M, K]")
     k = x.shape[1]
-    if layer is None:
+    if transposed:
+        if layer is not None:
+            raise ValueError("transposed takes an unstacked w [N, K] (no layer)")
+        check_shape("w", w, (None, k), "[N, K] (transposed)")
+        check_shape("scale", scale, (w.shape[0],), "[N]")
+    elif layer is None:
         check_shape("w", w, (k, None), "[K, N]")
         check_shape("scale", scale, (w.shape[1],), "[N]")
     else:
@@ -59,6 +64,7 @@ def quantized_matmul(
     layer: jax.Array | int | None = None,  # int32 scalar: which stacked layer
     backend: str = "auto",
     precision: str = "highest",
+    transposed: bool = False,
 ) -> jax.Array:  # [M, N], x.dtype
     """`(x @ w) * scale` with f32 accumulation (see reference.py for the contract).
 
@@ -71,27 +77,29 @@ def quantized_matmul(
     f32 sums: on CPU the kernel's bf16 dot-product path for more than 8 rows, about twice
     the f32 rate; relative error up to 2^-9 of the sum of |terms| on top of the weights'
     quantization). bf16 x is the same under both.
+    transposed: w is [N, K] (a row per output channel, unstacked): a tied embedding used as
+    the LM head, read where it lies rather than through a transposed copy.
     """
-    _validate(x, w, scale, layer)
+    _validate(x, w, scale, layer, transposed)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in native_cpu.PRECISIONS:
         raise ValueError(f"precision must be one of {native_cpu.PRECISIONS}, got {precision!r}")
     if backend == "reference":
-        return quantized_matmul_reference(x, w, scale, layer, precision=precision)
+        return quantized_matmul_reference(x, w, scale, layer, precision=precision, transposed=transposed)
     if backend == "cpu":
-        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, precision=precision)
+        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, precision=precision, transposed=transposed)
     # The layer travels as an operand of every branch (a traced index inside the layer scan).
     stacked = layer is not None
     index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
 
     def reference(x, w, scale, index):
         return quantized_matmul_reference(x, w, scale, index if stacked else None,
-                                          precision=precision)
+                                          precision=precision, transposed=transposed)
 
     def native(x, w, scale, index):
         return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None,
-                                               precision=precision)
+                                               precision=precision, transposed=transposed)
 
     return by_target_platform((x, w, scale, index), reference=reference, tpu=None, gpu=None,
                               cpu=native if _native_cpu_choice(w.dtype)[0] else None)

@@ -11,6 +11,9 @@ taking a copy of the slice.
 `precision="bf16"` rounds x to bf16 before the products (still f32 sums, output in x's
 dtype): the products of a bf16 activation and an int8 (or float8) weight are exact in f32, so
 this is what a bf16 dot-product instruction computes. "highest" (the default) keeps f32 x.
+
+`transposed=True` takes w as [N, K] (a row per output channel: a tied embedding read as the
+LM head), unstacked; XLA folds the transposition into the dot.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ def quantized_matmul_reference(
     layer: jax.Array | int | None = None,
     *,
     precision: str = "highest",  # or "bf16": x rounded to bf16 before the products
+    transposed: bool = False,  # w [N, K] (unstacked), contracted along its second axis
 ) -> jax.Array:  # [M, N], x.dtype
     w, scale = select_layer(w, scale, layer)
     xp = x.astype(jnp.bfloat16) if precision == "bf16" else x
-    acc = jnp.dot(xp, w.astype(xp.dtype), preferred_element_type=jnp.float32)
+    dims = (((1,), (1 if transposed else 0,)), ((), ()))
+    acc = jax.lax.dot_general(xp, w.astype(xp.dtype), dims, preferred_element_type=jnp.float32)
     return (acc * scale.astype(jnp.float32)).astype(x.dtype)
