@@ -50,8 +50,13 @@ from scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from scheduler.request import wrap_seed
 
 logger = logging.getLogger(__name__)
+
+
+class DuplicateRequestId(ValueError):
+    """A request id that is still in flight was given again (the client's field: request_id)."""
 
 
 class Engine:
@@ -277,12 +282,12 @@ class Engine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         seq_ids = child_ids(rid, params.n)
         if rid in self.outputs or any(self.scheduler.get_request(c) is not None for c in seq_ids):
-            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still in flight")
+            raise DuplicateRequestId(f"request_id {rid!r} is a duplicate: a request with this id is still in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
         grammar = self.structured.grammar_for(params.structured_outputs) if params.structured_outputs else None
         self.outputs.add_request(rid, prompt, ids, params, now, output_kind)
         for i, cid in enumerate(seq_ids):
-            seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**32))
+            seed = wrap_seed(params.seed + i) if params.seed is not None else int(self._rng.integers(0, 2**32))
             seq_params = dataclasses.replace(params, seed=seed) if params.n > 1 or params.seed is None else params
             req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now,
                           grammar=grammar)
@@ -320,7 +325,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        failed = [out for rid, why in self.scheduler.take_grammar_errors() for out in self.outputs.fail([rid], why)]
+        failed = [out for rid, why in self.scheduler.take_grammar_errors()
+                  for out in self.outputs.fail([rid], why, param="structured_outputs")]
         if so.new_requests:
             self.outputs.record_scheduled((nr.request_id for nr in so.new_requests), time.monotonic())
         elif not so.scheduled and self.scheduler.num_awaiting_grammar:
@@ -333,7 +339,7 @@ class Engine:
             return failed + self._fail_step(so, e)
         for seq_id, why in ro.grammar_errors.items():  # ended first: their rejected token is not output
             self.scheduler.finish_requests(seq_id, FinishReason.ERROR)
-            failed += self.outputs.fail([seq_id], why)
+            failed += self.outputs.fail([seq_id], why, param="structured_outputs")
         updates = self.scheduler.update_from_output(so, ro.sampled_token_ids)
         processed = self.outputs.process(updates, ro.logprobs)
         for seq_id, stop_str in processed.stopped_by_string:

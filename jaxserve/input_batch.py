@@ -30,7 +30,7 @@ class CachedRequestState:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # uint32
+    seed: int  # the 64-bit seed as unsigned (two's complement of a negative one)
     stop_ids_row: np.ndarray  # [STOP_ID_WIDTH] int32, -1 padded: EOS (unless ignored) + stop ids
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -73,7 +73,7 @@ class InputBatch:
         stops += list(p.stop_token_ids)
         row = np.full(STOP_ID_WIDTH, -1, np.int32)
         row[: len(stops)] = stops
-        st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFF, row)
+        st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFFFFFFFFFF, row)
         if p.logit_bias:
             st.bias_ids_row = np.full(MAX_LOGIT_BIAS, -1, np.int32)
             st.bias_values_row = np.zeros(MAX_LOGIT_BIAS, np.float32)
@@ -104,7 +104,8 @@ class InputBatch:
             t.repetition_penalty[i] = p.repetition_penalty
             t.presence_penalty[i] = p.presence_penalty
             t.frequency_penalty[i] = p.frequency_penalty
-            t.seeds[i] = st.seed
+            t.seeds[i] = st.seed & 0xFFFFFFFF
+            t.seeds_hi[i] = st.seed >> 32
             num_out = len(st.output_token_ids)
             t.output_pos[i] = num_out
             t.min_tokens_mask[i] = num_out < p.min_tokens

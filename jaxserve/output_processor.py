@@ -43,6 +43,7 @@ class _Parent:
     num_unfinished: int
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # the request field that caused `error`, if any
     kind: OutputKind = OutputKind.CUMULATIVE
     num_completion_tokens: int = 0
     prompt_sent: bool = False  # DELTA: the prompt's ids went out with the first output
@@ -181,8 +182,9 @@ class OutputProcessor:
             return text + flushed.text, flushed.stop_str
         return text, None
 
-    def fail(self, sequence_ids: Iterable[str], message: str) -> list[RequestOutput]:
-        """Ends sequences whose step failed (finish reason `error`, `RequestOutput.error`)."""
+    def fail(self, sequence_ids: Iterable[str], message: str, param: str | None = None) -> list[RequestOutput]:
+        """Ends sequences whose step failed (finish reason `error`, `RequestOutput.error`);
+        `param` names the request's field when the request's own input caused it."""
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         for cid in sequence_ids:
@@ -195,6 +197,7 @@ class OutputProcessor:
             comp.finish_reason, comp.stop_reason = str(FinishReason.ERROR), None
             parent.num_unfinished -= 1
             parent.error = message
+            parent.error_param = param
         return [self._snapshot(p, now) for p in touched.values()]
 
     def _snapshot(self, parent: _Parent, now: float) -> RequestOutput:
@@ -213,6 +216,7 @@ class OutputProcessor:
             usage=Usage(len(parent.prompt_token_ids), parent.num_completion_tokens, parent.num_cached_tokens),
             metrics=dataclasses.replace(parent.metrics),
             error=parent.error,
+            error_param=parent.error_param,
         )
 
 

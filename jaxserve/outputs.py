@@ -82,5 +82,8 @@ class RequestOutput:
     finished: bool
     usage: Usage
     metrics: RequestMetrics
-    # Set when the request ended because the engine failed it (finish reason "error").
+    # Set when the request ended with finish reason "error": why.
     error: str | None = None
+    # The request field the error is due to (its structured-output spec failed while it ran),
+    # so fronts answer as for bad input; None: the engine failed it (a device step failed).
+    error_param: str | None = None

@@ -65,7 +65,10 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # [R] f32; 1.0 -> off
     presence_penalty: jax.Array  # [R] f32; 0.0 -> off
     frequency_penalty: jax.Array  # [R] f32; 0.0 -> off
-    seeds: jax.Array  # [R] uint32; the row's PRNG key is fold_in(key(seed), output_pos)
+    seeds: jax.Array  # [R] uint32: a 64-bit seed's low word; the row's PRNG key is
+    # fold_in(key(seed), output_pos), with fold_in(key(seed), seeds_hi) for key(seed) when
+    # the high word is not 0 (so seeds below 2**32 keep their streams)
+    seeds_hi: jax.Array  # [R] uint32: the seed's high word (two's complement for negative seeds)
     output_pos: jax.Array  # [R] int32; index of the output token being sampled
     min_tokens_mask: jax.Array  # [R] bool; True -> stop_token_ids are banned this step
     stop_token_ids: jax.Array  # [R, S] int32, -1 padded (EOS + stop_token_ids)
@@ -96,6 +99,7 @@ class SamplingTensors:
             presence_penalty=np.zeros(r, np.float32),
             frequency_penalty=np.zeros(r, np.float32),
             seeds=np.zeros(r, np.uint32),
+            seeds_hi=np.zeros(r, np.uint32),
             output_pos=np.zeros(r, np.int32),
             min_tokens_mask=np.zeros(r, np.bool_),
             stop_token_ids=np.full((r, num_stop_ids), -1, np.int32),
@@ -261,14 +265,17 @@ def _top_k_top_p_mask(probs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     return keep_k & (bits >= thr_p[:, None])
 
 
-def _row_uniforms(seeds: jax.Array, output_pos: jax.Array) -> jax.Array:
-    """One U[0, 1) per row from its own key only, so other rows never change it."""
+def _row_uniforms(seeds: jax.Array, seeds_hi: jax.Array, output_pos: jax.Array) -> jax.Array:
+    """One U[0, 1) per row from its own key only, so other rows never change it. The key
+    takes all 64 bits of the seed (low and high words)."""
 
-    def one(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.uniform(key, (), jnp.float32)
+    def one(seed, seed_hi, pos):
+        key = jax.random.key(seed)
+        key = jax.lax.cond(seed_hi == 0, lambda k: k, lambda k: jax.random.fold_in(k, seed_hi), key)
+        return jax.random.uniform(jax.random.fold_in(key, pos), (), jnp.float32)
 
-    return jax.vmap(one)(jnp.asarray(seeds, jnp.uint32), jnp.asarray(output_pos, jnp.int32))
+    return jax.vmap(one)(jnp.asarray(seeds, jnp.uint32), jnp.asarray(seeds_hi, jnp.uint32),
+                         jnp.asarray(output_pos, jnp.int32))
 
 
 def _last_nonzero(x: jax.Array) -> jax.Array:
@@ -316,7 +323,7 @@ def _random_sample(logits: jax.Array, t: SamplingTensors, use_top_k_top_p: bool)
             probs / total, jnp.asarray(t.top_k, jnp.int32), jnp.asarray(t.top_p, jnp.float32)
         )
         probs = jnp.where(keep, probs, 0.0)
-    return _inverse_cdf(probs, _row_uniforms(t.seeds, t.output_pos))
+    return _inverse_cdf(probs, _row_uniforms(t.seeds, t.seeds_hi, t.output_pos))
 
 
 def _logprobs(raw_logits: jax.Array, token_ids: jax.Array, k: int) -> dict[str, jax.Array]:

@@ -11,13 +11,24 @@ and carried along only for the engine's benefit.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 
 _PENALTY_RANGE = (-2.0, 2.0)
 _INT32 = 2**31
+SEED_RANGE = (-(2**63), 2**63)  # signed 64-bit; all 64 bits select the sampler's stream
+# Largest temperature and repetition-penalty factor taken (and the smallest penalty): the
+# sampler divides and multiplies f32 logits by them, so values near f32's range would give
+# inf or NaN; past these the distribution no longer changes in a way anyone can use.
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+def wrap_seed(seed: int) -> int:
+    """`seed` wrapped into SEED_RANGE (two's complement), for derived seeds such as an
+    n > 1 request's `seed + i`."""
+    return (seed + 2**63) % 2**64 - 2**63
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS = 256  # entries per request: the sampler's bias table is [R, MAX_LOGIT_BIAS]
 
@@ -157,11 +168,10 @@ class SamplingParams:
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
             )
-        if not _is_number(self.temperature) or not (
-            math.isfinite(self.temperature) and self.temperature >= 0.0
-        ):
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
+                f"got {self.temperature!r}"
             )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -171,19 +181,19 @@ class SamplingParams:
             )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_number(self.repetition_penalty) or not (
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0
-        ):
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (1 = off), "
+                f"got {self.repetition_penalty!r}"
             )
         lo, hi = _PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not lo <= value <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")

@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine import DuplicateRequestId
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
 from server.auth import AuthInterceptor
@@ -86,6 +87,9 @@ class ServerOptions:
     max_connection_age: float | None = None  # close connections older than this (load rebalancing)
     max_connection_age_grace: float = 30.0  # time calls get to finish once a connection is closed
     max_open_calls: int = 64  # health / reflection calls open at once (they need no key)
+    http_max_head_bytes: int = 64 * 1024  # request line + headers; more: 431 and the connection closed
+    http_head_timeout: float = 10.0  # seconds to send a request head; more: 408 and closed
+    http_max_connections_per_peer: int = 64  # HTTP connections one address may hold; more: 503
     frontend_threads: int | None = None  # tokenization / chat-template workers; None: cores / 4 (1..4)
     tokenizer_backlog_chars: int = 1_000_000  # characters queued for tokenization; more: RESOURCE_EXHAUSTED
     shutdown_timeout: float = 30.0
@@ -231,6 +235,7 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         return self.port
 
     async def _start_http(self) -> None:
+        from server.http_api.connection import ConnectionLimits
         from server.http_api.routes import OpenAIFront
         from server.http_api.runner import HttpServer
 
@@ -238,9 +243,12 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         # Connections and calls open at once: every admissible request plus as many again
         # for refusals, health checks and tokenize calls.
         max_conns = 2 * (self.engine_config.max_num_seqs + o.max_queued_requests) + o.max_open_calls
+        limits = ConnectionLimits(max_head_bytes=o.http_max_head_bytes, head_timeout=o.http_head_timeout,
+                                  max_connections_per_peer=o.http_max_connections_per_peer,
+                                  max_connections=max_conns)
         self.http = HttpServer(OpenAIFront(self).app, o.host, o.http_port, tls_cert_file=o.tls_cert_file,
                                tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file,
-                               max_connections=max_conns)
+                               limits=limits)
         try:
             self.http_port = await self.http.start()
         except OSError:
@@ -487,6 +495,10 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         if len(ids) >= self.engine.max_model_len:  # refused here, not on the engine thread
             raise invalid(f"prompt is {len(ids)} tokens, which leaves no room for output within "
                           f"max_model_len {self.engine.max_model_len}", param, "context_length_exceeded")
+        try:  # a request that can never run is 400 before admission, never a 429 meanwhile
+            self.engine.validate(ids, params)
+        except ValueError as e:
+            raise invalid(str(e)) from e
         if params.structured_outputs is not None:
             await self.check_grammar(params, structured_param)
         try:
@@ -498,11 +510,15 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         key = tenant.request_key(request_id)
         buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
         gen = Generation(key, params.n, buffer, reservation, on_close=self._leave,
-                         abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket))
+                         abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket),
+                         structured_param=structured_param)
         self._enter(gen)
         try:
             await self.loop_runner.add_request(key, params, buffer, prompt=text, prompt_token_ids=ids,
                                                arrival_time=time.monotonic(), ticket=gen.ticket)
+        except DuplicateRequestId as e:
+            gen.close()
+            raise invalid(str(e).replace(repr(key), repr(request_id)), "request_id") from e
         except ValueError as e:
             gen.close()
             raise invalid(str(e).replace(repr(key), repr(request_id))) from e

@@ -60,6 +60,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="seconds calls get to finish on a connection closed for its age")
     lim.add_argument("--max-open-calls", type=int, default=d.max_open_calls,
                      help="health / reflection calls (which need no key) open at once")
+    lim.add_argument("--http-max-head-bytes", type=int, default=d.http_max_head_bytes,
+                     help="HTTP request line + headers at most; past it 431 and the connection is closed")
+    lim.add_argument("--http-head-timeout", type=float, default=d.http_head_timeout,
+                     help="seconds an HTTP client has to send a request head; past it 408 and closed")
+    lim.add_argument("--http-max-connections-per-peer", type=int, default=d.http_max_connections_per_peer,
+                     help="HTTP connections one client address may hold; past it 503 and closed")
     lim.add_argument("--frontend-threads", type=int, default=None,
                      help="threads that tokenize and apply chat templates (default: a quarter of the cores, 1 to 4; "
                           "they take CPU from the engine)")
@@ -118,7 +124,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-queued-requests must be >= 0")
     api_key, tenants = _keys_from_args(ns)
     for flag in ("stream_idle_timeout", "keepalive_time", "keepalive_timeout", "max_concurrent_streams",
-                 "max_open_calls", "frontend_threads", "tokenizer_backlog_chars"):
+                 "max_open_calls", "frontend_threads", "tokenizer_backlog_chars", "http_max_head_bytes",
+                 "http_head_timeout", "http_max_connections_per_peer"):
         if getattr(ns, flag) is not None and getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if ns.max_queued_tokens is not None and ns.max_queued_tokens < 1:
@@ -139,7 +146,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         keepalive_timeout=ns.keepalive_timeout, max_connection_idle=ns.max_connection_idle,
         max_connection_age=ns.max_connection_age, max_connection_age_grace=ns.max_connection_age_grace,
         max_open_calls=ns.max_open_calls, frontend_threads=ns.frontend_threads,
-        tokenizer_backlog_chars=ns.tokenizer_backlog_chars,
+        tokenizer_backlog_chars=ns.tokenizer_backlog_chars, http_max_head_bytes=ns.http_max_head_bytes,
+        http_head_timeout=ns.http_head_timeout, http_max_connections_per_peer=ns.http_max_connections_per_peer,
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
         require_warm_cache=ns.require_warm_cache,

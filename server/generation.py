@@ -27,7 +27,8 @@ logger = logging.getLogger("jaxserve.server")
 
 class Generation:
     def __init__(self, key: str, n: int, buffer: StreamBuffer, reservation: Reservation,
-                 on_close: Callable[[Generation], None], abort: Callable[[str, object], Any]):
+                 on_close: Callable[[Generation], None], abort: Callable[[str, object], Any],
+                 structured_param: str | None = None):
         self.key = key  # the engine's (tenant-scoped) id
         self.n = n
         self.buffer = buffer
@@ -38,6 +39,7 @@ class Generation:
         self._on_close = on_close
         self._abort = abort
         self._closed = False
+        self.structured_param = structured_param  # the client's name for its grammar's field
 
     async def __aenter__(self) -> Generation:
         return self
@@ -60,8 +62,10 @@ class Generation:
         while True:
             out, term = await self.buffer.take()
             if out is not None:
-                if out.finished and out.error is not None:  # its device step failed
-                    raise self._failure(out.error)
+                if out.finished and out.error is not None:
+                    if out.error_param is not None:  # the request's own input failed while it ran
+                        raise self._bad_input(out.error, out.error_param)
+                    raise self._failure(out.error)  # its device step failed
                 self._note(out)
                 yield out
                 if out.finished:
@@ -84,6 +88,12 @@ class Generation:
                 if i not in self.finished_indices]
         self.finished_indices.update(range(self.n))
         return RequestOutput(self.key, None, [], outs, True, self.last_usage, RequestMetrics(0.0))
+
+    def _bad_input(self, error: str, param: str) -> ServeError:
+        if param == "structured_outputs" and self.structured_param is not None:
+            param = self.structured_param
+        logger.info("request %s ended by its input (%s): %s", self.key, param, error)
+        return ServeError(ErrorKind.INVALID, f"{param}: {error}", param)
 
     def _failure(self, error: str) -> ServeError:
         error_id = new_error_id()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import time
 
 import httpx
 import openai
@@ -42,8 +44,8 @@ def client(base):
         yield c
 
 
-def post(base: str, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+def post(base: str, path: str, body, key: str | None = KEY, headers: dict | None = None, **kw) -> httpx.Response:
+    headers = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     if isinstance(body, bytes | str):
         return httpx.post(base + path, content=body, headers={**headers, "content-type": "application/json"},
                           timeout=60, **kw)
@@ -234,7 +236,10 @@ def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     ({"prompt": "x", "top_k": 2 ** 40}, 400, "top_k"),
     ({"prompt": "x", "stop_token_ids": [2 ** 40]}, 400, "stop_token_ids"),
     ({"prompt": "x", "logit_bias": {str(2 ** 40): 1}}, 400, "logit_bias"),
-    ({"prompt": "x", "seed": 2 ** 70, "max_tokens": 1}, 200, None),
+    ({"prompt": "x", "seed": 2 ** 70, "max_tokens": 1}, 400, "seed"),
+    ({"prompt": "x", "seed": -(2 ** 70), "max_tokens": 1}, 400, "seed"),
+    ({"prompt": "x", "temperature": 1e300, "max_tokens": 1}, 400, "temperature"),
+    ({"prompt": "x", "repetition_penalty": 1e300, "max_tokens": 1}, 400, "repetition_penalty"),
     (b'{"prompt": "\\ud800 lone surrogate", "max_tokens": 1}', 400, None),
     (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     (b"[" * 10000 + b"]" * 10000, 400, None),
@@ -354,6 +359,40 @@ def test_disconnects_abort_their_requests(srv, base, model):
         wait_until(lambda: srv.server.num_in_flight == 1, timeout=5)
     wait_until(lambda: idle(srv), timeout=5)
     assert srv.server.loop_runner.snapshot.stats.num_used_blocks == 0
+
+
+def test_a_request_that_can_never_run_is_400_before_admission_and_ids_are_named(srv, base, model):
+    """n over max_n is 400 naming `n` whether the server is idle or busy (never a 429 that
+    invites a retry); a request id in flight given again is 400 naming `request_id`."""
+    big_n = {"model": model, "prompt": "x", "n": 10000, "max_tokens": 4}
+    r = post(base, "/v1/completions", big_n)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY}", "x-request-id": "busy-1"}) as resp:
+        lines = resp.iter_lines()
+        first = next(lines)
+        if srv.server.num_in_flight != 1:
+            pytest.fail(f"the request ended early: {first} ... {[ln for ln in lines if ln][-3:]}")
+        r = post(base, "/v1/completions", big_n)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert srv.server.num_in_flight == 1, "the first request ended early"
+        r = post(base, "/v1/completions", {**body, "stream": False}, headers={"x-request-id": "busy-1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    wait_until(lambda: idle(srv), timeout=5)
+
+
+def test_an_upload_cut_off_is_a_quiet_abort(srv, base, caplog):
+    """A client that disconnects mid-body gets no answer and leaves no ERROR line."""
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", srv.server.http_port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"authorization: Bearer {KEY}\r\ncontent-length: 1000\r\n\r\n".encode() + b'{"prompt": "x')
+        time.sleep(0.3)
+    r = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1})  # served after it
+    assert r.status_code == 200
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+    assert idle(srv)
 
 
 def test_no_compiles_after_warmup(srv):

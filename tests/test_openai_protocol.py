@@ -75,6 +75,12 @@ def test_completion_fields_refused_by_name(body, param):
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": [{"role": "assistant", "tool_calls": 5}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+     "messages[1].tool_calls[0].function"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "tool", "content": "4", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
 ])
 def test_chat_fields_refused_by_name(body, param):
     assert refused(ChatCompletionRequest, body).param == param
@@ -84,14 +90,16 @@ def test_messages_as_the_template_sees_them():
     req = parse(ChatCompletionRequest, {"messages": [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u1"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
     req.check()  # tool_choice "none": the tools are ignored, not refused
     assert req.template_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb", "name": "u1"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
 

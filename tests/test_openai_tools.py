@@ -58,6 +58,8 @@ def test_response_format_and_structured_outputs(client, base):
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, "response_format"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "frob"}}}],
       "tool_choice": "required"}, "tools"),

@@ -32,6 +32,12 @@ def test_defaults_and_normalisation():
         (dict(presence_penalty=2.5), "presence_penalty"),
         (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(seed=1.5), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(temperature=1e300), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=1e300), "repetition_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
         (dict(stop=["a", ""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(logprobs=-1), "logprobs"),
@@ -59,6 +65,8 @@ def test_validation_names_field_and_range(kwargs, field):
 def test_accepts_edges():
     SamplingParams(top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2, logprobs=0)
     SamplingParams(max_tokens=3, min_tokens=3, seed=-5, stop_token_ids=[0], cache_salt="t1")
+    SamplingParams(seed=2**63 - 1, temperature=1e6, repetition_penalty=1e-6)
+    SamplingParams(seed=-(2**63), repetition_penalty=1e6)
     assert SamplingParams(logit_bias={3: -100, 4: 100.0}).uses_penalties
     assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams().uses_penalties
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplerFlags, SamplingTensors, sample_jit
+from jaxserve.sampler import SamplerFlags, SamplingTensors, _row_uniforms, sample_jit
 
 V = 64
 
@@ -150,6 +150,23 @@ def test_min_tokens_bans_stop_ids():
         logits[0], 500, temperature=5.0, min_tokens_mask=True, stop_token_ids=stops[0]
     )
     assert not set(draws.tolist()) & set(stops[0].tolist())
+
+
+def test_all_64_bits_of_a_seed_select_the_stream():
+    """Seeds that share their low 32 bits draw different streams; a seed below 2**32 keeps
+    the stream of key(seed) (the high word 0 adds nothing)."""
+    v, r = 1000, 64
+    logits = np.broadcast_to(_logits(1, v=v, seed=3, scale=0.5)[0], (r, v)).copy()
+
+    def draws(lo, hi):
+        t = _tensors(r, temperature=1.0, seeds=lo, seeds_hi=hi, output_pos=np.arange(r))
+        return np.asarray(sample_jit(logits, t).token_ids)
+
+    base, high = draws(7, 0), draws(7, 1)
+    assert (base != high).sum() > r // 2
+    assert np.array_equal(draws(7, 0), base)
+    want = jax.random.uniform(jax.random.fold_in(jax.random.key(np.uint32(7)), 3), ())
+    assert float(_row_uniforms(np.array([7], np.uint32), np.array([0], np.uint32), np.array([3]))[0]) == float(want)
 
 
 def test_seeded_row_independent_of_batch():

@@ -20,6 +20,8 @@ from scheduler.structured_params import StructuredOutputsParams
 # JSON is emitted as `json.dumps` writes it (", " and ": "): flexible whitespace lets small
 # models loop on newlines, and a fixed form is what they saw most in training.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Tokens of a new grammar walked at compile time (GuidanceBackend._probe).
+_PROBE_TOKENS = 8
 
 
 class GuidanceMatcher:
@@ -100,7 +102,26 @@ class GuidanceBackend:
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(m.get_error())}")
+        self._probe(m, spec)
         return GuidanceGrammar(m)
+
+    def _probe(self, template: Any, spec: StructuredOutputsParams) -> None:
+        """Walks the grammar's first tokens (each time the lowest allowed id) on a copy: some
+        grammars compile and then fail at the first steps (a schema whose required property
+        is its own object overflows the parser), and that must be the client's 400 at
+        admission, not a failure while the request runs."""
+        import llguidance.numpy as lnp
+
+        m = template.deep_copy()
+        bitmask = np.zeros((1, (self._vocab_size + 31) // 32), np.int32)
+        for _ in range(_PROBE_TOKENS):
+            lnp.fill_next_token_bitmask_par(self._executor, [(m, 0)], bitmask)
+            allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+            if m.is_error() or (allowed.size and not m.consume_token(int(allowed[0]))) or m.is_error():
+                raise GrammarError(f"structured_outputs.{spec.kind}: {_first_line(m.get_error() or 'rejected')} "
+                                   "(found while checking the grammar's first tokens)")
+            if allowed.size == 0 or m.is_stopped() or (self._eos is not None and allowed[0] == self._eos):
+                return
 
     def fill_bitmask(self, rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         import llguidance.numpy as lnp

@@ -194,11 +194,26 @@ class OtherPart(_Body):
         return v
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    """One call of an earlier assistant turn, as OpenAI's API writes it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, tool_call_id, ... reach the template
+    model_config = ConfigDict(strict=True, extra="allow")  # other fields reach the template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def template_dict(self, index: int) -> dict[str, Any]:
         """The message as the chat template sees it: content as one string (text parts
@@ -217,6 +232,10 @@ class ChatMessage(_Body):
                "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxserve.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
@@ -129,11 +130,14 @@ class OpenAIFront:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ServeError(ErrorKind.TOO_LARGE, f"the body is {declared} bytes, over max_message_bytes {limit}")
         chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise ServeError(ErrorKind.TOO_LARGE, f"the body is over max_message_bytes {limit}")
-            chunks.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise ServeError(ErrorKind.TOO_LARGE, f"the body is over max_message_bytes {limit}")
+                chunks.append(part)
+        except ClientDisconnect:  # the upload was cut off: nobody to answer, nothing to log
+            raise ClientGone() from None
         return parse_body(model, b"".join(chunks))
 
     def _check_model(self, name: str | None) -> None:

@@ -17,6 +17,8 @@ import ssl
 
 import uvicorn
 
+from server.http_api.connection import ConnectionLimits, LimitedHttpProtocol
+
 logger = logging.getLogger("jaxserve.server")
 
 
@@ -43,12 +45,12 @@ def _bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     def __init__(self, app, host: str, port: int, *, tls_cert_file: str | None = None,
                  tls_key_file: str | None = None, tls_client_ca_file: str | None = None,
-                 keepalive_timeout: float = 5.0, max_connections: int | None = None):
+                 keepalive_timeout: float = 5.0, limits: ConnectionLimits | None = None):
         self.app, self.host, self.requested_port = app, host, port
         self.port: int | None = None
         self._tls = (tls_cert_file, tls_key_file, tls_client_ca_file)
         self._keepalive_timeout = keepalive_timeout
-        self._max_connections = max_connections
+        self._limits = limits or ConnectionLimits()
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
 
@@ -59,7 +61,7 @@ class HttpServer:
         config = uvicorn.Config(
             self.app, log_config=None, access_log=False, lifespan="off", ws="none",
             timeout_keep_alive=max(1, int(self._keepalive_timeout)), server_header=False,
-            limit_concurrency=self._max_connections,  # past it: 503 at once, not an unbounded pile
+            http=LimitedHttpProtocol.with_limits(self._limits),  # head size and time, connection caps
             ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if ca else ssl.CERT_NONE)
         self._server = _EmbeddedServer(config)

@@ -1,0 +1,198 @@
+"""The HTTP/1 connection's own limits, before any route runs (uvicorn's httptools protocol,
+extended).
+
+uvicorn bounds neither the size of a request head nor the time a client may take to send
+it (with httptools), and its one concurrency cap counts idle connections with requests and
+answers in plain text: a few hundred connections that never finish a head (and never show a
+key) would refuse every tenant. Here:
+
+- **Request head**: at most `max_head_bytes` (request line and headers) and
+  `head_timeout` seconds from the connection (or the previous response) to the end of the
+  headers; past either the answer is 431 or 408 and the connection is closed.
+- **Connections**: at most `max_connections_per_peer` per peer address and
+  `max_connections` in all; the next is answered 503 at once and closed. Connections are not
+  requests: tenants' requests are bounded by admission (per tenant), and the head timeout
+  frees connections that never send a request, so one address holding connections cannot
+  take the whole server.
+- **HTTP/1.0**: a response without Content-Length (a stream) is sent as is and ended by
+  closing the connection (RFC 9112 forbids chunked coding towards a 1.0 client).
+
+Refusals are OpenAI's error JSON, like every other error of the HTTP front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+_FIRST_READ = 256 * 1024  # asyncio's largest single read: a body may come in it with its head
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionLimits:
+    max_head_bytes: int = 64 * 1024
+    head_timeout: float = 10.0
+    max_connections_per_peer: int = 64
+    max_connections: int | None = None  # all peers together; None: no cap
+
+
+def refusal(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response carrying OpenAI's error JSON; the connection closes."""
+    kind = "service_unavailable_error" if status == 503 else "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+class _CloseDelimitedCycle(RequestResponseCycle):
+    """An HTTP/1.0 request's cycle: a response without Content-Length goes out unframed and
+    the connection closes at its end (uvicorn would use chunked coding)."""
+
+    _close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            names = {bytes(k).lower() for k, _ in message.get("headers", [])}
+            if b"content-length" not in names and self.scope["method"] != "HEAD":
+                self._close_delimited = True
+                self.chunked_encoding = False  # uvicorn then writes no transfer-encoding header
+                self.keep_alive = False
+            return await super().send(message)
+        if not self._close_delimited or message["type"] != "http.response.body" or self.response_complete:
+            return await super().send(message)
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if message.get("body"):
+            self.transport.write(message["body"])
+        if not message.get("more_body", False):
+            self.response_complete = True
+            self.message_event.set()
+            self.transport.close()
+            self.on_response()
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with `ConnectionLimits` (set by `with_limits`)."""
+
+    limits = ConnectionLimits()
+    _peers: Counter = Counter()  # replaced per server by with_limits
+
+    @classmethod
+    def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpProtocol]:
+        """A protocol class for one server: its limits and its own per-peer counts."""
+        return type("LimitedHttpProtocol", (cls,), {"limits": limits, "_peers": Counter()})
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._peer = self.client[0] if self.client else None
+        self._head_bytes = self._raw_head_bytes = 0
+        self._head_timer = None
+        self._refused = False
+        if self._peer is not None:
+            self._peers[self._peer] += 1
+            if self._peers[self._peer] > self.limits.max_connections_per_peer:
+                return self._refuse(503, "Service Unavailable",
+                                    f"too many connections from this address (at most "
+                                    f"{self.limits.max_connections_per_peer})", "max_connections_per_peer")
+        cap = self.limits.max_connections
+        if cap is not None and len(self.connections) > cap:
+            return self._refuse(503, "Service Unavailable", f"the server has {cap} connections open; retry later",
+                                "max_connections")
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if self._peer is not None:
+            self._peers[self._peer] -= 1
+            if self._peers[self._peer] <= 0:
+                del self._peers[self._peer]
+            self._peer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        # The parser keeps a header's bytes until the header ends, so the exact count
+        # (on_header) alone would let one endless header grow: bound the raw bytes taken while
+        # no request is in progress too (with room for a body sent along with its head).
+        if self.cycle is None or self.cycle.response_complete:
+            self._raw_head_bytes += len(data)
+            if self._raw_head_bytes > 4 * self.limits.max_head_bytes + _FIRST_READ:
+                return self._refuse(431, "Request Header Fields Too Large",
+                                    f"the request head is over {self.limits.max_head_bytes} bytes",
+                                    "request_head_too_large")
+        else:
+            self._raw_head_bytes = 0
+        super().data_received(data)
+
+    # The head's bytes as the parser hands them over (request line and headers).
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        if not self._refused:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        if not self._refused:
+            super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_head_bytes and not self._refused:
+            self._refuse(431, "Request Header Fields Too Large",
+                         f"the request head is over {self.limits.max_head_bytes} bytes", "request_head_too_large")
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._cancel_head_timer()
+        super().on_headers_complete()
+        if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = _CloseDelimitedCycle  # before its task first runs
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._raw_head_bytes = 0
+        super().on_response_complete()
+        # The next request's head is timed from here, unless one is in progress (pipelined).
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self._refuse(408, "Request Timeout",
+                         f"the request head did not arrive within {self.limits.head_timeout:g} s", "request_timeout")
+
+    def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        if not self.transport.is_closing():
+            self.transport.write(refusal(status, reason, message, code))
+            self.transport.close()

@@ -1,0 +1,112 @@
+"""The HTTP front's connection limits (server/http_api/connection.py) on a small app: request
+head size and time, connections per peer, HTTP/1.0 streams without chunked coding."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from server.http_api.connection import ConnectionLimits
+from server.http_api.runner import HttpServer
+
+LIMITS = ConnectionLimits(max_head_bytes=2048, head_timeout=0.5, max_connections_per_peer=4, max_connections=64)
+
+
+async def _json(request):
+    return JSONResponse({"ok": True})
+
+
+async def _stream(request):
+    async def parts():
+        for i in range(3):
+            yield f"part {i}\n".encode()
+            await asyncio.sleep(0.01)
+    return StreamingResponse(parts(), media_type="text/plain")
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = Starlette(routes=[Route("/json", _json), Route("/stream", _stream)])
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    http = HttpServer(app, "127.0.0.1", 0, limits=LIMITS)
+    port = asyncio.run_coroutine_threadsafe(http.start(), loop).result(10)
+    yield port
+    asyncio.run_coroutine_threadsafe(http.stop(0.1), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def _raw(port: int, data: bytes, source: str = "127.0.0.1", wait: float = 5.0) -> bytes:
+    """Sends `data` and reads until the server closes (or `wait` passes)."""
+    out = b""
+    with socket.create_connection(("127.0.0.1", port), source_address=(source, 0), timeout=wait) as s:
+        try:
+            s.sendall(data)
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        except (ConnectionResetError, BrokenPipeError):  # closed while we still sent: reset
+            out += b"<reset>"
+    return out
+
+
+def _error(resp: bytes) -> tuple[int, dict]:
+    head, _, body = resp.removesuffix(b"<reset>").partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+def test_a_head_over_the_cap_is_431_json_and_closed(server):
+    status, err = _error(_raw(server, b"GET /json HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 4000 + b"\r\n\r\n"))
+    assert status == 431 and err["code"] == "request_head_too_large"
+    # an endless header (no end of line ever) is cut off too, not buffered: the server
+    # answers and closes while the client still sends (which may reach it as a reset)
+    resp = _raw(server, b"GET /json HTTP/1.1\r\nx-big: " + b"a" * 2**22)
+    assert resp.startswith(b"HTTP/1.1 431") or resp == b"<reset>", resp[:100]
+    assert httpx.get(f"http://127.0.0.1:{server}/json").json() == {"ok": True}
+
+
+def test_a_head_not_finished_in_time_is_408_and_closed(server):
+    t0 = time.monotonic()
+    status, err = _error(_raw(server, b"GET /json HTTP/1.1\r\nhost: x\r\n"))  # never ends
+    assert status == 408 and err["code"] == "request_timeout"
+    assert time.monotonic() - t0 < 3.0
+    # an idle connection that sends nothing is closed as well
+    assert _error(_raw(server, b""))[0] == 408
+
+
+def test_connections_per_peer_do_not_lock_out_others(server):
+    held = [socket.create_connection(("127.0.0.1", server)) for _ in range(LIMITS.max_connections_per_peer)]
+    try:
+        status, err = _error(_raw(server, b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n"))
+        assert status == 503 and err["code"] == "max_connections_per_peer"
+        # another address is served meanwhile
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(transport=transport) as c:
+            assert c.get(f"http://127.0.0.1:{server}/json").status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_http10_streams_are_close_delimited(server):
+    resp = _raw(server, b"GET /stream HTTP/1.0\r\n\r\n")
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert body == b"part 0\npart 1\npart 2\n"
+    resp = _raw(server, b"GET /json HTTP/1.0\r\n\r\n")  # a sized body keeps its content-length
+    assert b"content-length: 11" in resp.lower() and resp.endswith(b'{"ok":true}')
+    with httpx.Client() as c:  # HTTP/1.1 keeps chunked streams and keep-alive
+        r = c.get(f"http://127.0.0.1:{server}/stream")
+        assert r.headers["transfer-encoding"] == "chunked" and r.text == "part 0\npart 1\npart 2\n"
