@@ -34,6 +34,7 @@ from jaxserve import parallel
 from jaxserve.compile_plan import ShapeKey, variant_name
 from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
+from jaxserve.kernel_choice import choose_kernels
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
@@ -43,7 +44,12 @@ from jaxserve.models.llama import (
     kv_cache_shape,
     kv_scales_pool_shape,
 )
-from jaxserve.quantization import fp8_weights_unsupported, param_dtype, with_scale_shapes
+from jaxserve.quantization import (
+    fp8_weights_unsupported,
+    param_dtype,
+    storage_dtype,
+    with_scale_shapes,
+)
 from jaxserve.step_programs import StepPrograms, sds
 from jaxserve.targets import Target, software_versions
 from jaxserve.warmup import ShapeRecord, WarmupReport
@@ -311,8 +317,6 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                        shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
                        progress: bool = False) -> CompileReport:
     """Compiles the planned shapes (all, or those named in `shapes`) for `target`."""
-    from pallas_kernels.ragged_paged_attention.ops import attention_implementation
-
     t_start = time.perf_counter()
     programs, resolved = abstract_programs(model_config, config, target)
     keys = resolved.plan.shapes()
@@ -366,35 +370,22 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
             if progress:
                 print(f"  {r.name}: {'compiled' if r.compiled else 'FAILED'} in {r.seconds:.1f} s", flush=True)
     rank = parallel.tp_model_config(model_config, target.num_devices, config.enable_expert_parallel)
-    impl = ("reference", "attention_backend='reference'") if config.attention_backend == "reference" else \
-        attention_implementation(target.platform, rank.num_kv_heads // target.num_devices, rank.head_dim,
-                                 programs.dtype)
+    kernels = choose_kernels(
+        target.platform, rank, num_devices=target.num_devices, expert_parallel=config.enable_expert_parallel,
+        attention_backend=config.attention_backend, dtype=programs.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
+        device_kind=device.device_kind, weights_dtype=storage_dtype(config.quantization) if config.quantization else None)
     kv_bytes = per_device_bytes(programs.kv_cache)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
         params_bytes=per_device_bytes(programs.state), kv_cache_bytes=kv_bytes,
-        kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=impl,
+        kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=kernels.attention,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
         shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,
-        experts=_experts_implementation(rank, target.platform, config.enable_expert_parallel, target.num_devices,
-                                        programs.dtype))
+        experts=kernels.experts)
     if out_dir is not None:
         with open(os.path.join(out_dir, MANIFEST), "w") as f:
             json.dump(report.to_json(), f, indent=1)
     return report
-
-
-def _experts_implementation(rank: ModelConfig, platform: str, expert_parallel: bool, tp: int,
-                            dtype) -> tuple[str, str] | None:
-    """What the MoE layers' two grouped matmuls run on `platform` (per device shapes)."""
-    if not rank.is_moe:
-        return None
-    from pallas_kernels.grouped_matmul.ops import grouped_matmul_implementation
-
-    width = rank.moe_intermediate_size // (1 if expert_parallel else tp)
-    gate_up = grouped_matmul_implementation(platform, rank.hidden_size, 2 * width, dtype)
-    down = grouped_matmul_implementation(platform, width, rank.hidden_size, dtype)
-    return gate_up if gate_up[0] != "pallas" else down
 
 
 @contextlib.contextmanager

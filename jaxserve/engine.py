@@ -26,6 +26,7 @@ from jaxserve import distributed
 from jaxserve.compile_cache import UnplannedCompilationError, enable_persistent_cache
 from jaxserve.config import EngineConfig
 from jaxserve.input_batch import MAX_STOP_TOKEN_IDS, STOP_ID_WIDTH
+from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.output_processor import OutputProcessor, child_ids
 from jaxserve.outputs import OutputKind, RequestOutput
@@ -41,8 +42,6 @@ from jaxserve.runner_output import StepTiming
 from jaxserve.sampler import bitmask_width
 from jaxserve.structured import StructuredOutputManager, make_manager
 from jaxserve.warmup import WarmupReport, compile_ahead
-from pallas_kernels.quantized_matmul.ops import quantized_matmul_implementation
-from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 from scheduler import (
     FinishReason,
     Request,
@@ -100,15 +99,8 @@ class Engine:
             make_manager(self.tokenizer, mc.vocab_size, self.eos_token_id)
             if config.structured_outputs and self.tokenizer is not None else None)
         self.runner = self._make_runner()
-        # On CPU this also builds and registers the native attention kernel, which programs
-        # loaded from `compiled_dir` (never traced here) call by name.
-        self.attention = self._attention_implementation()
-        logger.info("attention on %s: %s (%s)", self.platform, *self.attention)
-        held = params_quantization(self.model.params)
-        if held is not None:  # which matmul reads the quantized weights (a slow fallback is visible)
-            impl = quantized_matmul_implementation(self.platform, storage_dtype(held))
-            (logger.warning if impl.startswith("reference") and self.platform == "cpu" else logger.info)(
-                "%s weights on %s: %s", held, self.platform, impl)
+        self.kernels = self._choose_kernels()
+        self.attention = self.kernels.attention
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
@@ -186,17 +178,29 @@ class Engine:
         devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()
         return next(iter(devices)).platform
 
-    def _attention_implementation(self) -> tuple[str, str]:
-        """("pallas" | "native" | "reference", why) for this engine's platform and cache layout."""
-        if self.config.attention_backend == "reference":
-            return "reference", "attention_backend='reference'"
-        cfg = self.runner.config  # per-device under tensor parallelism
-        impl, why = attention_implementation(self.platform, cfg.num_kv_heads, cfg.head_dim, self.runner.dtype,
-                                             num_q_heads=cfg.num_heads, kv_cache_dtype=self.runner.kv_dtype,
-                                             device_kind=jax.devices()[0].device_kind)
-        if impl == "reference" and self.platform != "cpu":
-            logger.warning("attention falls back to the reference on %s: %s", self.platform, why)
-        return impl, why
+    def _choose_kernels(self) -> KernelChoice:
+        """Builds the native CPU kernels (programs loaded from `compiled_dir`, never traced
+        here, call them by name), then logs what each program runs; a slow fallback is a
+        warning."""
+        held = params_quantization(self.model.params)
+        for name, (ok, why) in prepare_native_kernels(self.platform, held is not None).items():
+            (logger.info if ok else logger.warning)("native CPU %s kernel: %s", name.replace("_", " "), why)
+        config = self.config
+        choice = choose_kernels(
+            self.platform, self.runner.config, num_devices=config.tensor_parallel_size,
+            expert_parallel=config.enable_expert_parallel, attention_backend=config.attention_backend,
+            dtype=self.runner.dtype, kv_cache_dtype=self.runner.kv_dtype, device_kind=jax.devices()[0].device_kind,
+            weights_dtype=storage_dtype(held) if held is not None else None)
+        impl, why = choice.attention
+        (logger.warning if impl == "reference" and self.platform != "cpu" and config.attention_backend != "reference"
+         else logger.info)("attention on %s: %s (%s)", self.platform, impl, why)
+        if choice.experts is not None:
+            logger.info("experts on %s: %s (%s)", self.platform, *choice.experts)
+        if choice.quantized_matmul is not None:
+            slow = choice.quantized_matmul.startswith("reference") and self.platform == "cpu"
+            (logger.warning if slow else logger.info)("%s weights on %s: %s", held, self.platform,
+                                                      choice.quantized_matmul)
+        return choice
 
     @property
     def token_buckets(self) -> list[int]:

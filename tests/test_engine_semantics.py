@@ -121,6 +121,7 @@ def test_failed_step_fails_only_its_requests_and_recovers(engine, monkeypatch):
     k = len(failed)
     assert 0 < k < 10 and failed == {f"f{i}" for i in range(k)}  # FCFS: the first k were in the step
     assert "failed" in finished["f0"].error and engine.healthy and len(finished) == 10
+    assert finished["f0"].error_param is None  # the engine's failure, not the request's input
     for i in range(k, 10):  # served after the rebuild, on a cache with no stale prefix
         out = finished[f"f{i}"]
         assert out.outputs[0].token_ids == ref and out.error is None and out.outputs[0].finish_reason == "length"

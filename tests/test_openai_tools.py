@@ -5,6 +5,7 @@ parsed), streamed tool-call deltas; the tool-call parsers on their own."""
 from __future__ import annotations
 
 import json
+import logging
 
 import grpc
 import jsonschema
@@ -68,6 +69,19 @@ def test_bad_specs_are_400_naming_the_field(srv, base, body, param):
     r = post(base, "/v1/chat/completions", {"messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_grammar_failing_while_it_runs_is_the_fields_400_not_a_500(srv, base, caplog):
+    """After "ok" the grammar allows only EOS, which min_tokens bans: the request ends as bad
+    input naming its field (non-streamed: 400), no ERROR line, the server keeps serving."""
+    caplog.set_level(logging.INFO)
+    body = {"prompt": "Say ok:", "max_tokens": 10, "min_tokens": 5, "temperature": 0,
+            "structured_outputs": {"choice": ["ok"]}}
+    r = post(base, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "allowed no token" in r.json()["error"]["message"]
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+    assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_grpc_structured_outputs(srv):

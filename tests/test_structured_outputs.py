@@ -193,6 +193,7 @@ def test_bad_specs_are_refused_and_others_keep_running(engine):
     bad, good = run(engine, [("x", SamplingParams(structured_outputs={"regex": "(unclosed"})),
                              ("The sky is", SamplingParams(temperature=0, max_tokens=4))])
     assert bad.outputs[0].finish_reason == "error" and "structured_outputs.regex" in bad.error
+    assert bad.error_param == "structured_outputs" and good.error_param is None  # the request's own input
     assert good.outputs[0].finish_reason == "length"
 
 
@@ -202,6 +203,7 @@ def test_a_grammar_that_allows_no_token_ends_with_an_error(engine):
                                                   structured_outputs={"choice": ["ok"]}))])[0]
     assert out.outputs[0].finish_reason == "error"
     assert "allowed no token" in out.error and out.outputs[0].text == "ok"
+    assert out.error_param == "structured_outputs"
 
 
 def test_multi_host_step_carries_the_bitmask(monkeypatch):

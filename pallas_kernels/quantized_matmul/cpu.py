@@ -56,6 +56,14 @@ def available() -> tuple[bool, str]:
     return name is not None, why
 
 
+def status() -> tuple[bool | None, str]:
+    """Like `available()`, without building: None while nobody has asked for the kernel yet
+    (the engine builds it at start-up, `jaxserve.kernel_choice.prepare_native_kernels`)."""
+    if _register.cache_info().currsize == 0:
+        return None, "not built yet (it is built on first use)"
+    return available()
+
+
 def supports(w_dtype) -> bool:
     """int8 weights (float8 weights use the reference on CPU)."""
     return jnp.dtype(w_dtype) == jnp.int8

@@ -35,22 +35,23 @@ def _validate(x, w, scale, layer, transposed) -> None:
         raise ValueError(f"scale must be float32, got {scale.dtype}")
 
 
-def _native_cpu_choice(w_dtype) -> tuple[bool, str]:
+def _native_cpu_choice(w_dtype, build: bool = True) -> tuple[bool | None, str]:
     """(whether `auto` may lower the native CPU kernel, why). Only where this process compiles
-    for its own CPU (a TPU/GPU host never builds it), only where it was built, int8 only."""
+    for its own CPU (a TPU/GPU host never builds it), only where it was built, int8 only. With
+    `build=False` nothing is built: None while the kernel has not been asked for yet."""
     if jax.default_backend() != "cpu":
         return False, "the native CPU kernel is built only where the CPU is the default backend"
     if not native_cpu.supports(w_dtype):
         return False, f"{jnp.dtype(w_dtype).name} weights: the native CPU kernel reads int8 only"
-    return native_cpu.available()
+    return native_cpu.available() if build else native_cpu.status()
 
 
 def quantized_matmul_implementation(platform: str, w_dtype=jnp.int8) -> str:
     """What `backend="auto"` runs for `w_dtype` weights in a program compiled for `platform`
     ("cpu" | "tpu" | "gpu" | "cuda"), for the engine's log: "native: ..." or "reference: ..."."""
-    if platform == "cpu":
-        ok, why = _native_cpu_choice(w_dtype)
-        return f"native: {why}" if ok else f"reference: XLA dot on a converted weight ({why})"
+    if platform == "cpu":  # asks, never builds (the dispatch builds on first use)
+        ok, why = _native_cpu_choice(w_dtype, build=False)
+        return f"native: {why}" if ok or ok is None else f"reference: XLA dot on a converted weight ({why})"
     if platform in ("tpu", "gpu", "cuda", "rocm"):
         return "reference: XLA dot with the weight's conversion fused into its operand"
     raise ValueError(f"unknown platform {platform!r}")

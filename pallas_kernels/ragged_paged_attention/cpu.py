@@ -58,6 +58,14 @@ def available() -> tuple[bool, str]:
     return name is not None, why
 
 
+def status() -> tuple[bool | None, str]:
+    """Like `available()`, without building: None while nobody has asked for the kernel yet
+    (the engine builds it at start-up, `jaxserve.kernel_choice.prepare_native_kernels`)."""
+    if _register.cache_info().currsize == 0:
+        return None, "not built yet (it is built on first use)"
+    return available()
+
+
 # Quantized page dtypes the kernel reads (values times their per-token scales).
 QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 

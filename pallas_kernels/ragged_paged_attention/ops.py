@@ -178,9 +178,9 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
     cache. `device_kind` (e.g. "TPU v5 lite") matters where a kernel reads a dtype on some
     chip generations only."""
     page_dtype = kv_quant.kv_cache_dtype(dtype if kv_cache_dtype is None else kv_cache_dtype)
-    if platform == "cpu":
-        ok, why = _native_cpu_choice("heads", num_q_heads or num_kv_heads, page_dtype)
-        return ("native" if ok else "reference"), why
+    if platform == "cpu":  # asks, never builds (the dispatch builds on first use)
+        ok, why = _native_cpu_choice("heads", num_q_heads or num_kv_heads, page_dtype, build=False)
+        return ("native" if ok or ok is None else "reference"), why
     impl = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform)
     if impl is None:
         return "reference", f"no Pallas kernel on {platform}"
@@ -193,16 +193,18 @@ def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dt
                                              else "")
 
 
-def _native_cpu_choice(layout: KVLayout, num_q_heads: int, page_dtype=None) -> tuple[bool, str]:
+def _native_cpu_choice(layout: KVLayout, num_q_heads: int, page_dtype=None,
+                       build: bool = True) -> tuple[bool | None, str]:
     """(whether `auto` may lower the native CPU kernel, why). Only where this process compiles
     for its own CPU (a TPU/GPU host never builds it; a CPU host compiling for one traces it,
-    which is harmless), only where it was built, and only for what it supports."""
+    which is harmless), only where it was built, and only for what it supports. With
+    `build=False` nothing is built: None while the kernel has not been asked for yet."""
     if jax.default_backend() != "cpu":
         return False, "the native CPU kernel is built only where the CPU is the default backend"
-    ok, why = native_cpu.available()
-    if ok and not native_cpu.supports(layout, num_q_heads):
+    ok, why = native_cpu.available() if build else native_cpu.status()
+    if ok is not False and not native_cpu.supports(layout, num_q_heads):
         return False, f"the native CPU kernel takes heads-layout pages and at most 256 query heads, got {num_q_heads}"
-    if ok and page_dtype is not None and not _kernel_reads_dtype("cpu", page_dtype):
+    if ok is not False and page_dtype is not None and not _kernel_reads_dtype("cpu", page_dtype):
         return False, _dtype_refusal("cpu", page_dtype)
     return ok, why
 
