@@ -58,6 +58,9 @@ class StubEngine:
         self.scheduler = types.SimpleNamespace(stats=lambda: SchedulerStats(
             len(self.reqs), 0, 0, len(self.reqs), 0, 100_000, 100_000, 0, 0))
 
+    def validate(self, prompt_token_ids, params):  # the front checks input before admission
+        pass
+
     def add_request(self, prompt, params, *, prompt_token_ids=None, request_id=None, arrival_time=None,
                     output_kind=None):
         self.reqs[request_id] = [params.max_tokens, 0, arrival_time or time.monotonic(), len(prompt_token_ids)]

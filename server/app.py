@@ -31,7 +31,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import DuplicateRequestId
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
 from server.auth import AuthInterceptor
@@ -489,6 +488,9 @@ class JaxServeServer(pb_grpc.JaxServeServicer):
         """Admits one request (reserving its work) and hands it to the engine thread; the
         caller iterates the returned `Generation` inside `async with`. Raises ServeError.
         `structured_param` names the client's field a grammar error is reported against."""
+        # Imported with the engine, not with this module (which stays light to import).
+        from jaxserve.engine import DuplicateRequestId
+
         err = self.serving_error()  # again: the drain may have begun while it tokenized
         if err is not None:
             raise err
