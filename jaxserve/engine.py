@@ -20,12 +20,12 @@ import uuid
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from jaxserve import distributed
 from jaxserve.compile_cache import UnplannedCompilationError, enable_persistent_cache
 from jaxserve.config import EngineConfig
-from jaxserve.input_batch import MAX_STOP_TOKEN_IDS, STOP_ID_WIDTH
+from jaxserve.input_batch import STOP_ID_WIDTH
+from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
 from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.output_processor import OutputProcessor, child_ids
@@ -49,7 +49,6 @@ from scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from scheduler.request import wrap_seed
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
-        self._rng = np.random.default_rng(config.seed)
+        self.input_processor = self._make_input_processor()
 
     @staticmethod
     def _join_processes(config: EngineConfig) -> distributed.DistributedConfig | None:
@@ -211,57 +210,14 @@ class Engine:
         return list(self.plan.request_buckets)
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the field when a request cannot be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int | np.integer) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids must be integers in [0, {vocab}), got {bad[:5]}")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens, which leaves no room for output within max_model_len "
-                f"{self.max_model_len}"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs} (max_logprobs), got {params.logprobs}")
-        if params.n > self.config.max_n:
-            raise ValueError(f"n must be <= {self.config.max_n}, got {params.n}")
-        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}")
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[:5]}")
-        bad_bias = [t for t in params.logit_bias or () if not t < vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {bad_bias[:5]}")
-        if params.structured_outputs is not None:
-            self._check_structured_available()
+    def _make_input_processor(self) -> InputProcessor:
+        why = ("the model has no tokenizer" if self.tokenizer is None
+               else "the engine runs with structured_outputs=False")
+        limits = InputLimits(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                             max_logprobs=self.config.max_logprobs, max_n=self.config.max_n)
+        return InputProcessor(limits, self.tokenizer, self.structured, why, seed=self.config.seed)
 
-    def _check_structured_available(self) -> None:
-        if self.structured is None:
-            why = ("the model has no tokenizer" if self.tokenizer is None
-                   else "the engine runs with structured_outputs=False")
-            raise ValueError(f"structured_outputs: not available ({why})")
-
-    def validate_structured_outputs(self, params: SamplingParams, timeout_s: float | None = None) -> None:
-        """Compiles the request's grammar now (cached for when it runs); raises ValueError
-        naming the field. Thread-safe and independent of the engine thread: fronts call it
-        before admitting a request so a bad schema is refused up front."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        self._check_structured_available()
-        self.structured.validate(spec, timeout_s)
-
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-
-    def add_request(
+    def add_prompt(
         self,
         prompt: str | None = None,
         params: SamplingParams | None = None,
@@ -271,28 +227,40 @@ class Engine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
-        """Validates and queues a request; returns its id. Raises ValueError on bad input.
-
-        An `n > 1` request becomes `n` sequences; sequence i of a seeded request uses seed
-        `seed + i`, and all but the first wait for the first to compute the shared prompt.
-        `output_kind` DELTA makes its outputs carry only each step's delta (streaming)."""
+        """Processes a prompt (text or ids) with `input_processor` and queues it; returns its
+        id. Raises ValueError (an InputError naming the field) on bad input. The batch API's
+        and the tests' way in; the servers process on their event loop and call `add_request`."""
         params = params or SamplingParams()
         if prompt_token_ids is None:
-            if prompt is None or prompt == "":
-                raise ValueError("prompt must not be empty")
-            prompt_token_ids = self.tokenize(prompt)
-        self.validate(prompt_token_ids, params)
-        ids = [int(t) for t in prompt_token_ids]
+            prompt_token_ids = self.input_processor.encode(prompt or "")
+        request = self.input_processor.process(prompt_token_ids, params, prompt=prompt)
+        return self.add_request(request, request_id=request_id, arrival_time=arrival_time, output_kind=output_kind)
+
+    def add_request(
+        self,
+        request: EngineRequest,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> str:
+        """Queues a processed request (`InputProcessor.process`); returns its id. Raises
+        DuplicateRequestId when the id is still in flight.
+
+        An `n > 1` request becomes `n` sequences, each with its own seed from `request.seeds`;
+        all but the first wait for the first to compute the shared prompt. `output_kind` DELTA
+        makes its outputs carry only each step's delta (streaming)."""
+        params = request.params
         rid = request_id if request_id is not None else uuid.uuid4().hex
         seq_ids = child_ids(rid, params.n)
         if rid in self.outputs or any(self.scheduler.get_request(c) is not None for c in seq_ids):
             raise DuplicateRequestId(f"request_id {rid!r} is a duplicate: a request with this id is still in flight")
         now = time.monotonic() if arrival_time is None else arrival_time
-        grammar = self.structured.grammar_for(params.structured_outputs) if params.structured_outputs else None
-        self.outputs.add_request(rid, prompt, ids, params, now, output_kind)
+        grammar = request.grammar
+        ids = list(request.prompt_token_ids)
+        self.outputs.add_request(rid, request.prompt, ids, params, now, output_kind)
         for i, cid in enumerate(seq_ids):
-            seed = wrap_seed(params.seed + i) if params.seed is not None else int(self._rng.integers(0, 2**32))
-            seq_params = dataclasses.replace(params, seed=seed) if params.n > 1 or params.seed is None else params
+            seq_params = params if params.seed == request.seeds[i] else dataclasses.replace(params, seed=request.seeds[i])
             req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now,
                           grammar=grammar)
             self.scheduler.add_request(req, share_prompt_with=seq_ids[0] if i else None)

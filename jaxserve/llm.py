@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
+from jaxserve.input_processor import apply_chat_template
 from jaxserve.outputs import RequestOutput
 from scheduler import SamplingParams
 
@@ -78,26 +79,23 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template")
+        proc = self.engine.input_processor
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(
-                list(c), tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)}
-            for c in convs
-        ]
+        prompts = []
+        for c in convs:
+            proc.check_messages(list(c))
+            prompts.append({"prompt_token_ids": apply_chat_template(proc.tokenizer, list(c), add_generation_prompt)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         rid = f"llm-{self._counter}"
         self._counter += 1
         if isinstance(prompt, str):
-            return self.engine.add_request(prompt, params, request_id=rid)
+            return self.engine.add_prompt(prompt, params, request_id=rid)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return self.engine.add_request(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid)
+            return self.engine.add_prompt(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.engine.add_request(prompt["prompt"], params, request_id=rid)
+            return self.engine.add_prompt(prompt["prompt"], params, request_id=rid)
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -44,6 +44,7 @@ class StubEngine:
     """One token per request per step; the step sleeps (a device step that costs no host CPU)."""
 
     def __init__(self, step_s: float, vocab: int = 1000):
+        from jaxserve.input_processor import InputLimits, InputProcessor
         from scheduler.stats import SchedulerStats
 
         self.step_s = step_s
@@ -57,13 +58,12 @@ class StubEngine:
         self.last_step = types.SimpleNamespace(num_tokens=0, host_s=0.0, device_s=0.0)
         self.scheduler = types.SimpleNamespace(stats=lambda: SchedulerStats(
             len(self.reqs), 0, 0, len(self.reqs), 0, 100_000, 100_000, 0, 0))
+        # The real checks and preparation run in the server, as they would on a real engine.
+        self.input_processor = InputProcessor(InputLimits(vocab, self.max_model_len, 20, 128), self.tokenizer)
 
-    def validate(self, prompt_token_ids, params):  # the front checks input before admission
-        pass
-
-    def add_request(self, prompt, params, *, prompt_token_ids=None, request_id=None, arrival_time=None,
-                    output_kind=None):
-        self.reqs[request_id] = [params.max_tokens, 0, arrival_time or time.monotonic(), len(prompt_token_ids)]
+    def add_request(self, request, *, request_id=None, arrival_time=None, output_kind=None):
+        self.reqs[request_id] = [request.params.max_tokens, 0, arrival_time or time.monotonic(),
+                                 len(request.prompt_token_ids)]
         return request_id
 
     def abort(self, request_id):

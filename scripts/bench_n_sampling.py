@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, num_pages=512, max_model_len=1024))
     engine.warmup()
-    prompt_ids = engine.tokenize(PROMPT)[:240]
+    prompt_ids = engine.input_processor.encode(PROMPT)[:240]
     run_once(engine, prompt_ids, 1, 4, 0)  # first-call costs outside the timing
     run_once(engine, prompt_ids, args.n, 4, 0)
     times: dict[int, list[float]] = {1: [], args.n: []}

@@ -31,7 +31,7 @@ RECORD = {"type": "object", "properties": {
 def run_round(engine: Engine, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[float]]:
     """(seconds, output tokens, mask seconds of each masked step)."""
     for p in prompts:
-        engine.add_request(p, params)
+        engine.add_prompt(p, params)
     tokens, masks = 0, []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -60,10 +60,10 @@ def main() -> None:
     engine.structured.backend.prepare()  # once per engine (warmup starts it in the background)
     prepare_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    engine.validate_structured_outputs(constrained)
+    engine.input_processor.compile_grammar(constrained)
     compile_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    engine.validate_structured_outputs(constrained)
+    engine.input_processor.compile_grammar(constrained)
     cached_ms = (time.perf_counter() - t0) * 1e3
     for p in (free, constrained):  # compiles every shape the measured rounds meet
         run_round(engine, prompts, p)

@@ -103,7 +103,7 @@ def run_jaxserve(engine, wl: Workload, tag: str) -> Result:
     ids = []
     for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens)):
         sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-        ids.append(engine.add_request(None, sp, prompt_token_ids=p, request_id=f"{tag}-{i}"))
+        ids.append(engine.add_prompt(None, sp, prompt_token_ids=p, request_id=f"{tag}-{i}"))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         outs = engine.step()

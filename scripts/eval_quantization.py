@@ -78,7 +78,7 @@ def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        engine.add_request(None, params, prompt_token_ids=ids, request_id=str(i))
+        engine.add_prompt(None, params, prompt_token_ids=ids, request_id=str(i))
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -1,13 +1,13 @@
-"""Proto <-> engine types, and the front-side input checks (sizes, required fields)."""
+"""Proto <-> the serving core's and the engine's types (the gRPC front's parsing; checks are the core's)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.outputs import RequestOutput
 from scheduler import SamplingParams, StructuredOutputsParams
+from server.core import PromptInput
 from server.proto import jaxserve_pb2 as pb
 
 _SCALAR_FIELDS = (
@@ -15,10 +15,6 @@ _SCALAR_FIELDS = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos",
     "logprobs", "cache_salt", "priority", "skip_special_tokens", "include_stop_str_in_output",
 )
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_REQUEST_ID_CHARS = 256
-MAX_CHAT_MESSAGES = 1024
 
 
 def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -26,7 +22,6 @@ def sampling_params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     Raises ValueError naming the field."""
     kwargs: dict[str, Any] = {f: getattr(sp, f) for f in _SCALAR_FIELDS if sp.HasField(f)}
     if sp.stop:
-        check_stop_strings(sp.stop)
         kwargs["stop"] = list(sp.stop)
     if sp.stop_token_ids:
         kwargs["stop_token_ids"] = list(sp.stop_token_ids)
@@ -43,19 +38,6 @@ def structured_outputs_from_proto(so: pb.StructuredOutputs) -> StructuredOutputs
         raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
     value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
     return StructuredOutputsParams(**{kind: value})
-
-
-def check_stop_strings(stops: Sequence[str]) -> None:
-    """The front ends' bound on stop strings (each is matched against every new token's text)."""
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
-    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-        raise ValueError(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters")
-
-
-def check_prompt_chars(n: int, limit: int, field: str) -> None:
-    if n > limit:
-        raise ValueError(f"{field}: {n} characters is over the limit of {limit} (max_prompt_chars)")
 
 
 def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
@@ -82,37 +64,19 @@ def sampling_params_to_proto(params: SamplingParams | None = None, **fields: Any
     return out
 
 
-def check_input(req: pb.GenerateRequest | pb.TokenizeRequest, max_prompt_chars: int,
-                max_model_len: int) -> tuple[str | None, list[int] | None, tuple[list[dict], bool] | None]:
-    """Returns (text, token_ids, chat) with exactly one set; raises ValueError naming the field."""
+def prompt_from_proto(req: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
+    """The request's prompt (text, token ids or a chat); its checks are the core's."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise ValueError("input: one of text, token_ids or chat is required")
     if kind == "text":
-        if not req.text:
-            raise ValueError("text: the prompt must not be empty")
-        check_prompt_chars(len(req.text), max_prompt_chars, "text")
-        return req.text, None, None
+        return PromptInput(text=req.text, param="text")
     if kind == "token_ids":
-        ids = list(req.token_ids.ids)
-        if not ids:
-            raise ValueError("token_ids: the prompt must not be empty")
-        if len(ids) >= max_model_len:
-            raise ValueError(f"token_ids: {len(ids)} tokens leaves no room for output within "
-                             f"max_model_len {max_model_len}")
-        return None, ids, None
+        return PromptInput(token_ids=list(req.token_ids.ids), param="token_ids")
     chat = req.chat
-    if not chat.messages:
-        raise ValueError("chat.messages: must not be empty")
-    if len(chat.messages) > MAX_CHAT_MESSAGES:
-        raise ValueError(f"chat.messages: at most {MAX_CHAT_MESSAGES} messages, got {len(chat.messages)}")
-    check_prompt_chars(sum(len(m.content) + len(m.role) for m in chat.messages), max_prompt_chars, "chat.messages")
-    for i, m in enumerate(chat.messages):
-        if not m.role:
-            raise ValueError(f"chat.messages[{i}].role: must not be empty")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return None, None, (messages, add_gen)
+    return PromptInput(messages=messages, add_generation_prompt=add_gen, param="chat.messages")
 
 
 def output_to_proto(out: RequestOutput, reported: set[int] | None = None, *,

@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.input_processor import EngineRequest
 from jaxserve.outputs import OutputKind, RequestOutput
-from scheduler import SamplingParams
 from scheduler.stats import SchedulerStats
 from server.streams import Aborted, EngineFailed, StreamBuffer
 
@@ -139,24 +139,22 @@ class EngineLoop:
     async def add_request(
         self,
         request_id: str,
-        params: SamplingParams,
+        request: EngineRequest,
         buffer: StreamBuffer,
         *,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         ticket: object = None,
     ) -> None:
-        """Admits a request whose outputs (deltas) go to `buffer`.
+        """Queues a processed request (`EngineRequest`) whose outputs (deltas) go to `buffer`.
 
-        Raises ValueError (naming the field) when the engine rejects the request. `ticket`
-        (any object) lets the caller abort exactly this request later, even if it gives up
-        before the admission completes: see `abort`.
+        Raises DuplicateRequestId when the id is in flight. `ticket` (any object) lets the
+        caller abort exactly this request later, even if it gives up before the admission
+        completes: see `abort`.
         """
 
         def add(engine: Any) -> None:
-            engine.add_request(prompt, params, prompt_token_ids=prompt_token_ids, request_id=request_id,
-                               arrival_time=arrival_time, output_kind=OutputKind.DELTA)
+            engine.add_request(request, request_id=request_id, arrival_time=arrival_time,
+                               output_kind=OutputKind.DELTA)
             self._streams[request_id] = _Stream(buffer, ticket)
 
         await self.call(add)

@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jaxserve.input_processor import apply_chat_template
+
 
 class FrontendBusy(Exception):
     """Too many tokenization jobs queued; the message says how many."""
@@ -112,23 +114,3 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FRONTEND_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
         pass
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        chat_template: str | None = None, continue_final_message: bool = False,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError("chat: this model has no chat template (give one with --chat-template); "
-                         "send text or token_ids")
-    kwargs: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=chat_template,
-                                            add_generation_prompt=add_generation_prompt, return_dict=False,
-                                            **kwargs)
-    except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-        raise ValueError(f"chat: the chat template failed: {e}") from e
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]

@@ -46,7 +46,7 @@ def main() -> None:
         # The second request needs the full sampler variant: its penalty history and logit-bias
         # rows travel in the step's second payload.
         full = dict(repetition_penalty=1.3, logit_bias={7: 4.0, 11: -100.0}) if i == 1 else {}
-        engine.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **full),
+        engine.add_prompt(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **full),
                            prompt_token_ids=ids, request_id=str(i))
     outs = {}
     while engine.has_unfinished_requests():

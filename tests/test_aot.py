@@ -36,7 +36,7 @@ before = EVENTS.compiles
 report = engine.warmup()
 during = EVENTS.compiles - before
 for i, p in enumerate(json.loads(sys.argv[3])):
-    engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=8, temperature=0.0), request_id=str(i))
+    engine.add_prompt(prompt_token_ids=p, params=SamplingParams(max_tokens=8, temperature=0.0), request_id=str(i))
 tokens = {}
 while engine.has_unfinished_requests():
     for out in engine.step():
@@ -62,7 +62,7 @@ def greedy_tokens(engine: Engine) -> list[list[int]]:
     from scheduler import SamplingParams
 
     for i, p in enumerate(PROMPTS):
-        engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=8, temperature=0.0),
+        engine.add_prompt(prompt_token_ids=p, params=SamplingParams(max_tokens=8, temperature=0.0),
                            request_id=f"ref{i}")
     done = {}
     while engine.has_unfinished_requests():

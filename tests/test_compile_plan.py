@@ -103,7 +103,7 @@ _CHILD = textwrap.dedent("""
             ids = [rng.randrange(49152) for _ in range(rng.choice([1, 5, 30, 70, 120]))]
             p = SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.8]),
                                top_p=rng.choice([1.0, 0.9]), logprobs=rng.choice([None, 2]), seed=i)
-            engine.add_request(None, p, prompt_token_ids=ids, request_id=str(i))
+            engine.add_prompt(None, p, prompt_token_ids=ids, request_id=str(i))
             if i % 5 == 4:
                 done += sum(o.finished for o in engine.step())
             if i % 13 == 12:
@@ -147,6 +147,6 @@ def test_strict_guard_names_an_unplanned_shape(smollm):
                                  strict_compile_guard=True, compilation_cache_dir=None), loaded=smollm)
     engine.warmup()
     del engine.runner.executables[ShapeKey("backbone", 24)]  # pretend the plan missed it
-    engine.add_request(None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 21)))
+    engine.add_prompt(None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 21)))
     with pytest.raises(UnplannedCompilationError, match=r"backbone\[T=24\]"):
         engine.step()

@@ -26,14 +26,14 @@ def drain(engine, wanted=None):
 
 def test_seeded_sampling_independent_of_batch(engine):
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
-    engine.add_request("Tell me a story about a dragon", params, request_id="alone")
+    engine.add_prompt("Tell me a story about a dragon", params, request_id="alone")
     alone = drain(engine)["alone"].outputs[0].token_ids
     rng = random.Random(0)
     for i in range(15):
         other = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.2]), top_k=rng.choice([0, 5, 50]),
                                seed=rng.randrange(1000), max_tokens=rng.randint(4, 16))
-        engine.add_request(f"Other prompt number {i} about {'cats' * (i % 4 + 1)}", other, request_id=f"o{i}")
-    engine.add_request("Tell me a story about a dragon", params, request_id="batched")
+        engine.add_prompt(f"Other prompt number {i} about {'cats' * (i % 4 + 1)}", other, request_id=f"o{i}")
+    engine.add_prompt("Tell me a story about a dragon", params, request_id="batched")
     batched = drain(engine)["batched"].outputs[0].token_ids
     assert alone == batched and len(alone) == 12
 
@@ -51,7 +51,7 @@ def test_no_compilation_after_warmup(engine):
             presence_penalty=rng.choice([0.0, 0.5]), logprobs=rng.choice([None, None, 3]),
             max_tokens=rng.randint(1, 24), seed=rng.randrange(10**6), n=rng.choice([1, 1, 2]),
         )
-        ids.append(engine.add_request(None, params, prompt_token_ids=[rng.randrange(vocab) for _ in range(n)],
+        ids.append(engine.add_prompt(None, params, prompt_token_ids=[rng.randrange(vocab) for _ in range(n)],
                                       request_id=f"w{i}"))
         if i % 7 == 0:
             engine.step()
@@ -66,7 +66,7 @@ def test_no_compilation_after_warmup(engine):
 
 def test_abort_frees_every_block(engine):
     for i in range(4):
-        engine.add_request(None, SamplingParams(max_tokens=50, ignore_eos=True),
+        engine.add_prompt(None, SamplingParams(max_tokens=50, ignore_eos=True),
                            prompt_token_ids=list(range(10 + i, 60 + i)), request_id=f"a{i}")
     for _ in range(3):
         engine.step()
@@ -89,12 +89,12 @@ def test_abort_frees_every_block(engine):
     (dict(prompt_token_ids=[5], params=SamplingParams(stop_token_ids=[10**7])), "stop_token_ids"),
 ])
 def test_bad_requests_rejected_and_others_served(engine, bad, match):
-    engine.add_request("Good request", SamplingParams(max_tokens=5, temperature=0), request_id="good")
+    engine.add_prompt("Good request", SamplingParams(max_tokens=5, temperature=0), request_id="good")
     with pytest.raises(ValueError, match="duplicate"):
-        engine.add_request("Again", SamplingParams(max_tokens=5), request_id="good")
+        engine.add_prompt("Again", SamplingParams(max_tokens=5), request_id="good")
     params = bad.pop("params", SamplingParams())
     with pytest.raises(ValueError, match=match):
-        engine.add_request(None, params, request_id="bad", **bad)
+        engine.add_prompt(None, params, request_id="bad", **bad)
     done = drain(engine)
     assert set(done) == {"good"} and len(done["good"].outputs[0].token_ids) >= 1
     assert engine.scheduler.stats().num_used_blocks == 0
@@ -113,9 +113,9 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 def test_stop_string_and_n(engine):
     out = None
-    engine.add_request("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 6"]),
+    engine.add_prompt("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 6"]),
                        request_id="stop")
-    engine.add_request("Hello", SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=5, ignore_eos=True),
+    engine.add_prompt("Hello", SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=5, ignore_eos=True),
                        request_id="multi")
     done = drain(engine)
     out = done["stop"].outputs[0]

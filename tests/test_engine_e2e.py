@@ -27,11 +27,11 @@ def run_engine(loaded, prompts_ids, *, stagger: bool = False, **cfg):
     pending = [(f"r{i}", ids) for i, ids in enumerate(prompts_ids)]
     if stagger:  # the first request computes the shared prefix before the others arrive
         rid, ids = pending.pop(0)
-        engine.add_request(None, params, prompt_token_ids=ids, request_id=rid)
+        engine.add_prompt(None, params, prompt_token_ids=ids, request_id=rid)
         for out in engine.step():
             results[out.request_id] = out
     for rid, ids in pending:
-        engine.add_request(None, params, prompt_token_ids=ids, request_id=rid)
+        engine.add_prompt(None, params, prompt_token_ids=ids, request_id=rid)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

@@ -14,7 +14,7 @@ PROMPT = "List ten fruits, separated by commas: apples, bananas,"
 
 
 def run(engine, prompt, params, rid="r"):
-    engine.add_request(prompt, params, request_id=rid)
+    engine.add_prompt(prompt, params, request_id=rid)
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -62,12 +62,12 @@ def test_stop_string_on_the_last_allowed_token_is_stop(engine):
 
 def test_finished_id_is_reusable_at_once(engine):
     run(engine, PROMPT, greedy(max_tokens=2), rid="again")
-    engine.add_request(PROMPT, greedy(max_tokens=2), request_id="again")  # before: "still in flight"
+    engine.add_prompt(PROMPT, greedy(max_tokens=2), request_id="again")  # before: "still in flight"
     engine.abort("again")
 
 
 def test_outputs_are_snapshots(engine):
-    engine.add_request(PROMPT, greedy(max_tokens=6, logprobs=2), request_id="snap")
+    engine.add_prompt(PROMPT, greedy(max_tokens=6, logprobs=2), request_id="snap")
     seen = []
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -78,10 +78,10 @@ def test_outputs_are_snapshots(engine):
 
 
 def test_n_siblings_compute_the_prompt_once(engine):
-    prompt_ids = engine.tokenize(PROMPT * 4)  # 48 tokens: all four would fit one 64-token step
+    prompt_ids = engine.input_processor.encode(PROMPT * 4)  # 48 tokens: all four would fit one 64-token step
     before = engine.scheduler.stats()
     computed = 0
-    engine.add_request(None, SamplingParams(n=4, temperature=2.0, seed=3, max_tokens=3, ignore_eos=True),
+    engine.add_prompt(None, SamplingParams(n=4, temperature=2.0, seed=3, max_tokens=3, ignore_eos=True),
                        prompt_token_ids=prompt_ids, request_id="fan")
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -111,7 +111,7 @@ def test_failed_step_fails_only_its_requests_and_recovers(engine, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "run_backbone", fail_once)
     for i in range(10):  # the first step takes what its budget allows, the rest wait
-        engine.add_request(PROMPT, greedy(max_tokens=5), request_id=f"f{i}")
+        engine.add_prompt(PROMPT, greedy(max_tokens=5), request_id=f"f{i}")
     finished = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -132,7 +132,7 @@ def test_failed_step_fails_only_its_requests_and_recovers(engine, monkeypatch):
 def test_degenerate_top_p_and_logprobs_zero_without_max_logprobs(smollm):
     e = Engine(EngineConfig(**{**SMALL, "num_pages": 16, "max_logprobs": 0, "max_num_seqs": 2}), loaded=smollm)
     vocab = e.model_config.vocab_size
-    e.add_request(PROMPT, SamplingParams(temperature=1.0, top_p=5e-324, seed=1, max_tokens=4, logprobs=0),
+    e.add_prompt(PROMPT, SamplingParams(temperature=1.0, top_p=5e-324, seed=1, max_tokens=4, logprobs=0),
                   request_id="x")
     while e.has_unfinished_requests():
         for o in e.step():
@@ -141,4 +141,4 @@ def test_degenerate_top_p_and_logprobs_zero_without_max_logprobs(smollm):
     assert all(0 <= t < vocab for t in c.token_ids)
     assert len(c.logprobs) == 4 and all(lp.top == () and lp.rank == 1 for lp in c.logprobs)
     with pytest.raises(ValueError, match="logprobs must be <= 0"):
-        e.add_request(PROMPT, SamplingParams(logprobs=1))
+        e.add_prompt(PROMPT, SamplingParams(logprobs=1))

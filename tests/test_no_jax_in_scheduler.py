@@ -46,3 +46,47 @@ def test_imports_flow_one_way():
     assert not _importers("jaxserve", "server|scripts")
     assert not _importers("pallas_kernels", "scheduler|jaxserve|server|scripts")
     assert not _importers("server", "scripts")
+
+
+def _server_import_graph() -> dict[str, set[str]]:
+    """server module -> the server modules it imports (anywhere in the file, lazy ones too)."""
+    pattern = re.compile(r"^\s*(?:from\s+(server(?:\.\w+)*)\s+import\s+([\w, ]+)|import\s+(server(?:\.\w+)*))",
+                         re.MULTILINE)
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "server").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for m in pattern.finditer(path.read_text()):
+            base = m.group(1) or m.group(3)
+            names = [n.strip() for n in (m.group(2) or "").split(",") if n.strip()]
+            subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in modules]
+            deps.update(subs or ([base] if base in modules else []))
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_server_has_no_import_circle():
+    graph = _server_import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in graph.get(node, ()):
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
+    assert graph["server.grpc_front"] and "server.app" not in graph["server.http_api.routes"]
+
+
+def test_fronts_reach_the_engine_only_through_the_core():
+    """The gRPC servicer and the OpenAI routes hold a ServingCore and nothing under it."""
+    forbidden = re.compile(r"\.(engine|metrics|loop_runner|frontend|admission|tokenizer)\b")
+    fronts = [ROOT / "server" / "grpc_front.py", *(ROOT / "server" / "http_api").glob("*.py")]
+    offenders = [f"{p.name}: {m.group(0)}" for p in fronts for m in forbidden.finditer(p.read_text())]
+    assert not offenders, offenders

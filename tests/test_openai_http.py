@@ -188,7 +188,7 @@ def test_logprobs_stop_and_logit_bias(client, base, model):
 def test_served_model_names(srv, client, base, monkeypatch):
     import dataclasses
 
-    monkeypatch.setattr(srv.server, "options", dataclasses.replace(srv.server.options,
+    monkeypatch.setattr(srv.server.core, "options", dataclasses.replace(srv.server.options,
                                                                    served_model_name=("smol", "smollm2")))
     assert [m.id for m in client.models.list()] == ["smol", "smollm2"]
     r = client.completions.create(model="smollm2", prompt="x", max_tokens=1)
@@ -298,7 +298,7 @@ def test_an_unexpected_error_is_500_with_an_error_id(srv, base, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(srv.server, "tenant_params", broken)
+    monkeypatch.setattr(srv.server.core, "_tenant_params", broken)
     r = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "error id" in r.json()["error"]["message"] and "secret" not in r.text

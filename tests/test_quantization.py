@@ -112,7 +112,7 @@ def _greedy_logprobs(loaded, **settings):
     prompts = [[5, 9, 13, 2, 7], list(range(3, 23))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     for i, ids in enumerate(prompts):
-        e.add_request(None, params, prompt_token_ids=ids, request_id=str(i))
+        e.add_prompt(None, params, prompt_token_ids=ids, request_id=str(i))
     outs = {}
     while e.has_unfinished_requests():
         for o in e.step():
@@ -198,10 +198,10 @@ def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
         e = Engine(EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, token_buckets=(8, 64),
                                 kv_cache_dtype="int8", compilation_cache_dir=None, structured_outputs=False,
                                 **cfg), loaded=smollm)
-        e.add_request(None, params, prompt_token_ids=prompts[0], request_id="0")
+        e.add_prompt(None, params, prompt_token_ids=prompts[0], request_id="0")
         outs = {o.request_id: o for o in e.step()}  # the shared prefix is computed first
         for i, ids in enumerate(prompts[1:], 1):
-            e.add_request(None, params, prompt_token_ids=ids, request_id=str(i))
+            e.add_prompt(None, params, prompt_token_ids=ids, request_id=str(i))
         while e.has_unfinished_requests():
             outs.update({o.request_id: o for o in e.step() if o.finished})
         stats = e.scheduler.stats()

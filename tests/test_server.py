@@ -159,7 +159,7 @@ def test_an_unexpected_handler_error_is_internal_with_an_error_id(srv, stub, mon
     def broken(*a, **k):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(srv.server, "tenant_params", broken)
+    monkeypatch.setattr(srv.server.core, "_tenant_params", broken)
     with pytest.raises(grpc.RpcError) as e:
         generate(stub, text_req("x", max_tokens=2))
     assert e.value.code() == grpc.StatusCode.INTERNAL and "error id" in e.value.details()
@@ -290,8 +290,8 @@ BAD = [
     (pb.GenerateRequest(), "input"),
     (pb.GenerateRequest(text=""), "text"),  # an explicitly empty text is set in the oneof
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "token_ids"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "prompt_token_ids"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "prompt_token_ids"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "token_ids"),  # the proto field, as the client wrote it
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "token_ids"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 600)), "token_ids"),
     (text_req("hello " * 600), "max_model_len"),
     (text_req("a" * (32 * 512 + 1)), "text"),

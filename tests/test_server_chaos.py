@@ -231,7 +231,7 @@ def test_slow_readers_get_merged_deltas_and_free_their_slots(srv):
                 lambda: srv.server.num_in_flight == 0, timeout=120))
             stalled = asyncio.get_running_loop().time() - t0
             open_streams = srv.server.num_streams
-            buffered = sum(b.pending_tokens for b in list(srv.server._buffers))
+            buffered = sum(b.pending_tokens for b in list(srv.server.core._buffers))
             rest = await asyncio.gather(*(read_stream(c) for c in calls))
             return firsts, rest, stalled, open_streams, buffered
         finally:
@@ -250,7 +250,7 @@ def test_slow_readers_get_merged_deltas_and_free_their_slots(srv):
 
 
 def test_silent_readers_are_cut_after_the_idle_timeout(srv, monkeypatch):
-    monkeypatch.setattr(srv.server, "options", dataclasses.replace(srv.server.options, stream_idle_timeout=IDLE_TIMEOUT))
+    monkeypatch.setattr(srv.server.core, "options", dataclasses.replace(srv.server.options, stream_idle_timeout=IDLE_TIMEOUT))
 
     async def body():
         (ch,) = await open_channels(srv.address, 1, **SMALL_WINDOW)

@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from jaxserve.input_processor import EngineRequest
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, Usage
 from scheduler import FinishReason, RequestUpdate, SamplingParams
@@ -37,13 +38,13 @@ class FakeEngine:
         n = len(self.reqs)
         return SchedulerStats(n, 0, 0, n, 0, 100 - n, 100, 0, 0)
 
-    def add_request(self, prompt, params, *, prompt_token_ids=None, request_id=None, arrival_time=None,
+    def add_request(self, request: EngineRequest, *, request_id=None, arrival_time=None,
                     output_kind=OutputKind.CUMULATIVE):
         if request_id in self.reqs:
             raise ValueError(f"duplicate request_id {request_id!r}")
-        if prompt == "bad":
+        if request.prompt == "bad":
             raise ValueError("prompt must not be bad")
-        self.reqs[request_id] = [params.max_tokens, 0, arrival_time or time.monotonic()]
+        self.reqs[request_id] = [request.params.max_tokens, 0, arrival_time or time.monotonic()]
         return request_id
 
     def abort(self, request_id):
@@ -79,9 +80,10 @@ def sample(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-async def add(loop: EngineLoop, rid: str, params: SamplingParams, **kw) -> StreamBuffer:
+async def add(loop: EngineLoop, rid: str, params: SamplingParams, prompt: str = "hi", **kw) -> StreamBuffer:
     buf = StreamBuffer()
-    await loop.add_request(rid, params, buf, **kw)
+    request = EngineRequest(prompt, (1, 2), params, seeds=(0,) * params.n)
+    await loop.add_request(rid, request, buf, **kw)
     return buf
 
 

@@ -24,7 +24,7 @@ PROMPT = "Reply with a JSON object.\n"
 
 def run(engine, requests: list[tuple[str, SamplingParams]]):
     """Runs requests to completion together; returns their final outputs in order."""
-    ids = [engine.add_request(p, sp) for p, sp in requests]
+    ids = [engine.add_prompt(p, sp) for p, sp in requests]
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -188,7 +188,7 @@ def test_bad_specs_are_refused_and_others_keep_running(engine):
     for spec, field in (({"json": {"type": "frobnicate"}}, "json"), ({"regex": "a(b"}, "regex"),
                         ({"grammar": "start: nothing_defined"}, "grammar")):
         with pytest.raises(ValueError, match=rf"structured_outputs\.{field}"):
-            engine.validate_structured_outputs(SamplingParams(structured_outputs=spec))
+            engine.input_processor.compile_grammar(SamplingParams(structured_outputs=spec))
     # A spec queued without validation fails when its compile finishes; the others still run.
     bad, good = run(engine, [("x", SamplingParams(structured_outputs={"regex": "(unclosed"})),
                              ("The sky is", SamplingParams(temperature=0, max_tokens=4))])

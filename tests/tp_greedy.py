@@ -16,7 +16,7 @@ def greedy(loaded, tp: int, prompts: list[list[int]], **engine_kwargs) -> list:
                             structured_outputs=False, **engine_kwargs), loaded=loaded)
     e.warmup(progress=False)
     for i, ids in enumerate(prompts):
-        e.add_request(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        e.add_prompt(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                       prompt_token_ids=ids, request_id=str(i))
     outs = {}
     while e.has_unfinished_requests():

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.input_processor import MAX_CHAT_MESSAGES
 from scheduler import SamplingParams, StructuredOutputsParams
-from server.convert import MAX_CHAT_MESSAGES, check_stop_strings
 from server.errors import ServeError, invalid
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions call (each is one engine request per n)
@@ -79,10 +79,6 @@ class _Sampling(_Body):
             raise invalid("stream_options: only allowed with stream=true", "stream_options")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of: only best_of == n is supported (every sampled sequence is returned)", "best_of")
-        try:
-            check_stop_strings([self.stop] if isinstance(self.stop, str) else self.stop or [])
-        except ValueError as e:
-            raise invalid(str(e), "stop") from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP API on the server's engine (FastAPI routes).
+"""The OpenAI-compatible HTTP API: FastAPI routes, a thin adapter over `ServingCore`.
 
-Every route shares the gRPC front's parts through `JaxServeServer`: the same keys and tenants
-(`Authorization: Bearer KEY` or `x-api-key`), the same admission limits, front-end pool,
-engine thread and drain. Errors are OpenAI's JSON with the status of their `ErrorKind`
+A route authenticates (`Authorization: Bearer KEY` or `x-api-key`), parses its JSON body
+(`protocol.py`) into the core's types, calls the core (the same keys and tenants, admission,
+tokenizer pool, input checks, engine thread and drain as the gRPC front) and renders outputs
+as OpenAI's bodies and stream chunks (`responses.py`). Errors are OpenAI's JSON with the status of their `ErrorKind`
 (400 naming the parameter, 401, 404 for another model, 413, 429, 503, 500 with an error id).
 
 A client that disconnects aborts its requests: a streamed call notices it while waiting for
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,8 +32,8 @@ from starlette.requests import ClientDisconnect
 
 from jaxserve.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
-from server.convert import MAX_REQUEST_ID_CHARS, check_prompt_chars
-from server.errors import ErrorKind, ServeError, invalid
+from server.core import GenerateInput, PromptInput, ServingCore, TokenText
+from server.errors import ErrorKind, ServeError
 from server.generation import Generation
 from server.http_api.protocol import (
     ChatCompletionRequest,
@@ -45,7 +45,6 @@ from server.http_api.protocol import (
 )
 from server.http_api.responses import (
     ChoiceState,
-    TokenText,
     chat_body,
     chat_logprobs,
     chunk,
@@ -60,10 +59,8 @@ from server.http_api.tools import (
     named_schema,
     required_schema,
 )
+from server.options import VERSION
 from server.tenants import Tenant
-
-if TYPE_CHECKING:
-    from server.app import JaxServeServer
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -73,16 +70,15 @@ class ClientGone(Exception):
 
 
 class OpenAIFront:
-    def __init__(self, srv: JaxServeServer):
-        self.srv = srv
-        self._token_text: TokenText | None = None
+    def __init__(self, core: ServingCore):
+        self.core = core
         app = self.app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(StarletteHTTPException, self._http_exception)
         app.add_exception_handler(Exception, self._unexpected)
         for path, method, fn in (
                 ("/v1/completions", "POST", self.completions), ("/v1/chat/completions", "POST", self.chat),
                 ("/v1/models", "GET", self.models), ("/health", "GET", self.health),
-                ("/metrics", "GET", self.metrics), ("/tokenize", "POST", self.tokenize),
+                ("/metrics", "GET", self.metrics_text), ("/tokenize", "POST", self.tokenize),
                 ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version)):
             app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
 
@@ -95,7 +91,7 @@ class OpenAIFront:
                 resp = error_response(e)
             except ClientGone:
                 resp = Response(status_code=499)
-            self.srv.metrics.http_requests.labels(endpoint=path, status=str(resp.status_code)).inc()
+            self.core.count_http(path, resp.status_code)
             return resp
 
         route.__name__ = fn.__name__
@@ -117,15 +113,14 @@ class OpenAIFront:
     def _tenant(self, request: Request) -> Tenant:
         h = request.headers
         md = [(k, h[k]) for k in ("authorization", "x-api-key") if k in h]
-        tenant = self.srv.auth.authenticate(md)
+        tenant = self.core.authenticate(md)
         if tenant is None:
-            self.srv.metrics.auth_failures.inc()
             raise ServeError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key (Authorization: Bearer KEY)",
                              code="invalid_api_key")
         return tenant
 
     async def _body(self, request: Request, model: type) -> Any:
-        limit = self.srv.options.max_message_bytes
+        limit = self.core.options.max_message_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ServeError(ErrorKind.TOO_LARGE, f"the body is {declared} bytes, over max_message_bytes {limit}")
@@ -141,43 +136,25 @@ class OpenAIFront:
         return parse_body(model, b"".join(chunks))
 
     def _check_model(self, name: str | None) -> None:
-        if name and name not in self.srv.served_model_names:
+        names = self.core.served_model_names
+        if name and name not in names:
             raise ServeError(ErrorKind.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
-                             f"{self.srv.served_model_names[0]!r}", "model", "model_not_found")
-
-    def _serving(self) -> None:
-        err = self.srv.serving_error()
-        if err is not None:
-            raise err
+                             f"{names[0]!r}", "model", "model_not_found")
 
     @property
     def token_text(self) -> TokenText:
-        if self._token_text is None:  # its own copy: the engine thread detokenizes with the original
-            self._token_text = TokenText(copy.deepcopy(self.srv.engine.tokenizer))
-        return self._token_text
+        return self.core.token_text
 
     def _request_id(self, request: Request, body_id: str | None, prefix: str) -> str:
-        rid = request.headers.get("x-request-id") or body_id
-        if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
-            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
-        return rid or f"{prefix}-{uuid.uuid4().hex}"
+        return request.headers.get("x-request-id") or body_id or f"{prefix}-{uuid.uuid4().hex}"
 
-    async def _start(self, tenant: Tenant, rid: str, params, ids: list[int], text: str | None,
-                     param: str, structured_param: str | None = None) -> Generation:
+    async def _start(self, tenant: Tenant, req: GenerateInput) -> Generation:
         try:
-            return await self.srv.start_generation(tenant, rid, params, ids, text=text, param=param,
-                                                   structured_param=structured_param)
+            return await self.core.generate(tenant, req)
         except ServeError as e:
-            if e.kind is ErrorKind.INVALID and e.param is None:  # the engine's message names the field
-                name = _leading_name(e.message)
-                e.param = param if name in ("prompt", "prompt_token_ids") else name
+            if e.kind is ErrorKind.INVALID and e.param is None:  # the message names the field
+                e.param = _leading_name(e.message)
             raise
-
-    def _check_chars(self, n: int, param: str) -> None:
-        try:
-            check_prompt_chars(n, self.srv.max_prompt_chars, param)
-        except ValueError as e:
-            raise invalid(str(e), param) from None
 
     async def _request(self, request: Request, model: type) -> tuple[Tenant, Any]:
         """The caller, and its body parsed and checked, while the server is serving."""
@@ -186,48 +163,33 @@ class OpenAIFront:
         if hasattr(req, "check"):
             req.check()
         self._check_model(req.model)
-        self._serving()
+        self.core.require_serving()
         return tenant, req
-
-    async def _chat_ids(self, tenant: Tenant, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                        messages_without_tool_support: list[dict[str, Any]] | None = None) -> list[int]:
-        self._check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
-        try:
-            return await self.srv.frontend.chat(messages, add_generation_prompt, tenant.name, continue_final_message,
-                                                tools, messages_without_tool_support)
-        except Exception as e:
-            raise _frontend_error(self.srv, e, "messages") from e
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
         tenant, req = await self._request(request, CompletionRequest)
         prompts = req.prompts()
-        ids_list = []
-        for p in prompts:
-            if isinstance(p, str):
-                self._check_chars(len(p), "prompt")
-                ids_list.append(await self._encode(tenant, p, req.add_special_tokens))
-            else:
-                ids_list.append(p)
         rid = self._request_id(request, req.request_id, "cmpl")
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else await self._decode(tenant, p, "prompt") for p in prompts]
+            echo = [p if isinstance(p, str) else await self.core.detokenize(tenant, p, "prompt") for p in prompts]
+        params = req.sampling_params(req.max_tokens or 1, req.logprobs)
         gens = []
         async with contextlib.AsyncExitStack() as stack:
-            for i, (p, ids) in enumerate(zip(prompts, ids_list)):
-                max_tokens = req.max_tokens if req.max_tokens is not None else self.srv.engine.max_model_len - len(ids)
-                params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.logprobs), tenant)
-                gen = await self._start(tenant, rid if len(prompts) == 1 else f"{rid}-{i}", params, ids,
-                                        p if isinstance(p, str) else None, "prompt", req.structured_param)
+            for i, p in enumerate(prompts):
+                prompt = (PromptInput(text=p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
+                          else PromptInput(token_ids=p))
+                gen = await self._start(tenant, GenerateInput(
+                    rid if len(prompts) == 1 else f"{rid}-{i}", prompt, params,
+                    fill_max_tokens=req.max_tokens is None, structured_param=req.structured_param))
                 stack.push_async_callback(gen.__aexit__)
                 gens.append(gen)
-            created, model = int(time.time()), req.model or self.srv.served_model_names[0]
+            created, model = int(time.time()), req.model or self.core.served_model_names[0]
             if req.stream:
                 events = self._completion_events(gens, req, rid, created, model, echo)
-                return EventStream(events, stack.pop_all(), self.srv.options.stream_idle_timeout,
-                                   self.srv.metrics.stream_idle_aborts.inc)
+                return EventStream(events, stack.pop_all(), self.core.options.stream_idle_timeout,
+                                   self.core.count_stream_idle_abort)
             choices = await until_disconnect(request, _collect(gens, req.n))
             return JSONResponse(completion_body(rid, created, model, choices, sum_usage([g.last_usage for g in gens]),
                                                 self.token_text, echo))
@@ -237,14 +199,12 @@ class OpenAIFront:
         mode = req.tool_mode
         messages = req.template_messages()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if mode != "none" else None
-        ids = await self._chat_ids(tenant, messages, req.add_generation_prompt, req.continue_final_message, tools,
-                                   messages_for_plain_template(messages, req.tools) if tools else None)
+        prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message, tools=tools,
+                             messages_without_tool_support=messages_for_plain_template(messages, req.tools)
+                             if tools else None, param="messages")
         limit = req.output_limit
-        max_tokens = limit if limit is not None else self.srv.engine.max_model_len - len(ids)
-        if req.num_logprobs is not None and req.num_logprobs > self.srv.engine_config.max_logprobs:
-            raise invalid(f"top_logprobs must be <= {self.srv.engine_config.max_logprobs} (max_logprobs), "
-                          f"got {req.num_logprobs}", "top_logprobs")
-        params = self.srv.tenant_params(req.sampling_params(max(1, max_tokens), req.num_logprobs), tenant)
+        params = req.sampling_params(limit or 1, req.num_logprobs)
         structured_param = req.structured_param
         name = req.tool_choice.function.name if mode == "named" else None
         if mode in ("required", "named"):  # every call parses and validates
@@ -253,35 +213,21 @@ class OpenAIFront:
             structured_param = "tools"
         choice_tools = None
         if mode != "none":
-            choice_tools = functools.partial(ChoiceTools, mode, self.srv.options.tool_call_parser, name)
+            choice_tools = functools.partial(ChoiceTools, mode, self.core.options.tool_call_parser, name)
         rid = self._request_id(request, req.request_id, "chatcmpl")
-        gen = await self._start(tenant, rid, params, ids, None, "messages", structured_param)
+        gen = await self._start(tenant, GenerateInput(rid, prompt, params, fill_max_tokens=limit is None,
+                                                      structured_param=structured_param,
+                                                      field_names={"logprobs": "top_logprobs"}))
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(gen.__aexit__)
-            created, model = int(time.time()), req.model or self.srv.served_model_names[0]
+            created, model = int(time.time()), req.model or self.core.served_model_names[0]
             if req.stream:
                 events = self._chat_events(gen, req, rid, created, model, choice_tools)
-                return EventStream(events, stack.pop_all(), self.srv.options.stream_idle_timeout,
-                                   self.srv.metrics.stream_idle_aborts.inc)
+                return EventStream(events, stack.pop_all(), self.core.options.stream_idle_timeout,
+                                   self.core.count_stream_idle_abort)
             choices = await until_disconnect(request, _collect([gen], req.n))
             return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text,
                                           choice_tools))
-
-    async def _decode(self, tenant: Tenant, ids: list[int], param: str) -> str:
-        vocab = self.srv.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise invalid(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param)
-        try:
-            return await self.srv.frontend.decode(ids, tenant.name)
-        except Exception as e:
-            raise _frontend_error(self.srv, e, param) from e
-
-    async def _encode(self, tenant: Tenant, text: str, add_special_tokens: bool) -> list[int]:
-        try:
-            return await self.srv.frontend.encode(text, tenant.name, add_special_tokens)
-        except Exception as e:
-            raise _frontend_error(self.srv, e, "prompt") from e
 
     async def _completion_events(self, gens: list[Generation], req: CompletionRequest, rid: str, created: int,
                                  model: str, echo: list[str] | None) -> AsyncIterator[bytes]:
@@ -360,58 +306,41 @@ class OpenAIFront:
     # ------------------------------------------------------------------ the rest
     async def models(self, request: Request) -> Response:
         self._tenant(request)
-        e = self.srv.engine
-        created = int(self.srv.started_wall)
+        info = self.core.model_info()
+        created = int(self.core.started_wall)
         data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-                 "root": self.srv.model_name, "parent": None,
-                 "max_model_len": e.max_model_len if e is not None else None,
-                 "vocab_size": e.model_config.vocab_size if e is not None else None}
-                for name in self.srv.served_model_names]
+                 "root": self.core.model_name, "parent": None,
+                 "max_model_len": info.max_model_len if info is not None else None,
+                 "vocab_size": info.vocab_size if info is not None else None}
+                for name in self.core.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        err = self.srv.serving_error()
+        err = self.core.serving_error()
         return Response(status_code=200 if err is None else 503, content=b"" if err is None else err.message)
 
-    async def metrics(self, request: Request) -> Response:
-        if self.srv.auth.required and not self._tenant(request).admin:
-            raise ServeError(ErrorKind.UNAUTHENTICATED, "/metrics: needs an admin key (it shows every tenant's load)",
-                             code="admin_only")
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(generate_latest(self.srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_text(self, request: Request) -> Response:
+        tenant = self._tenant(request) if self.core.auth.required else None
+        body, content_type = self.core.metrics_exposition(tenant)
+        return Response(body, media_type=content_type)
 
     async def version(self, request: Request) -> Response:
-        from server.app import VERSION
-
         return JSONResponse({"version": VERSION})
 
     async def tokenize(self, request: Request) -> Response:
         tenant, req = await self._request(request, TokenizeRequest)
         if req.prompt is not None:
-            self._check_chars(len(req.prompt), "prompt")
-            ids = await self._encode(tenant, req.prompt, req.add_special_tokens)
+            prompt = PromptInput(text=req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
-            ids = await self._chat_ids(tenant, messages, req.add_generation_prompt)
-        self.srv.metrics.tokenize_requests.inc()
-        return JSONResponse({"count": len(ids), "max_model_len": self.srv.engine.max_model_len, "tokens": ids,
-                             "token_strs": None})
+            prompt = PromptInput(messages=[m.template_dict(i) for i, m in enumerate(req.messages)],
+                                 add_generation_prompt=req.add_generation_prompt, param="messages")
+        ids = await self.core.tokenize(tenant, prompt)
+        return JSONResponse({"count": len(ids), "max_model_len": self.core.model_info().max_model_len,
+                             "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
         tenant, req = await self._request(request, DetokenizeRequest)
-        return JSONResponse({"prompt": await self._decode(tenant, req.tokens, "tokens")})
-
-
-def _frontend_error(srv: JaxServeServer, e: Exception, param: str | None = None) -> ServeError:
-    from server.frontend import FrontendBusy
-
-    if isinstance(e, ValueError):
-        return invalid(str(e), param)
-    if isinstance(e, FrontendBusy):
-        srv.metrics.requests_refused.labels(limit="tokenizer_backlog_chars").inc()
-        return ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars")
-    raise e
+        return JSONResponse({"prompt": await self.core.detokenize(tenant, req.tokens, "tokens")})
 
 
 def error_response(e: ServeError) -> JSONResponse:

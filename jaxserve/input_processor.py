@@ -1,0 +1,222 @@
+"""Every check on a request and every step that prepares it, in one place, before admission.
+
+Both servers' fronts and the batch API (`LLM`, `Engine.add_prompt`) send what a client gave
+through `InputProcessor`: prompt sizes, token ids against the vocabulary, room left within
+`max_model_len` (and `max_tokens` filled from it when the client left it out), the logprobs
+and `n` caps, stop lists, logit_bias ids, structured-output specs (compiled here, so a bad
+schema is refused before the request is admitted), and the per-sequence seeds of an `n > 1`
+request. The result, an `EngineRequest`, is what `Engine.add_request` takes: the engine
+thread only checks that the id is free and queues it.
+
+Errors are `InputError`s (a ValueError) whose `param` is the client's field path
+(`prompt`, `messages`, `logprobs`, `structured_outputs`, ...); the message starts with the
+same name, so the gRPC front (which has no `param`) and the HTTP front read the same.
+Value ranges of single sampling fields stay with `SamplingParams` (checked when it is built).
+
+Tokenization and chat templates run wherever the caller wants them (the server runs them on
+its front-end pool, the batch API inline) through `encode` / `chat_ids` here, so the
+checks around them are the same either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from scheduler import SamplingParams
+from scheduler.request import wrap_seed
+from scheduler.structured_params import GrammarHandle
+
+MAX_STOP_TOKEN_IDS = 15  # per request, besides EOS: the sampler's stop-id table is [R, 16]
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_CHAT_MESSAGES = 1024
+
+
+class InputError(ValueError):
+    """A request the engine cannot serve as given; `param` names the client's field and
+    `code` says why in a word when a client may act on it (OpenAI's error `code`)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLimits:
+    """What a request may ask for on this engine (and, for the servers, how big it may be)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    max_n: int
+    max_prompt_chars: int | None = None  # None: no character limit (the batch API)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """A processed request: what `Engine.add_request` queues, with nothing left to check."""
+
+    prompt: str | None  # the text, when the client sent text (outputs carry it back)
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # max_tokens filled in
+    seeds: tuple[int, ...]  # one per sequence (len == params.n)
+    grammar: GrammarHandle | None = None  # compiled (or compiling) structured-output grammar
+
+
+class InputProcessor:
+    """Checks and prepares requests for one engine. Thread-safe."""
+
+    def __init__(self, limits: InputLimits, tokenizer: Any = None, structured: Any = None,
+                 structured_unavailable: str | None = None, seed: int | None = None):
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.structured = structured  # a StructuredOutputManager, or None when off
+        self._structured_unavailable = structured_unavailable  # why it is off
+        self._rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ prompts
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        if not text:
+            raise InputError(f"{param}: the prompt must not be empty", param)
+        self.check_chars(len(text), param)
+
+    def check_chars(self, n: int, param: str) -> None:
+        limit = self.limits.max_prompt_chars
+        if limit is not None and n > limit:
+            raise InputError(f"{param}: {n} characters is over the limit of {limit} (max_prompt_chars)", param)
+
+    def check_messages(self, messages: Sequence[dict[str, Any]], param: str = "messages") -> None:
+        """A conversation before its chat template: count, roles and size."""
+        if not messages:
+            raise InputError(f"{param}: must not be empty", param)
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise InputError(f"{param}: at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}", param)
+        for i, m in enumerate(messages):
+            if not m.get("role"):
+                raise InputError(f"{param}[{i}].role: must not be empty", f"{param}[{i}].role")
+        self.check_chars(sum(len(m.get("content") or "") + len(m["role"]) for m in messages), param)
+
+    def check_token_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:
+        """Ids in the vocabulary (a detokenize call's input, or a prompt's)."""
+        vocab = self.limits.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int | np.integer) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InputError(f"{param}: token ids must be integers in [0, {vocab}), got {bad[:5]}", param)
+
+    def check_prompt_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:
+        if len(ids) == 0:
+            raise InputError(f"{param}: the prompt must not be empty", param)
+        self.check_token_ids(ids, param)
+        n, limit = len(ids), self.limits.max_model_len
+        if n >= limit:
+            raise InputError(f"{param}: the prompt is {n} tokens, which leaves no room for output within "
+                             f"max_model_len {limit}", param, "context_length_exceeded")
+
+    def encode(self, text: str, add_special_tokens: bool = True, tokenizer: Any = None,
+               param: str = "prompt") -> list[int]:
+        """The text's ids (`tokenizer`: a thread's own copy; default the engine's)."""
+        self.check_text(text, param)
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is None:
+            raise InputError(f"{param}: this model has no tokenizer; send token ids", param)
+        return [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
+
+    # ------------------------------------------------------------------ sampling
+    def check_params(self, params: SamplingParams, field_names: Mapping[str, str] | None = None) -> None:
+        """Caps and vocabulary checks that depend on this engine (ranges are SamplingParams').
+        `field_names`: the client's names where its API differs (chat: logprobs -> top_logprobs)."""
+        lim = self.limits
+        if params.logprobs is not None and params.logprobs > lim.max_logprobs:
+            name = (field_names or {}).get("logprobs", "logprobs")
+            raise InputError(f"{name} must be <= {lim.max_logprobs} (max_logprobs), got {params.logprobs}", name)
+        if params.n > lim.max_n:
+            raise InputError(f"n must be <= {lim.max_n}, got {params.n}", "n")
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise InputError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
+            raise InputError(f"stop: each string must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InputError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}",
+                             "stop_token_ids")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < lim.vocab_size]
+        if bad_stop:
+            raise InputError(f"stop_token_ids must be in [0, {lim.vocab_size}), got {bad_stop[:5]}",
+                             "stop_token_ids")
+        bad_bias = [t for t in params.logit_bias or () if not t < lim.vocab_size]
+        if bad_bias:
+            raise InputError(f"logit_bias: token ids must be in [0, {lim.vocab_size}), got {bad_bias[:5]}",
+                             "logit_bias")
+        if params.structured_outputs is not None and self.structured is None:
+            raise InputError(f"structured_outputs: not available ({self._structured_unavailable})",
+                             "structured_outputs")
+
+    def compile_grammar(self, params: SamplingParams, timeout_s: float | None = None,
+                        param: str = "structured_outputs") -> GrammarHandle | None:
+        """Compiles the request's grammar now (blocking up to `timeout_s`; cached for the
+        engine) and returns its handle; a spec that does not compile is an InputError."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.structured is None:
+            raise InputError(f"structured_outputs: not available ({self._structured_unavailable})", param)
+        try:
+            self.structured.validate(spec, timeout_s)
+        except ValueError as e:
+            raise InputError(str(e), param) from e
+        return self.structured.grammar_for(spec)
+
+    def seeds(self, params: SamplingParams) -> tuple[int, ...]:
+        """Sequence i of a seeded request samples with `seed + i`; an unseeded one draws its
+        seeds from the engine's generator (EngineConfig.seed), one per sequence."""
+        if params.seed is not None:
+            return tuple(wrap_seed(params.seed + i) for i in range(params.n))
+        with self._rng_lock:
+            return tuple(int(s) for s in self._rng.integers(0, 2**32, size=params.n))
+
+    # ------------------------------------------------------------------ the whole request
+    def process(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, prompt: str | None = None,
+                fill_max_tokens: bool = False, grammar: GrammarHandle | None = None,
+                param: str = "prompt_token_ids", field_names: Mapping[str, str] | None = None,
+                params_checked: bool = False) -> EngineRequest:
+        """The engine's request for a tokenized prompt. `fill_max_tokens`: max_tokens becomes
+        the room left within max_model_len (OpenAI's max_tokens left out).
+        `grammar`: a handle from `compile_grammar` (the servers compile before admission, off
+        their event loop); without one, the grammar starts compiling in the background and a
+        spec that fails ends only its own request, with finish reason "error". `params_checked`:
+        the caller ran `check_params` already (before tokenizing)."""
+        self.check_prompt_ids(prompt_token_ids, param)
+        if fill_max_tokens:
+            params = dataclasses.replace(params, max_tokens=self.limits.max_model_len - len(prompt_token_ids))
+        if not params_checked:
+            self.check_params(params, field_names)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.structured.grammar_for(params.structured_outputs)
+        return EngineRequest(prompt=prompt, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+                             params=params, seeds=self.seeds(params), grammar=grammar)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        chat_template: str | None = None, continue_final_message: bool = False,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("chat: this model has no chat template (give one with --chat-template); "
+                         "send text or token_ids")
+    kwargs: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt, return_dict=False,
+                                            **kwargs)
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+        raise ValueError(f"chat: the chat template failed: {e}") from e
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]

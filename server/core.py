@@ -1,0 +1,558 @@
+"""The serving core: what both fronts share, with no transport in it.
+
+`ServingCore` owns the engine and its thread (`EngineLoop`), the tenants' keys, admission,
+the front-end tokenizer pool, the server's state (loading, serving, draining, stopped),
+engine health, the drain and the metrics. A front (gRPC in `server/grpc_front.py`, OpenAI
+HTTP in `server/http_api/routes.py`) parses its protocol into the typed requests below,
+calls the core's async methods, and renders their outputs and `ServeError`s in its protocol;
+no front reaches the engine, the metrics registry or the tokenizer. The core lives in
+`server/` rather than `jaxserve/` because it is made of server things (tenants, admission,
+an event loop); the batch API drives the engine directly.
+
+A generation, in order (`generate`): serving? -> the request's checks that need no tokens
+(`InputProcessor`: sizes, caps, stop lists, logit_bias) -> tokenize / chat template on the
+pool -> serving? (a drain may have begun meanwhile) -> grammar compile off the event loop
+-> `InputProcessor.process` (ids, room left, seeds) -> admission (work reserved per tenant)
+-> the engine thread, under a tenant-scoped id. So a request that can never run is a 400
+before admission, and admission's 429 means only "retry later".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.input_processor import InputError, InputProcessor
+from scheduler import SamplingParams
+from server.admission import Admission, AdmissionRefused, request_work
+from server.engine_loop import EngineDead, EngineLoop, new_error_id
+from server.errors import ErrorKind, ServeError, invalid
+from server.frontend import FrontendBusy, FrontendPool
+from server.generation import Generation
+from server.metrics import ServerMetrics
+from server.options import VERSION, ServerOptions, ServerState
+from server.streams import EngineFailed, StreamBuffer
+from server.tenants import Authenticator, Tenant
+
+logger = logging.getLogger("jaxserve.server")
+
+EXIT_ENGINE_FAILED = 1  # the exit code when the engine thread stopped on an error
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0  # a structured-output grammar that compiles longer is refused
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptInput:
+    """A prompt as a client gave it: exactly one of `text`, `token_ids`, `messages`."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # a conversation for the chat template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # given to the chat template
+    messages_without_tool_support: list[dict[str, Any]] | None = None  # when the template ignores tools
+    add_special_tokens: bool = True
+    param: str = "prompt"  # the client's name for the prompt field (errors name it)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateInput:
+    request_id: str  # the client's id; the engine's is scoped to the tenant
+    prompt: PromptInput
+    params: SamplingParams
+    fill_max_tokens: bool = False  # max_tokens: the room left within max_model_len
+    structured_param: str | None = None  # the client's field holding the grammar spec
+    field_names: Mapping[str, str] | None = None  # the client's names where they differ (top_logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    eos_token_id: int  # -1 when unknown
+    has_chat_template: bool
+    max_logprobs: int
+    max_n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    """The server's state; the engine's fields only for admin tenants (they show every tenant's load)."""
+
+    version: str
+    state: str
+    uptime_s: float
+    max_queued_requests: int
+    num_in_flight: int  # admin: the whole server's; others: the tenant's own
+    engine_config: dict[str, str] | None = None
+    compilations_after_warmup: int | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    num_swapped: int | None = None
+    num_used_blocks: int | None = None
+    num_free_blocks: int | None = None
+    num_cached_free_blocks: int | None = None
+    num_total_blocks: int | None = None
+    kv_cache_usage: float | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    num_preemptions: int | None = None
+
+
+class TokenText:
+    """id -> the token's text as OpenAI shows it in logprobs (one token decoded alone; a
+    piece of a multi-byte character shows as U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self._tok.decode([token_id]) if self._tok is not None else str(token_id)
+        return s
+
+
+class ServingCore:
+    def __init__(self, engine_config: EngineConfig, options: ServerOptions | None = None, *, engine: Any = None):
+        self.engine_config = engine_config
+        self.options = o = options or ServerOptions()
+        if o.api_key and o.tenants:
+            raise ValueError("give one API key or a tenants file, not both")
+        self.auth = Authenticator(list(o.tenants)) if o.tenants else (
+            Authenticator.single_key(o.api_key) if o.api_key else Authenticator())
+        self.engine = engine
+        self.processor: InputProcessor | None = None
+        self.loop_runner: EngineLoop | None = None
+        self.frontend: FrontendPool | None = None
+        self.admission: Admission | None = None
+        self.state = ServerState.LOADING
+        self.metrics = ServerMetrics(snapshot=self._snapshot)
+        self.num_streams = 0  # open generations (drain waits for these)
+        self._buffers: set[StreamBuffer] = set()
+        self._started = time.monotonic()
+        self.started_wall = time.time()
+        self._token_text: TokenText | None = None
+        self._health_listeners: list[Callable[[bool], Awaitable[None]]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._healthy = True
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.engine_failed = asyncio.Event()  # the engine thread stopped on an error
+        self.exit_code = 0
+
+    # ------------------------------------------------------------------ life cycle
+    def on_health_change(self, listener: Callable[[bool], Awaitable[None]]) -> None:
+        """`listener(serving)` runs on the event loop whenever new requests start or stop
+        being served (loaded, engine unhealthy / healthy again, engine dead)."""
+        self._health_listeners.append(listener)
+
+    async def _notify_health(self, serving: bool) -> None:
+        for listener in self._health_listeners:
+            await listener(serving)
+
+    async def load(self) -> None:
+        """Builds the engine (unless given) and warms it up off the event loop, then serves."""
+        t0 = time.perf_counter()
+        if self.engine is None:
+            from jaxserve.engine import Engine
+            self.engine = await asyncio.to_thread(Engine, self.engine_config)
+        t1 = time.perf_counter()
+        logger.info("model loaded in %.1f s", t1 - t0)
+        o = self.options
+        if o.warmup:
+            report = await asyncio.to_thread(self.engine.warmup)
+            logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, report.summary())
+            if o.require_warm_cache and report.num_misses:
+                missed = [r.name for r in report.records if r.cache == "miss"]
+                raise RuntimeError(
+                    f"--require-warm-cache: {len(missed)} of {report.num_shapes} shapes missed the "
+                    f"compilation cache ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}); "
+                    "fill it with `jaxserve warmup` using the same flags")
+        self.processor = self._server_processor(self.engine.input_processor)
+        threads = o.frontend_threads or max(1, min(4, (os.cpu_count() or 1) // 4))
+        self.frontend = FrontendPool(self.engine.tokenizer, threads, o.tokenizer_backlog_chars, o.chat_template)
+        self.metrics.set_frontend(self.frontend)
+        kv_tokens = self.engine.num_pages * self.engine_config.page_size
+        self.admission = Admission(
+            self.engine_config.max_num_seqs + o.max_queued_requests,
+            o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
+        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
+                                      on_fatal=lambda: asyncio.ensure_future(self._on_engine_dead()))
+        self.loop_runner.start()
+        self.metrics.set_engine_thread(self.loop_runner.thread)
+        self.state = ServerState.SERVING
+        await self._notify_health(True)
+        if o.log_interval > 0:
+            self._tasks.append(asyncio.create_task(self._log_loop()))
+        self._tasks.append(asyncio.create_task(self._watch_engine_health()))
+        logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens; %d tenant%s, work limit %d tokens)",
+                    self.model_name, self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size,
+                    len(self.auth.tenants), "" if len(self.auth.tenants) == 1 else "s", self.admission.max_tokens)
+
+    def _server_processor(self, engine_processor: InputProcessor) -> InputProcessor:
+        """The engine's processor with the server's prompt-size limit (and its seed stream)."""
+        limits = dataclasses.replace(engine_processor.limits, max_prompt_chars=self.max_prompt_chars)
+        proc = copy.copy(engine_processor)
+        proc.limits = limits
+        return proc
+
+    def begin_drain(self) -> None:
+        """New requests are refused (UNAVAILABLE / 503) from now on."""
+        self.state = ServerState.DRAINING
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stops admitting; lets open generations finish up to `timeout`, then aborts the rest."""
+        timeout = self.options.shutdown_timeout if timeout is None else timeout
+        self.begin_drain()
+        logger.info("draining: %d requests in flight, up to %.1f s", self.num_streams, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            if self.loop_runner is not None and not self.loop_runner.dead:
+                n = await asyncio.wrap_future(self.loop_runner.abort_all("server shutting down"))
+                logger.warning("drain timeout: aborted %d requests", n)
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        """Stops the engine thread, the tokenizer pool and the engine (after the fronts)."""
+        self.state = ServerState.STOPPED
+        for task in self._tasks:
+            task.cancel()
+        if self.loop_runner is not None:
+            await asyncio.to_thread(self.loop_runner.stop)
+        if self.frontend is not None:
+            self.frontend.close()
+        if self.engine is not None and hasattr(self.engine, "close"):
+            try:  # multi-host leader: stops the followers' loops and the heartbeats
+                await asyncio.to_thread(self.engine.close)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine.close failed")
+
+    # ------------------------------------------------------------------ state
+    @property
+    def model_name(self) -> str:
+        return self.engine_config.model or "embedded:SmolLM2-135M-Instruct"
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.options.served_model_name or (self.model_name,)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted and not yet done in the engine."""
+        return self.admission.total.requests if self.admission is not None else 0
+
+    @property
+    def max_prompt_chars(self) -> int:
+        if self.options.max_prompt_chars is not None:
+            return self.options.max_prompt_chars
+        return 32 * self.engine.max_model_len
+
+    def serving_error(self) -> ServeError | None:
+        """Why new requests are refused now (UNAVAILABLE / 503), or None when serving."""
+        if self.state == ServerState.LOADING:
+            return ServeError(ErrorKind.UNAVAILABLE, "the server is loading the model", code="loading")
+        if self.state != ServerState.SERVING:
+            return ServeError(ErrorKind.UNAVAILABLE, "the server is shutting down", code="draining")
+        if self.loop_runner.dead:
+            return ServeError(ErrorKind.UNAVAILABLE, f"the engine stopped (error id {self.loop_runner.fatal_error_id}); "
+                              "the server is going down", code="engine_stopped")
+        if not getattr(self.engine, "healthy", True):
+            reason = getattr(self.engine, "unhealthy_reason", None) or "unknown"
+            return ServeError(ErrorKind.UNAVAILABLE, f"the engine is unhealthy: {reason}", code="unhealthy")
+        return None
+
+    def require_serving(self) -> None:
+        err = self.serving_error()
+        if err is not None:
+            raise err
+
+    def authenticate(self, metadata: Sequence[tuple[str, str]]) -> Tenant | None:
+        """The tenant whose key is in `metadata` ((name, value) pairs); None (counted) if none."""
+        tenant = self.auth.authenticate(metadata)
+        if tenant is None:
+            self.metrics.auth_failures.inc()
+        return tenant
+
+    def model_info(self) -> ModelInfo | None:
+        """The model served, or None while it loads."""
+        e = self.engine
+        if e is None:
+            return None
+        mc = e.model_config
+        return ModelInfo(
+            model=self.model_name, architecture=type(mc).__name__, vocab_size=mc.vocab_size,
+            max_model_len=e.max_model_len, num_layers=getattr(mc, "num_layers", getattr(mc, "num_hidden_layers", 0)),
+            hidden_size=getattr(mc, "hidden_size", getattr(mc, "embed_dim", 0)), dtype=e.dtype,
+            eos_token_id=e.eos_token_id if e.eos_token_id is not None else -1,
+            has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)),
+            max_logprobs=self.engine_config.max_logprobs, max_n=self.engine_config.max_n)
+
+    def server_info(self, tenant: Tenant) -> ServerInfo:
+        """Server-wide engine state for admin tenants; others see the state and their own
+        requests in flight only (the rest would tell them about the other tenants' load)."""
+        base = dict(version=VERSION, state=self.state, uptime_s=time.monotonic() - self._started,
+                    max_queued_requests=self.options.max_queued_requests)
+        if not tenant.admin:
+            mine = self.admission.usage(tenant.name)[0] if self.admission is not None else 0
+            return ServerInfo(**base, num_in_flight=mine)
+        config = {f.name: str(getattr(self.engine_config, f.name)) for f in dataclasses.fields(self.engine_config)}
+        attention = getattr(self.engine, "attention", None)
+        if attention:
+            config["attention_implementation"] = f"{attention[0]} ({attention[1]})"
+        stats: dict[str, Any] = {}
+        snap = self._snapshot()
+        if snap is not None:
+            st = snap.stats
+            stats = dict(num_running=st.num_running, num_waiting=st.num_waiting, num_swapped=st.num_swapped,
+                         num_used_blocks=st.num_used_blocks, num_free_blocks=st.num_free_blocks,
+                         num_cached_free_blocks=st.num_cached_free_blocks, num_total_blocks=st.num_total_blocks,
+                         kv_cache_usage=st.kv_usage, prefix_cache_queries=st.prefix_cache_queries,
+                         prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions)
+        return ServerInfo(**base, num_in_flight=self.num_in_flight, engine_config=config,
+                          compilations_after_warmup=self.metrics.num_compilations_after_warmup, **stats)
+
+    @property
+    def token_text(self) -> TokenText:
+        """Token strings for logprobs (its own tokenizer copy: the engine thread detokenizes with the original)."""
+        if self._token_text is None:
+            self._token_text = TokenText(copy.deepcopy(self.engine.tokenizer))
+        return self._token_text
+
+    # ------------------------------------------------------------------ what fronts count
+    def count_http(self, endpoint: str, status: int) -> None:
+        self.metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def count_stream_idle_abort(self) -> None:
+        self.metrics.stream_idle_aborts.inc()
+
+    def count_refusal(self, limit: str) -> None:
+        self.metrics.requests_refused.labels(limit=limit).inc()
+
+    def count_auth_failure(self) -> None:
+        self.metrics.auth_failures.inc()
+
+    def metrics_exposition(self, tenant: Tenant | None) -> tuple[bytes, str]:
+        """The Prometheus text (body, content type); an admin's only when keys are required."""
+        if self.auth.required and (tenant is None or not tenant.admin):
+            raise ServeError(ErrorKind.UNAUTHENTICATED, "/metrics: needs an admin key (it shows every tenant's load)",
+                             code="admin_only")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+
+    # ------------------------------------------------------------------ requests
+    async def tokenize(self, tenant: Tenant, prompt: PromptInput) -> list[int]:
+        """The prompt's ids: given, or tokenized / chat-templated on the front-end pool."""
+        ids = await self._prompt_ids(tenant, prompt)
+        self.metrics.tokenize_requests.inc()
+        return ids
+
+    async def detokenize(self, tenant: Tenant, token_ids: Sequence[int], param: str = "tokens") -> str:
+        self.require_serving()
+        try:
+            self.processor.check_token_ids(token_ids, param)
+        except InputError as e:
+            raise _invalid(e) from None
+        return await self._on_pool(self.frontend.decode(list(token_ids), tenant.name), param)
+
+    async def generate(self, tenant: Tenant, req: GenerateInput) -> Generation:
+        """Checks, prepares and admits one request, then hands it to the engine thread; the
+        caller iterates the returned `Generation` inside `async with`. Raises ServeError."""
+        self.require_serving()
+        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+            raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
+        params = self._tenant_params(req.params, tenant)
+        try:  # caps first: no tokenizing a request that can never run
+            self.processor.check_params(params, req.field_names)
+        except InputError as e:
+            raise _invalid(e) from None
+        ids = await self._prompt_ids(tenant, req.prompt)
+        self.require_serving()  # again: the drain may have begun while it tokenized
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = await self._compile_grammar(params, req.structured_param or "structured_outputs")
+        try:
+            request = self.processor.process(ids, params, prompt=req.prompt.text, fill_max_tokens=req.fill_max_tokens,
+                                             grammar=grammar, param=req.prompt.param, params_checked=True)
+        except InputError as e:
+            raise _invalid(e) from None
+        p = request.params
+        try:
+            reservation = self.admission.reserve(tenant, request_work(len(ids), p.n, p.max_tokens,
+                                                                      self.engine.max_model_len))
+        except AdmissionRefused as e:
+            self.count_refusal(e.limit)
+            raise ServeError(ErrorKind.EXHAUSTED, str(e), code=e.limit) from e
+        return await self._submit(tenant, req, request, reservation)
+
+    async def _submit(self, tenant: Tenant, req: GenerateInput, request: Any, reservation: Any) -> Generation:
+        from jaxserve.engine import DuplicateRequestId  # with the engine, not with this module
+
+        key = tenant.request_key(req.request_id)
+        buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
+        gen = Generation(key, request.params.n, buffer, reservation, on_close=self._leave,
+                         abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket),
+                         structured_param=req.structured_param)
+        self._enter(gen)
+        try:
+            await self.loop_runner.add_request(key, request, buffer, arrival_time=time.monotonic(), ticket=gen.ticket)
+        except DuplicateRequestId as e:
+            gen.close()
+            raise invalid(str(e).replace(repr(key), repr(req.request_id)), "request_id") from e
+        except EngineDead as e:
+            gen.close()
+            raise ServeError(ErrorKind.UNAVAILABLE, str(e), code="engine_stopped") from e
+        except Exception as e:
+            gen.close()
+            error_id = new_error_id()
+            logger.exception("admitting %s failed [error id %s]", key, error_id)
+            raise ServeError(ErrorKind.INTERNAL, f"could not admit the request (error id {error_id})") from e
+        except BaseException:  # cancelled while being admitted: abort it once it is in
+            gen.close()
+            raise
+        return gen
+
+    async def abort(self, tenant: Tenant, request_id: str) -> bool:
+        """Aborts the caller's own request of that id (another tenant's is never found)."""
+        self.require_serving()
+        return await asyncio.wrap_future(
+            self.loop_runner.abort(tenant.request_key(request_id), notify="aborted by client"))
+
+    def _tenant_params(self, params: SamplingParams, tenant: Tenant) -> SamplingParams:
+        """The client's parameters with its priority clamped to the tenant's range and its
+        cache salt moved into the tenant's prefix-cache space."""
+        lo, hi = tenant.priority_range or self.options.priority_range
+        shared = self.options.shared_prefix_cache or len(self.auth.tenants) == 1
+        return dataclasses.replace(params, priority=min(max(params.priority, lo), hi),
+                                   cache_salt=tenant.cache_salt(params.cache_salt, shared))
+
+    async def _prompt_ids(self, tenant: Tenant, p: PromptInput) -> list[int]:
+        self.require_serving()
+        proc = self.processor
+        try:
+            if p.token_ids is not None:
+                return list(p.token_ids)
+            if p.messages is not None:
+                proc.check_messages(p.messages, p.param)
+            else:
+                proc.check_text(p.text or "", p.param)
+        except InputError as e:
+            raise _invalid(e) from None
+        if p.messages is not None:
+            job = self.frontend.chat(p.messages, p.add_generation_prompt, tenant.name, p.continue_final_message,
+                                     p.tools, p.messages_without_tool_support)
+        else:
+            job = self.frontend.encode(p.text, tenant.name, p.add_special_tokens)
+        return await self._on_pool(job, p.param)
+
+    async def _on_pool(self, job: Awaitable[Any], param: str) -> Any:
+        try:
+            return await job
+        except ValueError as e:
+            raise invalid(str(e), param) from e
+        except FrontendBusy as e:
+            self.count_refusal("tokenizer_backlog_chars")
+            raise ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars") from e
+
+    async def _compile_grammar(self, params: SamplingParams, param: str) -> Any:
+        """Compiles a structured-output grammar off the event loop (cached for the engine)."""
+        try:
+            return await asyncio.to_thread(self.processor.compile_grammar, params, GRAMMAR_COMPILE_TIMEOUT_S, param)
+        except InputError as e:
+            raise _invalid(e) from None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _snapshot(self):
+        return self.loop_runner.snapshot if self.loop_runner is not None else None
+
+    def _enter(self, gen: Generation) -> None:
+        self.num_streams += 1
+        self._buffers.add(gen.buffer)
+        self._idle.clear()
+
+    def _leave(self, gen: Generation) -> None:
+        """Called once per Generation, when its front is done with it."""
+        self.admission.release(gen.reservation)
+        self.num_streams -= 1
+        self._buffers.discard(gen.buffer)
+        if self.num_streams == 0:
+            self._idle.set()
+
+    async def _watch_engine_health(self, interval: float = 0.1) -> None:
+        """Mirrors `engine.healthy` (a multi-host peer died, ...) and the engine thread's life
+        into the health listeners."""
+        while self.state == ServerState.SERVING:
+            if self.loop_runner.dead:
+                await self._on_engine_dead()
+                return
+            healthy = bool(getattr(self.engine, "healthy", True))
+            if healthy != self._healthy:
+                self._healthy = healthy
+                await self._notify_health(healthy)
+                if healthy:
+                    logger.info("engine healthy again: serving")
+                else:
+                    logger.error("engine unhealthy (%s): health NOT_SERVING, new requests refused",
+                                 getattr(self.engine, "unhealthy_reason", None))
+            await asyncio.sleep(interval)
+
+    async def _on_engine_dead(self) -> None:
+        """The engine thread is gone: NOT_SERVING, every open stream ends now, exit non-zero."""
+        if self.engine_failed.is_set():
+            return
+        self.engine_failed.set()
+        error_id = self.loop_runner.fatal_error_id or new_error_id()
+        if self.loop_runner.fatal is None:
+            logger.critical("the engine thread is gone [error id %s]", error_id)
+        await self._notify_health(False)
+        for buf in list(self._buffers):
+            buf.push(EngineFailed(error_id, fatal=True))
+        self.exit_code = EXIT_ENGINE_FAILED
+        logger.critical("health NOT_SERVING: %d open streams ended; the server exits with status %d after the "
+                        "drain so that a supervisor restarts it", len(self._buffers), EXIT_ENGINE_FAILED)
+
+    async def _log_loop(self) -> None:
+        prev = self.loop_runner.snapshot
+        idle_logged = False
+        while True:
+            await asyncio.sleep(self.options.log_interval)
+            snap = self.loop_runner.snapshot
+            busy = snap.num_steps != prev.num_steps or snap.num_streams > 0
+            if not busy and idle_logged:
+                prev = snap
+                continue
+            idle_logged = not busy
+            dt = max(snap.time - prev.time, 1e-9) if busy else self.options.log_interval
+            st = snap.stats
+            logger.info(
+                "gen %.1f tok/s, batched %.1f tok/s, %d finished | running %d, waiting %d, swapped %d | "
+                "KV %.1f%% (%d cached free) | prefix hit %.1f%% | preemptions %d | compiles %d",
+                (snap.generation_tokens - prev.generation_tokens) / dt,
+                (snap.batched_tokens - prev.batched_tokens) / dt,
+                snap.num_finished - prev.num_finished, st.num_running, st.num_waiting, st.num_swapped,
+                100 * st.kv_usage, st.num_cached_free_blocks, 100 * st.prefix_cache_hit_rate,
+                st.num_preemptions, self.metrics.num_compilations_after_warmup)
+            prev = snap
+
+
+def _invalid(e: InputError) -> ServeError:
+    return invalid(str(e), e.param, e.code)
