@@ -418,3 +418,31 @@ def test_chat_template_override(srv, tmp_path):
     assert _read_chat_template(str(f)) == template == _read_chat_template(template)
     with pytest.raises(ValueError, match="--chat-template"):
         _read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_bad_request_reads_the_same_on_both_fronts(srv, base):
+    """One input processor: the same mistake is the same message over HTTP (400) and gRPC
+    (INVALID_ARGUMENT), and HTTP's `param` is the field the message starts with."""
+    import grpc
+
+    from server.convert import sampling_params_to_proto
+    from server.proto import jaxserve_pb2 as pb
+    from server.proto import jaxserve_pb2_grpc as pb_grpc
+
+    cases = [dict(n=10_000), dict(logprobs=99), dict(stop=["x"] * 17), dict(stop_token_ids=[10**6]),
+             dict(logit_bias={"100000": 1.0}), dict(seed=2**64)]
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.JaxServeStub(ch)
+        for fields in cases:
+            r = post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **fields})
+            grpc_fields = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in fields.items()}
+            req = pb.GenerateRequest(text="hi", sampling_params=sampling_params_to_proto(max_tokens=2, **grpc_fields)) \
+                if "seed" not in fields else None
+            assert r.status_code == 400, (fields, r.text)
+            err = r.json()["error"]
+            assert err["param"] == next(iter(fields)) and err["message"].startswith(err["param"]), err
+            if req is None:  # a seed past 64 bits cannot be written into the proto's int64
+                continue
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {KEY}"),), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == err["message"]

@@ -68,7 +68,7 @@ def used_blocks(srv) -> int:
 def settled(srv) -> bool:
     """Nothing in flight, no open stream, every block back (cached-free blocks are free)."""
     s = srv.server
-    return s.num_in_flight == 0 and s.num_streams == 0 and used_blocks(srv) == 0 and not s._buffers
+    return s.num_in_flight == 0 and s.num_streams == 0 and used_blocks(srv) == 0 and not s.core._buffers
 
 
 def run(coro, timeout: float = 240.0):
