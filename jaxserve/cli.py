@@ -84,9 +84,9 @@ def cmd_warmup(ns: argparse.Namespace) -> int:
 
 
 def cmd_compile(ns: argparse.Namespace) -> int:
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     target = Target.parse(ns.target)
     cfg = engine_config_from_args(ns)

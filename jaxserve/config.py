@@ -140,7 +140,7 @@ class EngineConfig:
         if self.compilation_cache_dir in (None, "", "none"):
             return None
         if self.compilation_cache_dir == "default":
-            from jaxserve.compile_cache import default_cache_dir
+            from jaxserve.compilation.compile_cache import default_cache_dir
 
             return default_cache_dir()
         return self.compilation_cache_dir
@@ -200,7 +200,7 @@ class EngineConfig:
         per-device model config under tensor parallelism (it sizes a KV page); `platform`
         the one compiled for (default: this host's backend), which picks `auto` dtype, the
         smallest token bucket and the KV page layout."""
-        from jaxserve.compile_plan import CompilePlan
+        from jaxserve.compilation.compile_plan import CompilePlan
         from jaxserve.models.llama import kv_cache_bytes_per_page
         from pallas_kernels import kv_cache_layout
 

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import jax
 
 from jaxserve import distributed
-from jaxserve.compile_cache import UnplannedCompilationError, enable_persistent_cache
+from jaxserve.compilation.compile_cache import UnplannedCompilationError, enable_persistent_cache
+from jaxserve.compilation.warmup import WarmupReport, compile_ahead
 from jaxserve.config import EngineConfig
 from jaxserve.input_batch import STOP_ID_WIDTH
 from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
@@ -41,7 +42,6 @@ from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import StepTiming
 from jaxserve.sampler import bitmask_width
 from jaxserve.structured import StructuredOutputManager, make_manager
-from jaxserve.warmup import WarmupReport, compile_ahead
 from scheduler import (
     FinishReason,
     Request,
@@ -340,7 +340,7 @@ class Engine:
     # ------------------------------------------------------------------ warmup
     def _check_compiled(self) -> dict:
         """The `compiled_dir` manifest, checked against this engine (raises CompiledMismatchError)."""
-        from jaxserve import aot
+        from jaxserve.compilation import aot
 
         manifest = aot.read_manifest(self.config.compiled_dir)
         devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
@@ -358,7 +358,7 @@ class Engine:
         if self.structured is not None:
             self.structured.prepare_in_background()
         if self._compiled is not None:
-            from jaxserve.aot import load_compiled
+            from jaxserve.compilation.aot import load_compiled
 
             report = load_compiled(self.config.compiled_dir, self._compiled, self.runner, self.plan.shapes())
         else:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.compile_plan import sampler_variant
+from jaxserve.compilation.compile_plan import sampler_variant
 from jaxserve.input_processor import MAX_STOP_TOKEN_IDS
 from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
 from jaxserve.structured import Matcher, StructuredOutputManager

@@ -144,7 +144,7 @@ def fp8_weights_unsupported(platform: str, chip: str | None = None,
         return None
     if platform == "gpu":
         if compute_capability is None and chip is not None:
-            from jaxserve.gpu_specs import GPUS
+            from jaxserve.compilation.gpu_specs import GPUS
 
             spec = GPUS.get(chip.lower())
             compute_capability = spec.compute_capability if spec is not None else None

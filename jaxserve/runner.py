@@ -29,18 +29,10 @@ from jax.sharding import Mesh
 
 from jaxserve import parallel
 from jaxserve.batch import BatchBuilder, SequenceSpan, StepArrays
-from jaxserve.buckets import pick
-from jaxserve.compile_cache import CompileGuard
-from jaxserve.compile_plan import SWAP_SIZES, ShapeKey
-from jaxserve.input_batch import InputBatch
-from jaxserve.loading import LoadedModel
-from jaxserve.models.fused import fuse_projections
-from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
-from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.outputs import TokenLogprob
-from jaxserve.runner_output import ModelRunnerOutput, StepTiming
-from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors
-from jaxserve.step_programs import (
+from jaxserve.compilation.buckets import pick
+from jaxserve.compilation.compile_cache import CompileGuard
+from jaxserve.compilation.compile_plan import SWAP_SIZES, ShapeKey
+from jaxserve.compilation.step_programs import (
     StepPrograms,
     abstract,
     backbone_jit,
@@ -49,6 +41,14 @@ from jaxserve.step_programs import (
     sample_jit,
     scatter_pages_jit,
 )
+from jaxserve.input_batch import InputBatch
+from jaxserve.loading import LoadedModel
+from jaxserve.models.fused import fuse_projections
+from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
+from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.outputs import TokenLogprob
+from jaxserve.runner_output import ModelRunnerOutput, StepTiming
+from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors
 from scheduler import SchedulerOutput
 
 

@@ -79,7 +79,7 @@ def lower_for_gpu(fn, args, on_gpu: bool):
         return jax.jit(fn).lower(*args)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxserve.targets import Target
+    from jaxserve.compilation.targets import Target
 
     device = Target.parse("gpu:h200").devices()[0]
     sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())

@@ -30,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from jaxserve.aot import KERNEL_MARKERS  # noqa: E402
-from jaxserve.targets import Target  # noqa: E402
+from jaxserve.compilation.aot import KERNEL_MARKERS  # noqa: E402
+from jaxserve.compilation.targets import Target  # noqa: E402
 from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
 T, T_DECODE, R, MAX_PAGES, NUM_PAGES = 64, 16, 8, 16, 64

@@ -212,7 +212,7 @@ def decode_table(quick: bool, smoke: bool, interpret: bool, copy_bw: float, copy
 # ---------------------------------------------------------------------- 3. KV update in place
 def kv_update_in_place(smoke: bool, interpret: bool, copy_bw: float) -> None:
     import pallas_kernels as pk
-    from jaxserve.aot import cache_copies
+    from jaxserve.compilation.aot import cache_copies
 
     print("\n3. KV update: in place on a donated cache")
     hkv, d, dtype = 8, 128, jnp.bfloat16
@@ -300,7 +300,7 @@ def main() -> int:
         return 2
     print("device:", jax.devices()[0].device_kind, f"({jax.device_count()} visible)", flush=True)
     if on_gpu:
-        from jaxserve.gpu_specs import GPUS
+        from jaxserve.compilation.gpu_specs import GPUS
 
         kinds = {s.device_kind: p for p, s in GPUS.items()}
         print(f"  gpu_specs part for this device kind: {kinds.get(jax.devices()[0].device_kind, 'none')}")

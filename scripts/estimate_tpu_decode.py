@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxserve.compilation.targets import Target, tpu_info  # noqa: E402
 from jaxserve.loading import load_model_config  # noqa: E402
 from jaxserve.models.config import ModelConfig  # noqa: E402
 from jaxserve.models.llama import expected_param_shapes  # noqa: E402
 from jaxserve.parallel import tp_model_config  # noqa: E402
-from jaxserve.targets import Target, tpu_info  # noqa: E402
 from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data")

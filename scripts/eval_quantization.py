@@ -91,8 +91,8 @@ def position_logits(engine, ids: list[int]) -> np.ndarray:
     """[len(ids), V] f32 next-token logits at every position of `ids`, from one prefill of
     the engine's own step program (its params, KV cache dtype and attention), written into
     a copy of its cache (pages 1.. of the runner's cache are overwritten in the copy only)."""
+    from jaxserve.compilation.step_programs import _backbone, _logits
     from jaxserve.models.metadata import AttentionMetadata
-    from jaxserve.step_programs import _backbone, _logits
 
     r = engine.runner
     T, S = len(ids), r.page_size

@@ -29,7 +29,7 @@ if _ACCEL_CUDA.is_dir() and str(_ACCEL_CUDA) not in sys.path:
 def no_persistent_cache_writes():
     """For modules that compile for compile-only TPU/GPU devices: their executables cannot be
     loaded back from the persistent cache (no client for those devices), so none is written."""
-    from jaxserve.aot import no_cache_writes
+    from jaxserve.compilation.aot import no_cache_writes
 
     with no_cache_writes():
         yield

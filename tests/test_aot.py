@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from jaxserve.aot import CompiledMismatchError
+from jaxserve.compilation.aot import CompiledMismatchError
+from jaxserve.compilation.targets import Target
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
-from jaxserve.targets import Target
 
 SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), num_pages=32, max_model_len=128,
                 max_logprobs=1)
@@ -27,7 +27,7 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 28, 216, 34, 28, 216, 35, 28]]
 
 SERVE_FROM_DIR = """
 import json, sys
-from jaxserve.compile_cache import EVENTS
+from jaxserve.compilation.compile_cache import EVENTS
 from jaxserve.engine import Engine
 from jaxserve.config import EngineConfig
 from scheduler import SamplingParams

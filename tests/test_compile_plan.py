@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxserve.buckets import token_buckets
-from jaxserve.compile_plan import (
+from jaxserve.compilation.buckets import token_buckets
+from jaxserve.compilation.compile_plan import (
     CompilePlan,
     derive_token_buckets,
     padding_fraction,
@@ -138,8 +138,8 @@ def test_persistent_cache_across_processes(tmp_path):
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):
-    from jaxserve.compile_cache import UnplannedCompilationError
-    from jaxserve.compile_plan import ShapeKey
+    from jaxserve.compilation.compile_cache import UnplannedCompilationError
+    from jaxserve.compilation.compile_plan import ShapeKey
     from jaxserve.engine import Engine
     from scheduler import SamplingParams
 

@@ -1,5 +1,5 @@
 """Compile-only NVIDIA GPU checks: XLA:GPU and Triton (the CUDA plugin) run here for H100/H200
-devices described by `jaxserve.gpu_specs`; nothing executes.
+devices described by `jaxserve.compilation.gpu_specs`; nothing executes.
 
 `backend="auto"` must pick the Triton kernel when the program is compiled for a GPU, even
 from this CPU host, for every head layout the engine serves, and the whole serving step of
@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
-from jaxserve.targets import Target
+from jaxserve.compilation.targets import Target
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
 TRITON = "__gpu$xla.gpu.triton"  # a Pallas Triton kernel in compiled HLO (XLA's own GEMMs say __triton)
@@ -137,7 +137,7 @@ STEP_SHAPES = ["backbone[T=16]", "backbone[T=64]", "logits[R=1]", "logits[R=8]",
 def test_the_serving_step_compiles_with_the_triton_kernel_and_fits(model, target):
     """Backbone (Triton attention, split and unsplit, and KV update), logits and sampler of the
     real engine plan in bf16 over abstract weights, TP over the target's GPUs."""
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
 
@@ -155,8 +155,8 @@ def test_the_serving_step_compiles_with_the_triton_kernel_and_fits(model, target
 
 
 def test_the_compile_command_writes_gpu_executables_that_a_cpu_server_refuses(tmp_path, capsys):
-    from jaxserve.aot import CompiledMismatchError
     from jaxserve.cli import main
+    from jaxserve.compilation.aot import CompiledMismatchError
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
 
@@ -177,7 +177,7 @@ def test_the_compile_command_writes_gpu_executables_that_a_cpu_server_refuses(tm
 def test_a_70b_model_needs_eight_h100s():
     """A Llama-3-70B shape in bf16: 141 GB of params do not fit one H100's 59 GiB; over eight
     (TP=8, KV heads split one per GPU) they do, with room for a cache."""
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
 

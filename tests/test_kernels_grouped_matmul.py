@@ -302,7 +302,7 @@ EXPERTS = 128
 
 @functools.cache
 def h200():
-    from jaxserve.targets import Target
+    from jaxserve.compilation.targets import Target
 
     return Target.parse("gpu:h200").devices()[0]
 

@@ -353,7 +353,7 @@ def test_auto_compiles_the_triton_kernels_on_fp8_pages_for_an_h200():
     """SmolLM2's heads, bf16 queries on float8_e4m3fn pages, a 16-token decode bucket (split-KV);
     the KV update kernel; no dequantized copy of the pages in the program."""
     try:
-        from jaxserve.targets import Target
+        from jaxserve.compilation.targets import Target
 
         device = Target.parse("gpu:h200").devices()[0]
     except Exception as e:  # the CUDA plugin is an optional test dependency

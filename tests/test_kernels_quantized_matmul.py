@@ -208,7 +208,7 @@ def test_float8_weights_take_the_reference_on_cpu():
 @pytest.mark.parametrize("target", ["tpu:v5e-1", "gpu:h200"])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_accelerators_fuse_the_weight_conversion(target, x_dtype):
-    from jaxserve.targets import Target
+    from jaxserve.compilation.targets import Target
 
     device = Target.parse(target).devices()[0]
     m, k, n = 8, 1024, 2048

@@ -23,10 +23,10 @@ SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16,),
     ("gemma3_27b_config.json", "tpu:v6e-8", False, (6.1, 6.4)),  # 27.0 B params / 8 chips
 ])
 def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target, ep, params_gib):
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     mc = load_model_config(str(DATA / config))
     report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep), Target.parse(target),
@@ -46,10 +46,10 @@ def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
     """Qwen3-30B-A3B's experts split by width over 8 chips are 96 columns wide: XLA:TPU then
     keeps the stacked gate/up weights in a transposed tiling and copies each layer's experts
     back every step. `jaxserve compile` reports it; expert parallelism has no such copy."""
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))
     report = compile_for_target(mc, EngineConfig(**SETTINGS), Target.parse("tpu:v5e-8"), shapes=["backbone[T=16]"])
@@ -61,10 +61,10 @@ def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
 
 @pytest.mark.parametrize("ep", [True, False])
 def test_moe_flagship_compiles_on_gpus_with_the_grouped_matmul_kernel(ep):
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))
     report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep), Target.parse("gpu:h200x8"),

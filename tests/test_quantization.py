@@ -233,7 +233,7 @@ def test_swap_views_of_the_scales_pool_address_each_page(layout):
     (l * P + p) * S + o of head h, written and read back at the right place."""
     import jax.numpy as jnp
 
-    from jaxserve.step_programs import _scale_pages, _set_scale_pages
+    from jaxserve.compilation.step_programs import _scale_pages, _set_scale_pages
     from pallas_kernels.kv_layout import kv_scales_shape
 
     L, P, S, H = 3, 5, 16, 2

@@ -20,10 +20,10 @@ GIB = 2**30
 
 
 def _plan(config_path, target: str, shapes: list[str], **settings):
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     return compile_for_target(load_model_config(str(config_path)), EngineConfig(**{**SETTINGS, **settings}),
                               Target.parse(target), shapes=shapes)
@@ -51,11 +51,11 @@ def test_a_quantized_kv_cache_doubles_the_pages_that_fit():
 def _backbone_hlo(config_path, target_name: str, T: int, **settings):
     import jax
 
-    from jaxserve.aot import abstract_programs
-    from jaxserve.compile_plan import ShapeKey
+    from jaxserve.compilation.aot import abstract_programs
+    from jaxserve.compilation.compile_plan import ShapeKey
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     target = Target.parse(target_name)
     config = EngineConfig(**{**SETTINGS, **settings})

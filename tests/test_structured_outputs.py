@@ -210,7 +210,7 @@ def test_multi_host_step_carries_the_bitmask(monkeypatch):
     """The leader's broadcast of a masked step, replayed to a follower: same rows, same flags."""
     from jaxserve import distributed
     from jaxserve.batch import BatchBuilder, SequenceSpan
-    from jaxserve.compile_plan import sampler_variants
+    from jaxserve.compilation.compile_plan import sampler_variants
     from jaxserve.input_batch import STOP_ID_WIDTH
 
     sent: list[np.ndarray] = []

@@ -16,7 +16,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
-from jaxserve.targets import Target
+from jaxserve.compilation.targets import Target
 from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
@@ -151,10 +151,10 @@ STEP_SHAPES = ["backbone[T=64]", "logits[R=8]", "head[R=8,greedy]"]
 def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
     """Backbone (Mosaic attention and KV update), logits and sampler of the real engine plan,
     bf16, abstract weights, TP over the target's chips (`jaxserve compile`'s own path)."""
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     mc = load_model_config(None if model == "smollm2" else str(LLAMA_8B))
     report = compile_for_target(mc, EngineConfig(**STEP_SETTINGS), Target.parse(f"tpu:{chip}-{chips}"),
@@ -169,10 +169,10 @@ def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
 
 
 def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
-    from jaxserve.targets import Target
 
     report = compile_for_target(load_model_config(str(LLAMA_8B)), EngineConfig(**{**STEP_SETTINGS, "num_pages": 2048}),
                                 Target.parse("tpu:v5e-1"), shapes=["logits[R=8]"])
@@ -207,7 +207,7 @@ def test_the_reference_fallback_fits_the_default_config_without_cache_sized_temp
     """SmolLM2's default engine config on one v5e with attention_backend='reference', at the
     largest token bucket: temporaries bounded by a KV chunk per query block, no cache copy
     (the reference once needed 7.9 GB of temporaries at T=16 and ran out of HBM at T=512)."""
-    from jaxserve.aot import compile_for_target
+    from jaxserve.compilation.aot import compile_for_target
     from jaxserve.config import EngineConfig
     from jaxserve.loading import load_model_config
 

@@ -53,7 +53,7 @@ class Target:
             return cls("cpu", "host", int(m.group(1) or 1))
         m = re.fullmatch(r"gpu:([a-z]+\d+)(?:x(\d+))?", text)
         if m:
-            from jaxserve.gpu_specs import GPUS
+            from jaxserve.compilation.gpu_specs import GPUS
 
             part, n = m.group(1), int(m.group(2) or 1)
             if part not in GPUS:
@@ -103,7 +103,7 @@ class Target:
 
     def nominal_hbm_bytes(self) -> int | None:
         if self.platform == "gpu":
-            from jaxserve.gpu_specs import GPUS
+            from jaxserve.compilation.gpu_specs import GPUS
 
             return GPUS[self.chip].memory_bytes
         if self.platform != "tpu":
@@ -136,7 +136,7 @@ def _gpu_devices(part: str, n: int) -> tuple[Any, ...]:
     process must run with JAX_PLATFORMS=cpu, or the plugin looks for a driver and fails)."""
     from jax.experimental import topologies
 
-    from jaxserve.gpu_specs import GPUS, target_config
+    from jaxserve.compilation.gpu_specs import GPUS, target_config
 
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(GPUS[part]),

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, Sharding
 
 import pallas_kernels
 from jaxserve import parallel
-from jaxserve.compile_plan import ShapeKey
+from jaxserve.compilation.compile_plan import ShapeKey
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.sampler import SamplingTensors, sample
 

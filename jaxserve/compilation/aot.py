@@ -31,7 +31,10 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
-from jaxserve.compile_plan import ShapeKey, variant_name
+from jaxserve.compilation.compile_plan import ShapeKey, variant_name
+from jaxserve.compilation.step_programs import StepPrograms, sds
+from jaxserve.compilation.targets import Target, software_versions
+from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
 from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.kernel_choice import choose_kernels
@@ -50,9 +53,6 @@ from jaxserve.quantization import (
     storage_dtype,
     with_scale_shapes,
 )
-from jaxserve.step_programs import StepPrograms, sds
-from jaxserve.targets import Target, software_versions
-from jaxserve.warmup import ShapeRecord, WarmupReport
 
 MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.

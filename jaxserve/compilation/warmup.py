@@ -16,8 +16,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.compile_cache import EVENTS
-from jaxserve.compile_plan import CompilePlan, ShapeKey, variant_name
+from jaxserve.compilation.compile_cache import EVENTS
+from jaxserve.compilation.compile_plan import CompilePlan, ShapeKey, variant_name
 
 
 @dataclasses.dataclass(frozen=True)
