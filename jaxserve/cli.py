@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
+from jaxserve.tuning.command import add_tune_args, cmd_tune
 
 COMMANDS_ENTRY_POINTS = "jaxserve.commands"
 
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quiet", action="store_true")
     add_engine_args(k)
     k.set_defaults(func=cmd_compile)
+
+    t = sub.add_parser("tune", help="replay a workload with candidate scheduler settings and recommend the "
+                                    "flags that meet a goal (throughput, ttft-p99=2s, ...)")
+    add_tune_args(t)
+    t.set_defaults(func=cmd_tune)
 
     c = sub.add_parser("convert", help="convert a GGUF file or HF directory to a jaxserve (orbax) checkpoint")
     c.add_argument("src")
