@@ -167,7 +167,8 @@ class ModelRunner:
         if flags.num_logprobs is not None:
             lp = jax.device_get((out.chosen_logprob, out.chosen_rank, out.top_logprobs, out.top_token_ids))
         timing = StepTiming(device_s + time.perf_counter() - td, num_tokens=so.num_scheduled_tokens,
-                            padded_tokens=T, num_rows=R, mask_s=mask_s)
+                            padded_tokens=T, num_rows=R, mask_s=mask_s,
+                            num_decode_tokens=sum(1 for s in so.scheduled if not s.is_prefill))
         result = self._collect(so, token_ids, lp, timing)
         self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
         if self._traffic_log is not None:

@@ -17,6 +17,7 @@ class StepTiming:
     num_tokens: int = 0  # real tokens computed
     padded_tokens: int = 0  # token bucket size
     num_rows: int = 0  # request bucket size (0: nothing was sampled)
+    num_decode_tokens: int = 0  # of num_tokens, one per request that decodes (the rest are prefill chunks)
     mask_s: float = 0.0  # host time filling structured-output token bitmasks (part of device_s)
 
 

@@ -45,6 +45,7 @@ class StubEngine:
 
     def __init__(self, step_s: float, vocab: int = 1000):
         from jaxserve.input_processor import InputLimits, InputProcessor
+        from jaxserve.runner_output import StepTiming
         from scheduler.stats import SchedulerStats
 
         self.step_s = step_s
@@ -55,7 +56,7 @@ class StubEngine:
         self.eos_token_id = None
         self.dtype = "float32"
         self.model_config = types.SimpleNamespace(vocab_size=vocab, num_layers=0, hidden_size=0)
-        self.last_step = types.SimpleNamespace(num_tokens=0, host_s=0.0, device_s=0.0)
+        self.last_step = StepTiming()
         self.scheduler = types.SimpleNamespace(stats=lambda: SchedulerStats(
             len(self.reqs), 0, 0, len(self.reqs), 0, 100_000, 100_000, 0, 0))
         # The real checks and preparation run in the server, as they would on a real engine.
@@ -74,6 +75,7 @@ class StubEngine:
 
     def step(self):
         from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+        from jaxserve.runner_output import StepTiming
 
         time.sleep(self.step_s)
         now = time.monotonic()
@@ -87,7 +89,7 @@ class StubEngine:
                                     finish_reason="length" if done else None)
             outs.append(RequestOutput(rid, None, [], [comp], done, Usage(st[3], st[1], 0),
                                       RequestMetrics(st[2], st[2], st[2], now if done else None)))
-        self.last_step.num_tokens = len(outs)
+        self.last_step = StepTiming(num_tokens=len(outs), padded_tokens=len(outs), num_decode_tokens=len(outs))
         return outs
 
 

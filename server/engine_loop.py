@@ -215,6 +215,8 @@ class EngineLoop:
         self._step_failures = 0
         self._num_steps += 1
         self._batched_tokens += engine.last_step.num_tokens
+        if self.metrics is not None:
+            self.metrics.observe_step(engine.last_step)
         items = self._process(outputs)
         # Publish the snapshot before the outputs go out: a client that sees its request
         # finish and then asks for stats sees that request's blocks freed.

@@ -31,6 +31,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -54,6 +56,20 @@ class ServerMetrics:
         self.request_queue_time = Histogram(
             P + "request_queue_time_seconds", "Arrival to first scheduling, per request.",
             buckets=REQUEST_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            P + "iteration_tokens_total", "Tokens computed per engine step (prefill and decode).",
+            buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+        self.scheduled_tokens = Counter(
+            P + "scheduled_tokens", "Tokens computed, by phase: prefill chunks or decodes.", ["phase"], registry=r)
+        self.step_token_fill = Histogram(
+            P + "step_token_fill", "Per step, real tokens / the padded token bucket the step ran in (1: no padding).",
+            buckets=FILL_BUCKETS, registry=r)
+        self.tenant_prompt_tokens = Counter(
+            P + "tenant_prompt_tokens", "Prompt tokens of finished requests, by tenant.", ["tenant"], registry=r)
+        self.tenant_cached_prompt_tokens = Counter(
+            P + "tenant_cached_prompt_tokens",
+            "Prompt tokens of finished requests found in the prefix cache, by tenant (hit rate: / tenant_prompt_tokens).",
+            ["tenant"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
         self.request_success = Counter(
@@ -99,6 +115,16 @@ class ServerMetrics:
     def num_compilations_after_warmup(self) -> int:
         return int(self.compilations_after_warmup._value.get())
 
+    def observe_step(self, timing: Any) -> None:
+        """Called by the engine thread after each step that computed tokens (a `StepTiming`)."""
+        if not timing.num_tokens:
+            return
+        self.iteration_tokens.observe(timing.num_tokens)
+        self.scheduled_tokens.labels(phase="decode").inc(timing.num_decode_tokens)
+        self.scheduled_tokens.labels(phase="prefill").inc(timing.num_tokens - timing.num_decode_tokens)
+        if timing.padded_tokens:
+            self.step_token_fill.observe(timing.num_tokens / timing.padded_tokens)
+
     def observe_finished(self, out: Any) -> None:
         """Called by the engine thread for each finished `RequestOutput`."""
         m = out.metrics
@@ -112,6 +138,9 @@ class ServerMetrics:
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
         self.prompt_tokens.inc(out.usage.prompt_tokens)
+        tenant = out.request_id.split("/", 1)[0] if "/" in out.request_id else ""
+        self.tenant_prompt_tokens.labels(tenant=tenant).inc(out.usage.prompt_tokens)
+        self.tenant_cached_prompt_tokens.labels(tenant=tenant).inc(out.usage.cached_tokens)
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.request_success.labels(finished_reason=reason or "unknown").inc()
 

@@ -425,6 +425,11 @@ def test_metrics_move(srv, stub):
                  'jaxserve:request_success_total{finished_reason="length"}', "jaxserve:prefix_cache_queries_total"):
         assert after[name] > before.get(name, 0.0), name
     assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] == 10
+    moved = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    assert moved('jaxserve:scheduled_tokens_total{phase="decode"}') == 8  # 4 decodes after each prefill's token
+    assert moved('jaxserve:scheduled_tokens_total{phase="prefill"}') >= 1
+    assert moved("jaxserve:iteration_tokens_total_count") >= 5 and moved("jaxserve:step_token_fill_count") >= 5
+    assert moved('jaxserve:tenant_prompt_tokens_total{tenant="default"}') == moved("jaxserve:prompt_tokens_total")
     for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:num_requests_swapped",
                  "jaxserve:kv_cache_usage_perc", "jaxserve:kv_cache_cached_free_blocks",
                  'jaxserve:num_preemptions_total{mode="recompute"}', "jaxserve:prefix_cache_hits_total"):

@@ -15,6 +15,7 @@ import pytest
 from jaxserve.input_processor import EngineRequest
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, Usage
+from jaxserve.runner_output import StepTiming
 from scheduler import FinishReason, RequestUpdate, SamplingParams
 from scheduler.stats import SchedulerStats
 from server.engine_loop import MAX_CONSECUTIVE_STEP_FAILURES, EngineDead, EngineLoop
@@ -30,7 +31,7 @@ class FakeEngine:
         self.steps = 0
         self.polls = 0  # has_unfinished_requests calls: a spinning loop makes many
         self.fail_next = 0  # steps left that raise
-        self.last_step = types.SimpleNamespace(num_tokens=0, host_s=0.0, device_s=0.0)
+        self.last_step = StepTiming()
         self.scheduler = types.SimpleNamespace(stats=self._stats)
         self.tokenizer = None
 
@@ -62,7 +63,8 @@ class FakeEngine:
             raise RuntimeError("device on fire")
         outs = []
         now = time.monotonic()
-        self.last_step.num_tokens = len(self.reqs)
+        # Every request decodes one token, in a padded bucket of 8.
+        self.last_step = StepTiming(num_tokens=len(self.reqs), padded_tokens=8, num_decode_tokens=len(self.reqs))
         for rid, st in list(self.reqs.items()):
             st[1] += 1
             done = st[1] >= st[0]
@@ -125,6 +127,12 @@ def test_streams_outputs_and_blocks_when_idle():
         assert sample(metrics, "jaxserve:generation_tokens_total") == 3
         assert sample(metrics, "jaxserve:request_success_total", finished_reason="length") == 1
         assert metrics.num_compilations_after_warmup == 0
+        # Per-step metrics an operator tunes with: 3 steps of 1 decode token in a bucket of 8.
+        assert sample(metrics, "jaxserve:iteration_tokens_total_count") == 3
+        assert sample(metrics, "jaxserve:scheduled_tokens_total", phase="decode") == 3
+        assert sample(metrics, "jaxserve:scheduled_tokens_total", phase="prefill") == 0
+        assert sample(metrics, "jaxserve:step_token_fill_sum") == 3 * 1 / 8
+        assert sample(metrics, "jaxserve:tenant_prompt_tokens_total", tenant="") == 2  # ids without a tenant
 
     _run(body)
 
