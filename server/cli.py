@@ -88,6 +88,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="compile every shape before serving")
     s.add_argument("--require-warm-cache", action="store_true",
                    help="refuse to start when any planned shape is not in the persistent compilation cache")
+    s.add_argument("--record-request-trace", default=None, metavar="FILE",
+                   help="append every admitted request (arrival time, prompt token ids, max_tokens) to FILE as "
+                        "JSONL: the workload `jaxserve tune --trace FILE` replays. It holds the prompts' tokens.")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -150,7 +153,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         http_head_timeout=ns.http_head_timeout, http_max_connections_per_peer=ns.http_max_connections_per_peer,
         shutdown_timeout=ns.shutdown_timeout, max_prompt_chars=ns.max_prompt_chars,
         max_message_bytes=ns.max_message_bytes, log_interval=ns.log_interval, warmup=ns.warmup,
-        require_warm_cache=ns.require_warm_cache,
+        require_warm_cache=ns.require_warm_cache, request_trace=ns.record_request_trace,
     )
     if cfg.num_processes > 1 and cfg.process_id != 0:
         # Multi-host follower: no gRPC port; run the leader's steps until it stops us.

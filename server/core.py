@@ -149,6 +149,7 @@ class ServingCore:
         self._token_text: TokenText | None = None
         self._health_listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._tasks: list[asyncio.Task] = []
+        self._trace: Any = None  # a TraceWriter with --record-request-trace
         self._healthy = True
         self._idle = asyncio.Event()
         self._idle.set()
@@ -195,6 +196,10 @@ class ServingCore:
                                       on_fatal=lambda: asyncio.ensure_future(self._on_engine_dead()))
         self.loop_runner.start()
         self.metrics.set_engine_thread(self.loop_runner.thread)
+        if o.request_trace:
+            from jaxserve.tuning.workload import TraceWriter
+
+            self._trace = TraceWriter(o.request_trace)
         self.state = ServerState.SERVING
         await self._notify_health(True)
         if o.log_interval > 0:
@@ -240,6 +245,8 @@ class ServingCore:
             await asyncio.to_thread(self.loop_runner.stop)
         if self.frontend is not None:
             self.frontend.close()
+        if self._trace is not None:
+            self._trace.close()
         if self.engine is not None and hasattr(self.engine, "close"):
             try:  # multi-host leader: stops the followers' loops and the heartbeats
                 await asyncio.to_thread(self.engine.close)
@@ -402,7 +409,10 @@ class ServingCore:
         except AdmissionRefused as e:
             self.count_refusal(e.limit)
             raise ServeError(ErrorKind.EXHAUSTED, str(e), code=e.limit) from e
-        return await self._submit(tenant, req, request, reservation)
+        gen = await self._submit(tenant, req, request, reservation)
+        if self._trace is not None:
+            self._trace.record(request.prompt_token_ids, p.max_tokens)
+        return gen
 
     async def _submit(self, tenant: Tenant, req: GenerateInput, request: Any, reservation: Any) -> Generation:
         from jaxserve.engine import DuplicateRequestId  # with the engine, not with this module

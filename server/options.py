@@ -48,6 +48,7 @@ class ServerOptions:
     log_interval: float = 1.0  # seconds between status lines; 0: off
     warmup: bool = True
     require_warm_cache: bool = False  # refuse to start when any planned shape missed the cache
+    request_trace: str | None = None  # append each admitted request (arrival, prompt ids, max_tokens): `jaxserve tune --trace`
 
     def grpc_options(self) -> list[tuple[str, int]]:
         ms = lambda s: int(s * 1000)  # noqa: E731

@@ -124,14 +124,18 @@ EMBEDDED_SERVER_KEY = "test-key-123"
 
 
 @pytest.fixture(scope="session")
-def embedded_server():
+def embedded_server(tmp_path_factory):
+    """It records its request trace (`--record-request-trace`) to `s.request_trace`."""
     from server_harness import ServerThread
 
     from jaxserve.config import EngineConfig
     from server.app import ServerOptions
 
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512)
+    trace = str(tmp_path_factory.mktemp("trace") / "requests.jsonl")
     s = ServerThread(cfg, ServerOptions(host="127.0.0.1", port=0, metrics_port=0, http_port=0,
-                                        api_key=EMBEDDED_SERVER_KEY, max_queued_requests=24, log_interval=0))
+                                        api_key=EMBEDDED_SERVER_KEY, max_queued_requests=24, log_interval=0,
+                                        request_trace=trace))
+    s.request_trace = trace
     yield s
     s.close()

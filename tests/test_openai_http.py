@@ -446,3 +446,14 @@ def test_a_bad_request_reads_the_same_on_both_fronts(srv, base):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(req, metadata=(("authorization", f"Bearer {KEY}"),), timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == err["message"]
+
+
+def test_the_request_trace_replays_what_was_served(srv, base):
+    """`--record-request-trace`: each admitted request becomes a line `jaxserve tune --trace` reads."""
+    from jaxserve.tuning.workload import load_trace
+
+    ids = [1, 2, 3, 4, 5]
+    assert post(base, "/v1/completions", {"prompt": ids, "max_tokens": 3, "n": 2}).status_code == 200
+    assert post(base, "/v1/completions", {"prompt": [1, 10**6], "max_tokens": 3}).status_code == 400  # not admitted
+    last = load_trace(srv.request_trace)[-1]
+    assert last.prompt_token_ids == tuple(ids) and last.max_tokens == 3 and last.arrival_s > 0

@@ -80,6 +80,25 @@ def write_trace(path: str, requests: Sequence[TraceRequest]) -> None:
             f.write(json.dumps(obj) + "\n")
 
 
+class TraceWriter:
+    """Appends requests as they arrive (a server's `--record-request-trace`), arrival times
+    from the writer's creation; each line is flushed, so a trace survives a crash."""
+
+    def __init__(self, path: str, clock=None):
+        import time
+
+        self._clock = clock or time.monotonic
+        self._t0 = self._clock()
+        self._f = open(path, "a", buffering=1)
+
+    def record(self, prompt_token_ids: Sequence[int], max_tokens: int) -> None:
+        self._f.write(json.dumps({"arrival_s": round(self._clock() - self._t0, 6), "max_tokens": max_tokens,
+                                  "prompt_token_ids": list(prompt_token_ids)}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def _arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
     """Poisson arrivals at `rate` requests/s (inf: all at time 0), as `vllm bench serve`."""
     if rate == float("inf"):
