@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxserve.outputs import RequestOutput
 from scheduler import SamplingParams, StructuredOutputsParams
-from server.core import PromptInput
+from server.core_types import PromptInput
 from server.proto import jaxserve_pb2 as pb
 
 _SCALAR_FIELDS = (

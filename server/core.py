@@ -25,19 +25,21 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.input_processor import InputError, InputProcessor
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
+from server.core_types import GenerateInput, ModelInfo, PromptInput, ServerInfo, TokenText
 from server.engine_loop import EngineDead, EngineLoop, new_error_id
 from server.errors import ErrorKind, ServeError, invalid
 from server.frontend import FrontendBusy, FrontendPool
 from server.generation import Generation
 from server.metrics import ServerMetrics
 from server.options import VERSION, ServerOptions, ServerState
+from server.status_log import log_status
 from server.streams import EngineFailed, StreamBuffer
 from server.tenants import Authenticator, Tenant
 
@@ -46,85 +48,6 @@ logger = logging.getLogger("jaxserve.server")
 EXIT_ENGINE_FAILED = 1  # the exit code when the engine thread stopped on an error
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0  # a structured-output grammar that compiles longer is refused
 MAX_REQUEST_ID_CHARS = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptInput:
-    """A prompt as a client gave it: exactly one of `text`, `token_ids`, `messages`."""
-
-    text: str | None = None
-    token_ids: Sequence[int] | None = None
-    messages: list[dict[str, Any]] | None = None  # a conversation for the chat template
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None  # given to the chat template
-    messages_without_tool_support: list[dict[str, Any]] | None = None  # when the template ignores tools
-    add_special_tokens: bool = True
-    param: str = "prompt"  # the client's name for the prompt field (errors name it)
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateInput:
-    request_id: str  # the client's id; the engine's is scoped to the tenant
-    prompt: PromptInput
-    params: SamplingParams
-    fill_max_tokens: bool = False  # max_tokens: the room left within max_model_len
-    structured_param: str | None = None  # the client's field holding the grammar spec
-    field_names: Mapping[str, str] | None = None  # the client's names where they differ (top_logprobs)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    model: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    num_layers: int
-    hidden_size: int
-    dtype: str
-    eos_token_id: int  # -1 when unknown
-    has_chat_template: bool
-    max_logprobs: int
-    max_n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerInfo:
-    """The server's state; the engine's fields only for admin tenants (they show every tenant's load)."""
-
-    version: str
-    state: str
-    uptime_s: float
-    max_queued_requests: int
-    num_in_flight: int  # admin: the whole server's; others: the tenant's own
-    engine_config: dict[str, str] | None = None
-    compilations_after_warmup: int | None = None
-    num_running: int | None = None
-    num_waiting: int | None = None
-    num_swapped: int | None = None
-    num_used_blocks: int | None = None
-    num_free_blocks: int | None = None
-    num_cached_free_blocks: int | None = None
-    num_total_blocks: int | None = None
-    kv_cache_usage: float | None = None
-    prefix_cache_queries: int | None = None
-    prefix_cache_hits: int | None = None
-    num_preemptions: int | None = None
-
-
-class TokenText:
-    """id -> the token's text as OpenAI shows it in logprobs (one token decoded alone; a
-    piece of a multi-byte character shows as U+FFFD, as in vLLM)."""
-
-    def __init__(self, tokenizer: Any):
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self._cache[token_id] = self._tok.decode([token_id]) if self._tok is not None else str(token_id)
-        return s
 
 
 class ServingCore:
@@ -203,7 +126,7 @@ class ServingCore:
         self.state = ServerState.SERVING
         await self._notify_health(True)
         if o.log_interval > 0:
-            self._tasks.append(asyncio.create_task(self._log_loop()))
+            self._tasks.append(asyncio.create_task(log_status(self.loop_runner, self.metrics, o.log_interval)))
         self._tasks.append(asyncio.create_task(self._watch_engine_health()))
         logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens; %d tenant%s, work limit %d tokens)",
                     self.model_name, self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size,
@@ -539,29 +462,6 @@ class ServingCore:
         self.exit_code = EXIT_ENGINE_FAILED
         logger.critical("health NOT_SERVING: %d open streams ended; the server exits with status %d after the "
                         "drain so that a supervisor restarts it", len(self._buffers), EXIT_ENGINE_FAILED)
-
-    async def _log_loop(self) -> None:
-        prev = self.loop_runner.snapshot
-        idle_logged = False
-        while True:
-            await asyncio.sleep(self.options.log_interval)
-            snap = self.loop_runner.snapshot
-            busy = snap.num_steps != prev.num_steps or snap.num_streams > 0
-            if not busy and idle_logged:
-                prev = snap
-                continue
-            idle_logged = not busy
-            dt = max(snap.time - prev.time, 1e-9) if busy else self.options.log_interval
-            st = snap.stats
-            logger.info(
-                "gen %.1f tok/s, batched %.1f tok/s, %d finished | running %d, waiting %d, swapped %d | "
-                "KV %.1f%% (%d cached free) | prefix hit %.1f%% | preemptions %d | compiles %d",
-                (snap.generation_tokens - prev.generation_tokens) / dt,
-                (snap.batched_tokens - prev.batched_tokens) / dt,
-                snap.num_finished - prev.num_finished, st.num_running, st.num_waiting, st.num_swapped,
-                100 * st.kv_usage, st.num_cached_free_blocks, 100 * st.prefix_cache_hit_rate,
-                st.num_preemptions, self.metrics.num_compilations_after_warmup)
-            prev = snap
 
 
 def _invalid(e: InputError) -> ServeError:

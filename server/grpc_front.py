@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 
 from server.auth import AuthInterceptor
 from server.convert import output_to_proto, prompt_from_proto, sampling_params_from_proto
-from server.core import GenerateInput, ServingCore
+from server.core import ServingCore
+from server.core_types import GenerateInput
 from server.engine_loop import new_error_id
 from server.errors import ServeError, invalid
 from server.proto import jaxserve_pb2 as pb

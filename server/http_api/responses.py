@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.outputs import TokenLogprob, Usage
-from server.core import TokenText
+from server.core_types import TokenText
 
 
 def usage_json(u: Usage) -> dict[str, Any]:

@@ -32,7 +32,8 @@ from starlette.requests import ClientDisconnect
 
 from jaxserve.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
-from server.core import GenerateInput, PromptInput, ServingCore, TokenText
+from server.core import ServingCore
+from server.core_types import GenerateInput, PromptInput, TokenText
 from server.errors import ErrorKind, ServeError
 from server.generation import Generation
 from server.http_api.protocol import (
