@@ -124,3 +124,26 @@ def test_replay_measures_what_a_client_sees():
     assert r.output_tokens == 5 and r.num_steps == 5
     assert r.ttft_p50 == pytest.approx(0.1) and r.tpot_p50 == pytest.approx(0.1)
     assert r.duration_s == pytest.approx(1.2) and r.output_throughput == pytest.approx(5 / 1.2)
+
+
+def test_the_tradeoff_plot_marks_the_choice(tmp_path, monkeypatch):
+    import sys
+    import zlib
+
+    import numpy as np
+
+    from jaxserve.tuning.plot import ORANGE, RED, save_tradeoff_plot
+    from jaxserve.tuning.search import Trial
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the library-free picture, whatever is installed
+    trials = [Trial({"max_num_seqs": s}, _report(ttft_p99=t, throughput=q)) for s, t, q in ((8, 1.0, 50), (16, 3.0, 80))]
+    for goal, chosen, closest, color in ((Goal("ttft-p99", 2.0), trials[0], trials[0], RED),
+                                         (Goal("ttft-p99", 0.5), None, trials[0], ORANGE)):
+        path = tmp_path / "p.png"
+        save_tradeoff_plot(str(path), trials, goal, chosen, closest)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+        img = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)[:, 1:].reshape(h, w, 3)
+        assert (img == color).all(-1).sum() == 11 * 11  # the marked point, and only it

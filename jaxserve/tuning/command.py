@@ -164,7 +164,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if ns.plot:
         from jaxserve.tuning.plot import save_tradeoff_plot
 
-        print(save_tradeoff_plot(ns.plot, trials, ns.goal, chosen))
+        print(save_tradeoff_plot(ns.plot, trials, ns.goal, chosen, best))
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump({"goal": str(ns.goal), "recommended": chosen.settings if chosen else None,
