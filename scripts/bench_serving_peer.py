@@ -122,7 +122,7 @@ def run_server(args, which: int, kv_tokens: int) -> dict:
     out: dict = {}
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
-        bench(args, port, "random", "inf", args.out_dir, f"{label}-warm.json", 8, seed=args.seed - 1)  # untimed
+        bench(args, port, "random", "inf", args.out_dir, f"{label}-warm.json", 8, seed=args.seed + 1000)  # untimed
         # Each run its own prompts (the same on both servers): a run never hits the prefix
         # cache that an earlier run on the same server filled.
         for i, (shape, rate) in enumerate((s, r) for s in args.shapes for r in args.rates):
