@@ -37,6 +37,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_CHAT_MESSAGES = 1024
 
 
+def conversation_chars(messages: Sequence[dict[str, Any]]) -> int:
+    """A conversation's size in characters (roles and contents): what its template costs."""
+    return sum(len(m.get("content") or "") + len(m["role"]) for m in messages)
+
+
 class InputError(ValueError):
     """A request the engine cannot serve as given; `param` names the client's field and
     `code` says why in a word when a client may act on it (OpenAI's error `code`)."""
@@ -101,7 +106,7 @@ class InputProcessor:
         for i, m in enumerate(messages):
             if not m.get("role"):
                 raise InputError(f"{param}[{i}].role: must not be empty", f"{param}[{i}].role")
-        self.check_chars(sum(len(m.get("content") or "") + len(m["role"]) for m in messages), param)
+        self.check_chars(conversation_chars(messages), param)
 
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:
         """Ids in the vocabulary (a detokenize call's input, or a prompt's)."""

@@ -33,10 +33,8 @@ import json
 import math
 import os
 import ssl
-import struct
 import sys
 import time
-import zlib
 
 import numpy as np
 
@@ -44,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
+from jaxserve.tuning.plot import write_png  # noqa: E402
 from server.proto import jaxserve_pb2 as pb  # noqa: E402
 from server.proto import jaxserve_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -449,14 +448,7 @@ def _save_plot_plain(ttft, itl, e2el, times, path: str, w: int = 800, h: int = 3
         if len(counts) > 1:
             polyline(np.arange(len(counts)) / (len(counts) - 1), counts / max(counts.max(), 1), half, w,
                      (44, 160, 44))
-    raw = b"".join(b"\x00" + row.tobytes() for row in img)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    write_png(path, img)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxserve.input_processor import apply_chat_template
+from jaxserve.input_processor import apply_chat_template, conversation_chars
 
 
 class FrontendBusy(Exception):
@@ -79,7 +79,7 @@ class FrontendPool:
                    messages_without_tool_support: list[dict[str, Any]] | None = None) -> list[int]:
         """`tools` go to the template; when it ignores them (its prompt does not change), the
         prompt is `messages_without_tool_support` instead (the tools written into it)."""
-        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        chars = conversation_chars(messages)
         return await self._run(owner, chars, self._chat, messages, add_generation_prompt, continue_final_message,
                                tools, messages_without_tool_support)
 

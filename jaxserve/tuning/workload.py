@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -85,8 +86,6 @@ class TraceWriter:
     from the writer's creation; each line is flushed, so a trace survives a crash."""
 
     def __init__(self, path: str, clock=None):
-        import time
-
         self._clock = clock or time.monotonic
         self._t0 = self._clock()
         self._f = open(path, "a", buffering=1)
