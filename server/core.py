@@ -292,6 +292,7 @@ class ServingCore:
     # ------------------------------------------------------------------ requests
     async def tokenize(self, tenant: Tenant, prompt: PromptInput) -> list[int]:
         """The prompt's ids: given, or tokenized / chat-templated on the front-end pool."""
+        self.require_serving()
         ids = await self._prompt_ids(tenant, prompt)
         self.metrics.tokenize_requests.inc()
         return ids
@@ -379,7 +380,6 @@ class ServingCore:
                                    cache_salt=tenant.cache_salt(params.cache_salt, shared))
 
     async def _prompt_ids(self, tenant: Tenant, p: PromptInput) -> list[int]:
-        self.require_serving()
         proc = self.processor
         try:
             if p.token_ids is not None:

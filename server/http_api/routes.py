@@ -41,7 +41,6 @@ from server.http_api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    _leading_name,
     parse_body,
 )
 from server.http_api.responses import (
@@ -149,14 +148,6 @@ class OpenAIFront:
     def _request_id(self, request: Request, body_id: str | None, prefix: str) -> str:
         return request.headers.get("x-request-id") or body_id or f"{prefix}-{uuid.uuid4().hex}"
 
-    async def _start(self, tenant: Tenant, req: GenerateInput) -> Generation:
-        try:
-            return await self.core.generate(tenant, req)
-        except ServeError as e:
-            if e.kind is ErrorKind.INVALID and e.param is None:  # the message names the field
-                e.param = _leading_name(e.message)
-            raise
-
     async def _request(self, request: Request, model: type) -> tuple[Tenant, Any]:
         """The caller, and its body parsed and checked, while the server is serving."""
         tenant = self._tenant(request)
@@ -181,7 +172,7 @@ class OpenAIFront:
             for i, p in enumerate(prompts):
                 prompt = (PromptInput(text=p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                           else PromptInput(token_ids=p))
-                gen = await self._start(tenant, GenerateInput(
+                gen = await self.core.generate(tenant, GenerateInput(
                     rid if len(prompts) == 1 else f"{rid}-{i}", prompt, params,
                     fill_max_tokens=req.max_tokens is None, structured_param=req.structured_param))
                 stack.push_async_callback(gen.__aexit__)
@@ -216,7 +207,7 @@ class OpenAIFront:
         if mode != "none":
             choice_tools = functools.partial(ChoiceTools, mode, self.core.options.tool_call_parser, name)
         rid = self._request_id(request, req.request_id, "chatcmpl")
-        gen = await self._start(tenant, GenerateInput(rid, prompt, params, fill_max_tokens=limit is None,
+        gen = await self.core.generate(tenant, GenerateInput(rid, prompt, params, fill_max_tokens=limit is None,
                                                       structured_param=structured_param,
                                                       field_names={"logprobs": "top_logprobs"}))
         async with contextlib.AsyncExitStack() as stack:
