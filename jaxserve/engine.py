@@ -61,6 +61,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.distributed = self._join_processes(config)  # before anything touches a JAX backend
+        self.config = config = config.with_platform_defaults()
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.dtype = config.resolved_dtype()

@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import SCHEDULING_DEFAULTS, EngineConfig
 from server.core import EXIT_ENGINE_FAILED, ServingCore
 from server.grpc_front import GrpcFront
 from server.options import VERSION, ServerOptions, ServerState
@@ -103,7 +103,9 @@ class JaxServeServer:
         o = self.core.options
         # Connections and calls open at once: every admissible request plus as many again
         # for refusals, health checks and tokenize calls.
-        max_conns = 2 * (self.core.engine_config.max_num_seqs + o.max_queued_requests) + o.max_open_calls
+        # (The engine is not built yet: an unset max_num_seqs counts as the largest default.)
+        seqs = self.core.engine_config.max_num_seqs or max(s for _, s in SCHEDULING_DEFAULTS.values())
+        max_conns = 2 * (seqs + o.max_queued_requests) + o.max_open_calls
         limits = ConnectionLimits(max_head_bytes=o.http_max_head_bytes, head_timeout=o.http_head_timeout,
                                   max_connections_per_peer=o.http_max_connections_per_peer,
                                   max_connections=max_conns)

@@ -113,7 +113,7 @@ class ServingCore:
         self.metrics.set_frontend(self.frontend)
         kv_tokens = self.engine.num_pages * self.engine_config.page_size
         self.admission = Admission(
-            self.engine_config.max_num_seqs + o.max_queued_requests,
+            self.engine.config.max_num_seqs + o.max_queued_requests,
             o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics,
                                       on_fatal=lambda: asyncio.ensure_future(self._on_engine_dead()))
@@ -244,7 +244,8 @@ class ServingCore:
         if not tenant.admin:
             mine = self.admission.usage(tenant.name)[0] if self.admission is not None else 0
             return ServerInfo(**base, num_in_flight=mine)
-        config = {f.name: str(getattr(self.engine_config, f.name)) for f in dataclasses.fields(self.engine_config)}
+        cfg = getattr(self.engine, "config", None) or self.engine_config  # the engine's: platform defaults set
+        config = {f.name: str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
         attention = getattr(self.engine, "attention", None)
         if attention:
             config["attention_implementation"] = f"{attention[0]} ({attention[1]})"

@@ -44,3 +44,17 @@ def test_max_model_len_past_the_model_context_names_both_numbers():
     scaled = dataclasses.replace(TINY, rope_scaling=RopeScaling(kind="linear", factor=2.0))
     assert EngineConfig(max_model_len=4096, num_pages=16).resolve(scaled).max_model_len == 4096
     assert EngineConfig(num_pages=16).resolve(dataclasses.replace(TINY, max_position_embeddings=512)).max_model_len == 512
+
+
+def test_unset_scheduling_limits_take_the_platforms_defaults():
+    from jaxserve.config import SCHEDULING_DEFAULTS
+
+    cfg = EngineConfig()
+    assert cfg.max_num_batched_tokens is None and cfg.max_num_seqs is None
+    assert cfg.with_platform_defaults("cpu").max_num_batched_tokens == SCHEDULING_DEFAULTS["cpu"][0]
+    assert cfg.with_platform_defaults("cuda").max_num_seqs == SCHEDULING_DEFAULTS["gpu"][1]
+    # a small token budget caps the default sequence count; what the user set is kept
+    assert EngineConfig(max_num_batched_tokens=16).with_platform_defaults("cpu").max_num_seqs == 16
+    assert EngineConfig(max_num_seqs=3).with_platform_defaults("tpu").max_num_seqs == 3
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be"):
+        EngineConfig(max_num_batched_tokens=0)

@@ -216,3 +216,23 @@ def test_the_reference_fallback_fits_the_default_config_without_cache_sized_temp
     backbone = report.shapes[0]
     assert backbone.compiled and backbone.attention == "reference" and report.fits
     assert backbone.cache_copies == 0 and backbone.temp_bytes < report.kv_cache_bytes / 64
+
+
+def test_tune_target_dry_run_says_which_candidates_fit(capsys, tmp_path):
+    """`jaxserve tune --target`: each candidate's bounding shapes compiled for the TPU, a cache
+    far past the chip's HBM reported as not fitting (in process: libtpu is held here)."""
+    import json
+
+    from jaxserve.cli import main
+
+    out_json = tmp_path / "fits.json"
+    rc = main(["tune", "--target", "tpu:v5e-1", "--max-num-batched-tokens-values", "64",
+               "--max-num-seqs-values", "8", "--num-pages-values", "64,4000000", "--max-model-len", "512",
+               "--max-logprobs", "0", "--no-structured-outputs", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 4, out
+    assert "1 of 2 candidates fit tpu:v5e-1" in out
+    small, huge = json.loads(out_json.read_text())
+    assert small["fits"] and small["settings"] == {"max_num_batched_tokens": 64, "max_num_seqs": 8, "num_pages": 64}
+    assert not huge["fits"] and "does not fit" in huge["verdict"]
+    assert small["max_num_pages"] > 64 and small["total_bytes"] < small["capacity_bytes"]

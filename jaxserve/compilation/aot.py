@@ -103,7 +103,7 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
             raise ValueError(f"target {target.name}: {why}")
     ep = config.enable_expert_parallel
     rank_config = parallel.tp_model_config(model_config, tp, ep)  # validates the split
-    config = dataclasses.replace(config, tensor_parallel_size=tp)
+    config = dataclasses.replace(config.with_platform_defaults(target.platform), tensor_parallel_size=tp)
     resolved = config.resolve(model_config, rank_config, platform=target.platform)
     devices = target.devices()
     dtype = resolve_dtype(resolved.dtype)
@@ -318,6 +318,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                        progress: bool = False) -> CompileReport:
     """Compiles the planned shapes (all, or those named in `shapes`) for `target`."""
     t_start = time.perf_counter()
+    config = config.with_platform_defaults(target.platform)
     programs, resolved = abstract_programs(model_config, config, target)
     keys = resolved.plan.shapes()
     if shapes:

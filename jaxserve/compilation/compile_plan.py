@@ -77,6 +77,7 @@ class CompilePlan:
     @classmethod
     def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
         """`config` is an EngineConfig; `platform` the one compiled for (None: the host's)."""
+        config = config.with_platform_defaults(platform)
         if config.token_buckets:
             tokens = sorted({*config.token_buckets, config.max_num_batched_tokens})
             if tokens[-1] > config.max_num_batched_tokens or tokens[0] < 1:

@@ -69,6 +69,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="step-cost: simulated time from each step's padded tokens and rows (a quick what-if)")
     s.add_argument("--no-tune-warmup", dest="tune_warmup", action="store_false",
                    help="do not warm each candidate up first (its first steps then include compiles)")
+    s.add_argument("--target", help="a dry run for a TPU/GPU (tpu:v5e-1, gpu:h100, ...): compile-plan each "
+                   "candidate and say whether it fits the chip's HBM, instead of replaying the workload")
+    s.add_argument("--model-config", help="with --target: an HF config.json to plan from without weights")
     s.add_argument("--plot", help="PNG of the trade-off, the recommendation marked")
     s.add_argument("--json", dest="json_out", help="write every trial as JSON")
 
@@ -131,13 +134,37 @@ def flags(settings: dict[str, Any]) -> str:
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
 
 
+def cmd_tune_target(ns: argparse.Namespace) -> int:
+    """The `--target` dry run: every candidate's HBM plan on the target (target_check.py)."""
+    from jaxserve.compilation.targets import Target
+    from jaxserve.loading import load_model_config
+    from jaxserve.tuning.target_check import check_fits, format_fit
+
+    target = Target.parse(ns.target)
+    config = engine_config_from_args(ns).with_platform_defaults(target.platform)
+    model_config = load_model_config(ns.model_config or config.model)
+    space = search_space(ns, {k: getattr(config, k) for k in ("max_num_batched_tokens", "max_num_seqs")})
+    print(f"dry run for {target.name}: each candidate's largest shapes compiled, its HBM plan checked "
+          "(latency needs the device: run `jaxserve tune` there)")
+    results = check_fits(model_config, config, target, space, on_result=lambda r: print(format_fit(r), flush=True))
+    fitting = [r for r in results if r.fits]
+    print(f"\n{len(fitting)} of {len(results)} candidates fit {target.name}")
+    if ns.json_out:
+        with open(ns.json_out, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    return 0 if len(fitting) == len(results) else 4
+
+
 def cmd_tune(ns: argparse.Namespace) -> int:
     from jaxserve.engine import Engine
 
+    if ns.target:
+        return cmd_tune_target(ns)
     config = engine_config_from_args(ns)
     print("loading the model ...", file=sys.stderr)
     first = Engine(config)  # loads the weights once; the candidates share them
     loaded, vocab = first.model, first.model_config.vocab_size
+    config = first.config  # the platform's scheduling defaults filled in
     first.close()
     del first
     gc.collect()
