@@ -15,11 +15,14 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSpan:
-    """One sequence's share of a step: `token_ids` at positions start .. start+len-1."""
+    """One sequence's share of a step: `token_ids` at positions start .. start+len-1.
+    Its last `num_rows` positions get a logits row each (more than one: a decode verifying
+    speculative drafts)."""
 
     token_ids: np.ndarray  # [n] int32
     start: int
     block_table: np.ndarray  # [<= max_pages_per_seq] int32
+    num_rows: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,10 @@ class StepArrays:
     kv_lens: np.ndarray  # [R] int32
     block_tables: np.ndarray  # [R, max_pages_per_seq] int32
     num_seqs: np.ndarray  # [1] int32
-    logits_indices: np.ndarray  # [R] int32
+    logits_indices: np.ndarray  # [R] int32: the token of each logits row
     num_tokens: int  # real tokens
     num_reqs: int  # real sequences
+    num_rows: int = 0  # real logits rows (num_reqs, plus one per speculative draft)
 
 
 class BatchBuilder:
@@ -58,7 +62,7 @@ class BatchBuilder:
             raise ValueError(f"{n_reqs} sequences do not fit the request bucket {R}")
         tok, pos, slots = self._token_ids[:T], self._positions[:T], self._slots[:T]
         cu, kv, tables, lidx = self._cu[: R + 1], self._kv_lens[:R], self._tables[:R], self._logits_idx[:R]
-        t = 0
+        t = row = 0
         for i, sp in enumerate(spans):
             n = len(sp.token_ids)
             if t + n > T:
@@ -72,7 +76,10 @@ class BatchBuilder:
             slots[t : t + n] = tables[i, p // S] * S + p % S
             cu[i] = t
             kv[i] = sp.start + n
-            lidx[i] = t + n - 1
+            if row + sp.num_rows > R:
+                raise ValueError(f"{row + sp.num_rows} logits rows do not fit the request bucket {R}")
+            lidx[row : row + sp.num_rows] = np.arange(t + n - sp.num_rows, t + n, dtype=np.int32)
+            row += sp.num_rows
             t += n
         tok[t:] = 0
         pos[t:] = 0
@@ -80,6 +87,6 @@ class BatchBuilder:
         cu[n_reqs:] = t
         kv[n_reqs:] = 0
         tables[n_reqs:] = 0
-        lidx[n_reqs:] = 0
+        lidx[row:] = 0
         self._num_seqs[0] = n_reqs
-        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs)
+        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve.quantization import check_kv_cache_dtype, check_quantization, kv_storage_dtype
+from jaxserve.spec_decode.config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 # SchedulerConfig field -> the EngineConfig field a user sets for it.
@@ -90,6 +91,10 @@ class EngineConfig:
     # Structured outputs (JSON schema, regex, choice, grammar): plans the masked sampler
     # variants; off, such requests are refused.
     structured_outputs: bool = True
+    # Speculative decoding (vLLM's spelling): {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; a dict, a JSON string or a
+    # SpeculativeConfig. None: off. docs/speculative_decoding.md.
+    speculative_config: SpeculativeConfig | None = None
     seed: int = 0
     min_token_bucket: int | None = None  # None: 4 on CPU (small decode steps), 16 on TPU/GPU
     token_bucket_gap: int = 256
@@ -104,6 +109,7 @@ class EngineConfig:
     warmup_threads: int = 0  # 0: one per CPU core
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.attention_backend not in ("auto", "pallas", "reference"):

@@ -39,8 +39,9 @@ from jaxserve.quantization import (
     storage_dtype,
 )
 from jaxserve.runner import ModelRunner, StepConfig
-from jaxserve.runner_output import StepTiming
+from jaxserve.runner_output import SpecDecodeCounts, StepTiming
 from jaxserve.sampler import bitmask_width
+from jaxserve.spec_decode import make_proposer
 from jaxserve.structured import StructuredOutputManager, make_manager
 from scheduler import (
     FinishReason,
@@ -105,6 +106,9 @@ class Engine:
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
         self.input_processor = self._make_input_processor()
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.spec_decode = SpecDecodeCounts.zero(spec.num_speculative_tokens if spec else 0)  # since start
 
     @staticmethod
     def _join_processes(config: EngineConfig) -> distributed.DistributedConfig | None:
@@ -297,7 +301,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
+        so = self.scheduler.schedule(self._propose() if self.proposer is not None else None)
         failed = [out for rid, why in self.scheduler.take_grammar_errors()
                   for out in self.outputs.fail([rid], why, param="structured_outputs")]
         if so.new_requests:
@@ -313,12 +317,24 @@ class Engine:
         for seq_id, why in ro.grammar_errors.items():  # ended first: their rejected token is not output
             self.scheduler.finish_requests(seq_id, FinishReason.ERROR)
             failed += self.outputs.fail([seq_id], why, param="structured_outputs")
+        if ro.spec_decode is not None:
+            self.spec_decode.merge(ro.spec_decode)
         updates = self.scheduler.update_from_output(so, ro.sampled_token_ids)
         processed = self.outputs.process(updates, ro.logprobs)
         for seq_id, stop_str in processed.stopped_by_string:
             self.scheduler.finish_requests(seq_id, FinishReason.STOP, stop_str)
         self.last_step = dataclasses.replace(ro.timing, host_s=time.perf_counter() - t0 - ro.timing.device_s)
         return failed + processed.outputs
+
+    def _propose(self) -> dict[str, list[int]] | None:
+        """Drafts for the decoding sequences, unless the batch is past the configured size
+        (where a step is compute-bound and verifying drafts costs more than it saves)."""
+        spec = self.config.speculative_config
+        limit = spec.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return None
+        candidates = self.scheduler.draft_candidates(spec.num_speculative_tokens)
+        return self.proposer.propose(candidates) if candidates else None
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The step's requests end with `error`; the engine recovers or reports unhealthy."""

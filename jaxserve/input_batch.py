@@ -87,11 +87,15 @@ class InputBatch:
         self.requests[request_id].output_token_ids.append(token_id)
 
     def sampling_rows(self, scheduled: Sequence[ScheduledRequest], num_rows: int) -> tuple[SamplingTensors, SamplerFlags]:
-        """Fills the buffers of bucket `num_rows` in batch order; rows that do not sample
-        (non-final prefill chunks) and padding rows are neutral."""
+        """Fills the buffers of bucket `num_rows` in batch order, one row per logits row
+        (`row_spans`); rows that do not sample (non-final prefill chunks) and padding rows
+        are neutral. A draft position's row is the sequence's row as it will be if the drafts
+        before it are kept: its output position (the seed's counter), min_tokens and penalty
+        history count them."""
         t = self.tensors[num_rows]
         any_logprobs = any_penalties = any_sampling = any_top = any_mask = False
-        for i, sr in enumerate(scheduled):
+        i = -1
+        for i, sr, j in row_spans(scheduled):
             st = self.requests.get(sr.request_id) if sr.samples else None
             if st is None:
                 self._set_neutral_row(t, i)
@@ -106,12 +110,12 @@ class InputBatch:
             t.frequency_penalty[i] = p.frequency_penalty
             t.seeds[i] = st.seed & 0xFFFFFFFF
             t.seeds_hi[i] = st.seed >> 32
-            num_out = len(st.output_token_ids)
+            num_out = len(st.output_token_ids) + j
             t.output_pos[i] = num_out
             t.min_tokens_mask[i] = num_out < p.min_tokens
             t.stop_token_ids[i] = st.stop_ids_row
             if st.uses_penalties:
-                self._fill_penalty_row(t, i, st)
+                self._fill_penalty_row(t, i, st, sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens:][:j])
                 any_penalties = True
             elif t.bias_token_ids[i, 0] >= 0:  # a previous request's bias (biases fill from 0)
                 t.bias_token_ids[i] = -1
@@ -120,25 +124,28 @@ class InputBatch:
             any_top |= p.top_k > 0 or p.top_p < 1.0
             any_logprobs |= p.logprobs is not None
             any_mask |= st.matcher is not None
-        for i in range(len(scheduled), num_rows):
-            self._set_neutral_row(t, i)
+        for pad in range(i + 1, num_rows):
+            self._set_neutral_row(t, pad)
         return t, sampler_variant(any_sampling, any_top, any_penalties, any_logprobs, self.max_logprobs, any_mask)
 
     def fill_bitmask(self, scheduled: Sequence[ScheduledRequest], t: SamplingTensors) -> None:
         """The grammar's allowed next tokens into `t.token_bitmask` for each sampling row with
-        a matcher; every other row allows all (the host work that overlaps the device step)."""
+        a matcher; every other row allows all (the host work that overlaps the device step).
+        Structured-output sequences get no drafts, so each has one row."""
         rows = []
         t.token_bitmask.fill(-1)
-        for i, sr in enumerate(scheduled):
+        for i, sr, _ in row_spans(scheduled):
             st = self.requests.get(sr.request_id) if sr.samples else None
             if st is not None and st.matcher is not None:
                 rows.append((st.matcher, i))
         self.structured.fill_bitmask(rows, t.token_bitmask)
 
-    def _fill_penalty_row(self, t: SamplingTensors, i: int, st: CachedRequestState) -> None:
-        """Prompt then output ids, the most recent `max_model_len` of them."""
+    def _fill_penalty_row(self, t: SamplingTensors, i: int, st: CachedRequestState,
+                          drafts: Sequence[int] = ()) -> None:
+        """Prompt then output ids (then the drafts before this row's position), the most
+        recent `max_model_len` of them."""
         width = self.max_model_len
-        out = st.output_token_ids[-width:]
+        out = (st.output_token_ids + list(drafts) if drafts else st.output_token_ids)[-width:]
         room = width - len(out)
         prompt = st.prompt_token_ids[-room:] if room > 0 else []
         n = len(prompt) + len(out)
@@ -156,6 +163,20 @@ class InputBatch:
     def _set_neutral_row(self, t: SamplingTensors, i: int) -> None:
         for name in _ROW_FIELDS:  # the bitmask is rewritten whole by fill_bitmask
             getattr(t, name)[i] = getattr(self._neutral, name)[0]
+
+
+def row_spans(scheduled: Sequence[ScheduledRequest]):
+    """(logits row, span, position within the span's sampled positions) in batch order: one
+    row per span, plus one per speculative draft (rows of a span are consecutive)."""
+    i = 0
+    for sr in scheduled:
+        for j in range(1 + sr.num_draft_tokens):
+            yield i, sr, j
+            i += 1
+
+
+def num_logits_rows(scheduled: Sequence[ScheduledRequest]) -> int:
+    return sum(1 + sr.num_draft_tokens for sr in scheduled)
 
 
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingTensors) if f.name != "token_bitmask")

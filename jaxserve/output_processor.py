@@ -121,7 +121,8 @@ class OutputProcessor:
                 child.parent.metrics.first_scheduled_time = now
 
     # ------------------------------------------------------------------ one step
-    def process(self, updates: Sequence[RequestUpdate], logprobs: dict[str, TokenLogprob]) -> ProcessedOutputs:
+    def process(self, updates: Sequence[RequestUpdate], logprobs: dict[str, list[TokenLogprob]]) -> ProcessedOutputs:
+        """`logprobs`: one entry per new token id, for the sequences that asked."""
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         stopped: list[tuple[str, str]] = []
@@ -130,12 +131,29 @@ class OutputProcessor:
             if child is None:
                 continue
             _touch(child.parent, touched)
-            stop_str = self._apply(child, up, logprobs.get(up.request_id), now)
+            lps = logprobs.get(up.request_id)
+            if len(up.new_token_ids) > 1 and child.parent.params.stop and child.detok is not None:
+                stop_str = self._apply_each(child, up, lps, now)
+            else:
+                stop_str = self._apply(child, up, lps, now)
             if stop_str is not None and not up.finished:
                 stopped.append((up.request_id, stop_str))
         return ProcessedOutputs([self._snapshot(p, now) for p in touched.values()], stopped)
 
-    def _apply(self, child: _Child, up: RequestUpdate, lp: TokenLogprob | None, now: float) -> str | None:
+    def _apply_each(self, child: _Child, up: RequestUpdate, lps: list[TokenLogprob] | None, now: float) -> str | None:
+        """Several new tokens (verified speculative drafts) under stop strings: one at a
+        time, so the output ends at the token that completed a stop string, as it would
+        have token by token; the tokens after it are dropped."""
+        last = len(up.new_token_ids) - 1
+        for i, tok in enumerate(up.new_token_ids):
+            one = (dataclasses.replace(up, new_token_ids=[tok]) if i == last else
+                   dataclasses.replace(up, new_token_ids=[tok], finished=False, finish_reason=None, stop_reason=None))
+            stop_str = self._apply(child, one, lps[i : i + 1] if lps is not None else None, now)
+            if stop_str is not None:
+                return stop_str
+        return None
+
+    def _apply(self, child: _Child, up: RequestUpdate, lps: list[TokenLogprob] | None, now: float) -> str | None:
         """Adds one sequence's update to its completion; returns a stop string it matched."""
         parent = child.parent
         comp = parent.completions[child.index]
@@ -147,10 +165,10 @@ class OutputProcessor:
         if cumulative:
             comp.token_ids.extend(up.new_token_ids)
         comp.delta_token_ids.extend(up.new_token_ids)
-        if lp is not None and comp.logprobs is not None:
+        if lps and comp.logprobs is not None:
             if cumulative:
-                comp.logprobs.append(lp)
-            comp.delta_logprobs.append(lp)
+                comp.logprobs.extend(lps)
+            comp.delta_logprobs.extend(lps)
         finish_reason, stop_reason = up.finish_reason, up.stop_reason
         stop_str = None
         if child.detok is not None:

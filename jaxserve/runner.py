@@ -47,7 +47,7 @@ from jaxserve.models.fused import fuse_projections
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.outputs import TokenLogprob
-from jaxserve.runner_output import ModelRunnerOutput, StepTiming
+from jaxserve.runner_output import ModelRunnerOutput, SpecDecodeCounts, StepTiming
 from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors
 from scheduler import SchedulerOutput
 
@@ -147,10 +147,11 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput.empty(StepTiming(device_s))
         cfg = self.steps
-        spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table) for sr in so.scheduled]
+        spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table, 1 + sr.num_draft_tokens)
+                 for sr in so.scheduled]
         T = pick(cfg.token_buckets, so.num_scheduled_tokens)
         arrays = self.builder.build(spans, T, cfg.max_num_seqs)
-        R = pick(cfg.request_buckets, len(spans))
+        R = pick(cfg.request_buckets, arrays.num_rows)
         tensors, flags = self.input_batch.sampling_rows(so.scheduled, R)
         td = time.perf_counter()
         mask_s = 0.0
@@ -168,7 +169,7 @@ class ModelRunner:
             lp = jax.device_get((out.chosen_logprob, out.chosen_rank, out.top_logprobs, out.top_token_ids))
         timing = StepTiming(device_s + time.perf_counter() - td, num_tokens=so.num_scheduled_tokens,
                             padded_tokens=T, num_rows=R, mask_s=mask_s,
-                            num_decode_tokens=sum(1 for s in so.scheduled if not s.is_prefill))
+                            num_decode_tokens=sum(1 + s.num_draft_tokens for s in so.scheduled if not s.is_prefill))
         result = self._collect(so, token_ids, lp, timing)
         self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
         if self._traffic_log is not None:
@@ -183,29 +184,46 @@ class ModelRunner:
     def _collect(self, so: SchedulerOutput, token_ids: np.ndarray, lp, timing: StepTiming) -> ModelRunnerOutput:
         """Sampled ids (and logprobs where asked) of the spans that sample; each id is also
         appended to the request's own history (penalties, output count) and advances its
-        grammar."""
+        grammar. A span with drafts keeps the longest run of drafts equal to what the target
+        sampled at their positions, then the target's token after them: with the drafts
+        proposed deterministically this is exactly rejection sampling (a draft d is kept with
+        probability p(d); else the token comes from p without d), so greedy and seeded
+        sampling give the tokens the plain engine gives."""
         sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, TokenLogprob] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         grammar_errors: dict[str, str] = {}
+        spec = SpecDecodeCounts.zero(max((s.num_draft_tokens for s in so.scheduled), default=0))
         states = self.input_batch.requests
-        for i, sr in enumerate(so.scheduled):
+        row = 0
+        for sr in so.scheduled:
+            first, k = row, sr.num_draft_tokens
+            row += 1 + k
             if not sr.samples:
                 continue
-            tok = int(token_ids[i])
-            sampled[sr.request_id] = [tok]
+            targets = token_ids[first : first + 1 + k].tolist()
+            n = 1
+            if k:
+                drafts = sr.token_ids[len(sr.token_ids) - k:]
+                while n <= k and targets[n - 1] == drafts[n - 1]:
+                    n += 1
+                spec.add(k, n - 1)
+            toks = targets[:n]
+            sampled[sr.request_id] = toks
             st = states.get(sr.request_id)
             if st is None:
                 continue
-            st.output_token_ids.append(tok)
-            if st.matcher is not None and not st.matcher.accept_token(tok):
+            st.output_token_ids.extend(toks)
+            if st.matcher is not None and not st.matcher.accept_token(toks[0]):
                 grammar_errors[sr.request_id] = (
                     f"structured output: the grammar allowed no token the sampler could choose after "
                     f"{len(st.output_token_ids) - 1} output tokens ({st.matcher.error or 'token rejected'})")
-            k = st.params.logprobs
-            if k is not None and lp is not None:
-                top = tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(k))
-                logprobs[sr.request_id] = TokenLogprob(tok, float(lp[0][i]), int(lp[1][i]), top)
-        return ModelRunnerOutput(sampled, logprobs, timing, grammar_errors)
+            top_n = st.params.logprobs
+            if top_n is not None and lp is not None:
+                logprobs[sr.request_id] = [
+                    TokenLogprob(tok, float(lp[0][i]), int(lp[1][i]),
+                                 tuple((int(lp[3][i, j]), float(lp[2][i, j])) for j in range(top_n)))
+                    for i, tok in zip(range(first, first + n), toks)]
+        return ModelRunnerOutput(sampled, logprobs, timing, grammar_errors, spec if spec.num_drafts else None)
 
     def run_step(self, arrays: StepArrays, tensors: SamplingTensors, num_rows: int,
                  flags: SamplerFlags) -> SamplerOutput:

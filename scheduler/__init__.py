@@ -5,13 +5,20 @@ Pure Python + numpy; it never imports jax (tests/test_no_jax_in_scheduler.py enf
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager, KVUsage
-from scheduler.outputs import NewRequestData, RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.outputs import (
+    DraftCandidate,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
 from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 
 __all__ = [
+    "DraftCandidate",
     "ComputedBlocks",
     "FinishReason",
     "KVCacheManager",

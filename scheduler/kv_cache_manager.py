@@ -263,6 +263,21 @@ class KVCacheManager:
         row[start : start + num_new] = ids
         return ids
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Frees the request's blocks past its first ``num_tokens`` tokens (after rejected
+        speculative drafts: those blocks hold only K/V of tokens that were not kept; they were
+        never registered in the prefix cache, which covers computed blocks only). Returns
+        how many blocks were freed."""
+        st = self._reqs.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if st is None or len(st.blocks) <= keep:
+            return 0
+        extra = st.blocks[keep:]
+        del st.blocks[keep:]
+        self.tables[st.slot, keep : keep + len(extra)] = 0
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def free(self, request: Request) -> None:
         """Release all device and host blocks of the request.
 

@@ -39,6 +39,10 @@ class ScheduledRequest:
     non-final prefill chunk. ``block_table`` is a row of ``SchedulerOutput.block_tables``
     (width ``max_blocks_per_seq``, padded with the null block 0); ``new_block_ids`` are the
     blocks allocated for this request in this step (fresh blocks and swap-in targets).
+
+    A decode with speculative drafts carries its last token and then ``num_draft_tokens``
+    proposed tokens: the runner samples at each of those ``1 + num_draft_tokens`` positions
+    and keeps the drafts the target agrees with (see ``Scheduler.update_from_output``).
     """
 
     request_id: str
@@ -48,6 +52,7 @@ class ScheduledRequest:
     new_block_ids: list[int]
     block_table: np.ndarray
     samples: bool
+    num_draft_tokens: int = 0
 
     @property
     def kv_len_after(self) -> int:
@@ -55,7 +60,23 @@ class ScheduledRequest:
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_tokens > 1 or not self.samples
+        return self.num_tokens - self.num_draft_tokens > 1 or not self.samples
+
+    @property
+    def num_sampled(self) -> int:
+        """Positions the runner samples at: 1 + drafts, or 0 for a non-final prefill chunk."""
+        return 1 + self.num_draft_tokens if self.samples else 0
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCandidate:
+    """A decoding sequence that may get speculative drafts this step: its whole token
+    history (prompt and output, read-only) and how many drafts it can use (max_tokens and
+    max_model_len leave room for them and the token sampled after them)."""
+
+    request_id: str
+    token_ids: list[int]
+    max_drafts: int
 
 
 @dataclass

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import NewRequestData, RequestUpdate, ScheduledRequest, SchedulerOutput
+from scheduler.outputs import (
+    DraftCandidate,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from scheduler.queues import make_queue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.stats import SchedulerStats
@@ -213,8 +219,28 @@ class Scheduler:
         return len(self._requests)
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``."""
+    def draft_candidates(self, max_drafts: int) -> list[DraftCandidate]:
+        """The running sequences that decode next step and could use speculative drafts:
+        not structured-output ones (their drafts would need the grammar's check), and only
+        as many drafts as max_tokens and max_model_len leave room for."""
+        out = []
+        max_len = self.config.max_model_len
+        for req in self.running:
+            if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            room = min(max_drafts, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                       max_len - req.num_tokens)
+            if room > 0:
+                out.append(DraftCandidate(req.request_id, req.all_token_ids, room))
+        return out
+
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``.
+
+        ``drafts`` maps a decoding sequence to speculative tokens to verify this step. They
+        only take what the step leaves over: token budget, sampled rows (at most
+        ``max_num_seqs`` per step, drafts included) and free blocks; a draft never preempts
+        or holds back anyone."""
         if self._awaiting_grammar:
             self._admit_compiled_grammars()
         finished_ids, self._finished_ids = self._finished_ids, []
@@ -225,6 +251,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_swapped(plan)
             self._schedule_waiting(plan)
+        if drafts:
+            self._schedule_drafts(plan, drafts)
         tables = self.kv.gather_block_tables(plan.slots)
         for k, sr in enumerate(plan.scheduled):
             sr.block_table = tables[k]
@@ -354,6 +382,28 @@ class Scheduler:
             running.append(req)
             self._append_scheduled(plan, req, n, new_ids)
 
+    def _schedule_drafts(self, plan: _StepPlan, drafts: dict[str, list[int]]) -> None:
+        """Extends scheduled decodes with their drafts, in batch order, while budget, rows
+        and free blocks last."""
+        rows_left = self.config.max_num_seqs - len(plan.scheduled)
+        for sr in plan.scheduled:
+            if rows_left <= 0 or plan.budget <= 0:
+                return
+            tokens = drafts.get(sr.request_id)
+            if not tokens or not sr.samples or sr.num_tokens != 1:
+                continue
+            req = self._requests[sr.request_id]
+            k = min(len(tokens), plan.budget, rows_left, self.config.max_model_len - req.num_tokens)
+            new_ids = self.kv.allocate_slots(req, 1 + k) if k > 0 else None
+            if new_ids is None:
+                continue
+            sr.token_ids = sr.token_ids + list(tokens[:k])
+            sr.num_tokens += k
+            sr.num_draft_tokens = k
+            sr.new_block_ids = sr.new_block_ids + new_ids
+            plan.budget -= k
+            rows_left -= k
+
     def _append_scheduled(self, plan: _StepPlan, req: Request, n: int, new_ids: list[int]) -> None:
         start = req.num_computed_tokens
         end = start + n
@@ -432,6 +482,11 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
                 continue
+            if sr.num_draft_tokens:
+                update = self._update_verified(req, sr, sampled.get(rid))
+                any_finished |= update.finished
+                updates.append(update)
+                continue
             start = sr.start
             end = req.num_computed_tokens = start + sr.num_tokens
             if caching and end // bs > start // bs:
@@ -474,6 +529,36 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
+
+    def _update_verified(self, req: Request, sr: ScheduledRequest, tokens: list[int] | None) -> RequestUpdate:
+        """A decode that carried drafts: ``tokens`` are the drafts the target kept, then the
+        token it sampled after them. Only the positions of kept tokens hold valid K/V: the
+        computed count stops there, blocks past it are freed, and block hashes (computed
+        positions only) never cover a rejected draft."""
+        if not tokens or len(tokens) > 1 + sr.num_draft_tokens:
+            raise ValueError(f"request {req.request_id!r}: {len(tokens or ())} verified tokens for "
+                             f"{sr.num_draft_tokens} drafts")
+        reason = None
+        kept: list[int] = []
+        for t in tokens:
+            req.append_output_token(t)
+            kept.append(t)
+            reason = req.check_stop(self.config.max_model_len)
+            if reason is not None:
+                break
+        start = sr.start
+        end = req.num_computed_tokens = start + len(kept)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            if self.kv.enable_caching and end // self.config.block_size > start // self.config.block_size:
+                self.kv.cache_computed_blocks(req)
+            self.kv.trim(req, end)
+        if self._parked:
+            self._release_parked(req.request_id)
+        return RequestUpdate(req.request_id, kept, reason is not None, reason, req.stop_reason,
+                             len(req.prompt_token_ids), len(req.output_token_ids),
+                             req.num_cached_tokens if req.num_cached_tokens > 0 else 0)
 
     @staticmethod
     def _update_for(req: Request, new_tokens: list[int]) -> RequestUpdate:

@@ -80,6 +80,7 @@ class FakeModelRunner:
         self.num_tokens_computed += total
         assert total <= cfg.max_num_batched_tokens, "token budget exceeded"
         assert len(out.scheduled) <= cfg.max_num_seqs
+        assert sum(1 + sr.num_draft_tokens for sr in out.scheduled) <= cfg.max_num_seqs, "too many logits rows"
         ids = [sr.request_id for sr in out.scheduled]
         assert len(set(ids)) == len(ids), "request scheduled twice in a step"
         assert out.block_tables.shape == (len(out.scheduled), cfg.max_blocks_per_seq)
@@ -123,10 +124,21 @@ class FakeModelRunner:
         for sr in out.scheduled:
             if not sr.samples:
                 continue
-            pos = np.arange(sr.kv_len_after)
-            seq = self.device[sr.block_table[pos // bs], pos % bs]
-            assert (seq >= 0).all(), f"{sr.request_id}: read an unwritten KV slot"
-            sampled[sr.request_id] = [next_token(seq)]
+            # The model's token after each of the last 1 + k positions (k speculative drafts),
+            # each read back through the block table; drafts kept while they agree.
+            k = sr.num_draft_tokens
+            assert k == 0 or sr.num_tokens > k, "drafts without the token they follow"
+            targets = []
+            for j in range(k + 1):
+                pos = np.arange(sr.kv_len_after - k + j)
+                seq = self.device[sr.block_table[pos // bs], pos % bs]
+                assert (seq >= 0).all(), f"{sr.request_id}: read an unwritten KV slot"
+                targets.append(next_token(seq))
+            drafts = sr.token_ids[sr.num_tokens - k:]
+            n = 1
+            while n <= k and targets[n - 1] == drafts[n - 1]:
+                n += 1
+            sampled[sr.request_id] = targets[:n]
         return sampled
 
 
@@ -172,6 +184,7 @@ def run_all(
     aborts: dict[int, list[str]] | None = None,
     max_steps: int = 20_000,
     check: bool = True,
+    drafter=None,
 ) -> dict[str, tuple[list[int], FinishReason | None]]:
     """Drive the scheduler until every request ends; returns id -> (outputs, reason)."""
     arrivals = dict(arrivals or {})
@@ -187,7 +200,7 @@ def run_all(
             s.abort_requests(aborts.pop(step))
         if not s.has_unfinished_requests() and not arrivals:
             break
-        out = s.schedule()
+        out = s.schedule(drafter(s) if drafter is not None else None)
         sampled = runner.execute(out)
         s.update_from_output(out, sampled)
         if check:

@@ -8,7 +8,8 @@ was neither aborted nor cut short for capacity produced exactly the reference to
 
 from __future__ import annotations
 
-from fakes import FakeModelRunner, reference_generate, run_all
+import numpy as np
+from fakes import VOCAB, FakeModelRunner, next_token, reference_generate, run_all
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -79,12 +80,50 @@ def test_random_schedules_under_swap_pressure(scenario):
     check_scenario(scenario)
 
 
-def check_scenario(scenario):
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios(), st.integers(1, 5), st.sampled_from([0.0, 0.5, 0.8, 1.0]), st.integers(0, 2**16))
+def test_random_schedules_with_speculative_drafts(scenario, k, p_right, seed):
+    """Drafts right with probability p_right (else random), verified by the fake runner
+    through the block tables: outputs equal the reference, no block leaks, rejected drafts
+    leave no block behind, and no block hash covers a draft that was not kept."""
+    check_scenario(scenario, drafter=_drafter(scenario[0], k, p_right, seed))
+
+
+def _drafter(cfg, k: int, p_right: float, seed: int):
+    rng = np.random.default_rng(seed)
+    bs = cfg.block_size
+
+    def drafts(s: Scheduler) -> dict[str, list[int]]:
+        kv = s.kv
+        for r in s.running:  # after every update: exactly the computed tokens' blocks
+            assert len(kv.get_block_ids(r.request_id)) == -(-r.num_computed_tokens // bs), r
+            assert kv._reqs[r.request_id].num_registered * bs <= r.num_computed_tokens
+        out = {}
+        for c in s.draft_candidates(k):
+            assert 0 < c.max_drafts <= k
+            seq, d = list(c.token_ids), []
+            for _ in range(int(rng.integers(0, c.max_drafts + 1))):
+                t = next_token(seq) if rng.random() < p_right else int(rng.integers(0, VOCAB))
+                seq.append(t)
+                d.append(t)
+            if d:
+                out[c.request_id] = d
+        event(f"drafts: {'yes' if out else 'no'}")
+        return out
+
+    return drafts
+
+
+def check_scenario(scenario, drafter=None):
     cfg, reqs, arrivals, aborts = scenario
     s = Scheduler(cfg)
     runner = FakeModelRunner(cfg)
     prompts = {r.request_id: list(r.prompt_token_ids) for r in reqs}
-    got = run_all(s, runner, arrivals, aborts, max_steps=5000)
+    got = run_all(s, runner, arrivals, aborts, max_steps=5000, drafter=drafter)
     st_ = s.stats()
     assert st_.num_used_blocks == 0 and st_.num_free_blocks == cfg.num_blocks - 1
     assert st_.num_host_blocks_used == 0

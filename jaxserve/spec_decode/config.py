@@ -1,0 +1,59 @@
+"""`SpeculativeConfig`: which proposer drafts tokens, and how many, in vLLM's spelling.
+
+    LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                            "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    jaxserve serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+Unknown methods and keys are refused naming them. Parsed once, into a frozen dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # n-gram: the longest suffix looked up in the history
+    prompt_lookup_min: int = 2  # n-gram: the shortest
+    # No drafts in a step that runs more sequences than this (at large batch a step is
+    # compute-bound and verifying drafts costs more than it saves). None: no limit.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; supported: {', '.join(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        v = self.disable_by_batch_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A config, a dict (the Python API) or a JSON object (the flag); None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not a JSON object ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)

@@ -1,0 +1,182 @@
+"""Speculative decoding (n-gram): the config, the proposer, and outputs equal to the plain
+engine's, token for token, on a tiny random model and on the embedded one.
+
+The scheduler side (room for drafts, rollback, no leaks, no hash over a rejected draft) is
+property-tested in test_scheduler_properties.py with a fake runner.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.spec_decode import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
+from scheduler import DraftCandidate, SamplingParams
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+
+
+def test_the_config_names_what_is_wrong():
+    assert SpeculativeConfig.parse(NGRAM) == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    assert EngineConfig(speculative_config={"method": "ngram"}).speculative_config == SpeculativeConfig()
+    for bad, why in (({"method": "eagle"}, "unknown method 'eagle'"), ({"k": 3}, r"unknown keys \['k'\]"),
+                     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+                     ({"prompt_lookup_min": 5}, "prompt_lookup_min .5. is larger"), ("{", "not a JSON object"),
+                     ("[1]", "must be a JSON object"), ({"disable_by_batch_size": True}, "disable_by_batch_size")):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(speculative_config=bad)
+
+
+def _propose(p: NgramProposer, ids: list[int], max_drafts: int = 9, rid: str = "a") -> list[int]:
+    return p.propose([DraftCandidate(rid, ids, max_drafts)]).get(rid, [])
+
+
+def test_ngram_takes_the_longest_most_recent_suffix():
+    p = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    #          suffix [7, 8] occurs twice; the most recent occurrence is followed by 5, 6, 1
+    ids = [7, 8, 9, 9, 7, 8, 5, 6, 1, 2, 7, 8]
+    assert _propose(p, ids) == [5, 6, 1]
+    assert _propose(p, ids, max_drafts=2) == [5, 6]
+    ids += [5]  # the history grows in place: [8, 5] recurs, followed by 6, 1, 2
+    assert _propose(p, ids) == [6, 1, 2]
+    assert _propose(p, [1, 2, 3, 4], rid="b") == []  # nothing recurs
+    long = NgramProposer(num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=3)
+    assert _propose(long, [1, 2, 9, 4, 2, 9]) == []  # [2, 9] recurs, but 3 tokens are asked for
+    # a match at the very end is followed by the suffix itself: [4, 4] -> 4
+    assert _propose(p, [1, 4, 4, 4], rid="c") == [4]
+
+
+def test_ngram_ignores_byte_matches_that_straddle_two_tokens():
+    p = NgramProposer(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+    # 0x01000000 then 0x00000002: their bytes (little-endian 00 00 00 01 02 00 00 00) hold
+    # 0x00000201 = 513 straddling them; 513 itself never occurred before the suffix.
+    assert _propose(p, [0x01000000, 0x00000002, 7, 513]) == []
+    assert _propose(p, [513, 9, 0x01000000, 0x00000002, 7, 513], rid="b") == [9, 0x01000000]
+
+
+def test_ngram_stays_fast_at_64_sequences():
+    """Not a timing assertion (the bench script prints figures): each call's work is a few
+    substring searches, so 64 long histories must not need per-token Python loops."""
+    rng = np.random.default_rng(0)
+    p = NgramProposer(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    cands = [DraftCandidate(f"r{i}", rng.integers(0, 50, 2000).tolist(), 4) for i in range(64)]
+    out = p.propose(cands)
+    assert out and all(1 <= len(d) <= 4 for d in out.values())
+    p.propose(cands[:3])
+    assert len(p._histories) == 3  # the others were dropped
+
+
+# ---------------------------------------------------------------------- engine, tiny model
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
+    from jaxserve.loading import load_model
+
+    return load_model(save_tiny_llama(tmp_path_factory.mktemp("tiny_spec"), 2), "float32")
+
+
+TINY = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=24, page_size=4, max_model_len=96,
+            max_logprobs=2, structured_outputs=False, compilation_cache_dir=None)
+
+
+def _run(engine, requests) -> dict[str, list]:
+    ids = [engine.add_prompt(None, params, prompt_token_ids=prompt) for prompt, params in requests]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.finish_reason, [(lp.token_id, round(lp.logprob, 3))
+                                                                        for lp in c.logprobs or ()])
+                                        for c in out.outputs]
+    assert engine.scheduler.stats().num_used_blocks == 0, "KV blocks leaked"
+    return [done[i] for i in ids]
+
+
+def test_outputs_equal_the_plain_engine_across_features(tiny):
+    """Greedy and seeded sampling, penalties, logprobs, min_tokens, stop ids, n > 1, chunked
+    prefill (prompts past the 32-token budget), prefix hits (a repeated prompt) and
+    preemption (24 pages of 4 tokens for 8 sequences): the same tokens and logprobs, with
+    drafts kept along the way and nothing compiled after warmup."""
+    from jaxserve.engine import Engine
+
+    rng = np.random.default_rng(1)
+    loop = [5, 9, 17, 5, 9, 17, 5, 9]  # a repetitive prompt: the tiny model tends to loop on
+    prompts = [loop * 2, rng.integers(0, 128, 40).tolist(), loop + [3, 4], rng.integers(0, 128, 6).tolist()]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.2, frequency_penalty=0.3,
+                             min_tokens=6, stop_token_ids=[17], logit_bias={5: 2.0}, ignore_eos=True),
+              SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)]
+    requests = [(p, sp) for p, sp in zip(prompts, params)] + [(prompts[0], params[0]), (prompts[1], params[1])]
+    plain = _run(Engine(EngineConfig(**TINY), loaded=tiny), requests)
+    spec_engine = Engine(EngineConfig(**TINY, speculative_config=NGRAM, strict_compile_guard=True), loaded=tiny)
+    spec_engine.warmup()
+    spec = _run(spec_engine, requests)
+    assert spec == plain
+    counts = spec_engine.spec_decode
+    assert counts.num_accepted_tokens > 0 and counts.num_draft_tokens > counts.num_accepted_tokens
+    assert counts.accepted_per_position[0] >= counts.accepted_per_position[-1]
+    assert spec_engine.scheduler.stats().num_preemptions > 0  # the pool was tight enough
+    assert spec_engine.runner.guard.compiles_after_warmup == 0
+
+
+# ---------------------------------------------------------------------- engine, embedded model
+SMALL_PLAIN = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256)  # test_engine_behaviour's
+SMALL = {**SMALL_PLAIN, "speculative_config": NGRAM}
+
+
+def test_embedded_model_copy_stop_strings_and_logprobs(engine, smollm, _warm_engines):
+    """The real model and tokenizer: text, token ids, logprobs and finish reasons equal the
+    plain engine's, a stop string inside a run of kept drafts ends the output where it
+    would have token by token, and copying a prompt keeps drafts."""
+    from conftest import hand_back_idle
+
+    from jaxserve.engine import Engine
+
+    key = tuple(sorted(SMALL_PLAIN.items()))
+    if key not in _warm_engines:
+        _warm_engines[key] = Engine(EngineConfig(**SMALL_PLAIN), loaded=smollm)
+    plain = _warm_engines[key]
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    requests = [
+        (f"Repeat this code exactly.\n{text}\nHere it is again:\n", SamplingParams(max_tokens=40, temperature=0)),
+        (f"Repeat this code exactly.\n{text}\nHere it is again:\n", SamplingParams(max_tokens=40, temperature=0,
+                                                                                 stop=["sub"])),
+        ("List the numbers from one to twenty: one, two, three,", SamplingParams(
+            max_tokens=30, temperature=0.7, seed=5, logprobs=3, stop=[" fifteen"])),
+    ]
+
+    def collect(e):
+        ids = [e.add_prompt(p, sp) for p, sp in requests]
+        done = {}
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    done[out.request_id] = (c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                                            [round(lp.logprob, 3) for lp in c.logprobs or ()])
+        return [done[i] for i in ids]
+
+    want = collect(plain)
+    hand_back_idle(plain)
+    got = collect(engine)
+    assert got == want
+    assert want[1][2] == "stop" and want[1][3] == "sub" and len(want[1][1]) < len(want[0][1])
+    assert engine.spec_decode.num_accepted_tokens >= 10, engine.spec_decode
+
+
+def test_the_flag_reaches_the_engine_config():
+    import argparse
+
+    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--speculative-config", json.dumps({"method": "ngram"})]))
+    assert cfg.speculative_config == SpeculativeConfig()
