@@ -33,6 +33,7 @@ from typing import Any
 
 from jaxserve.input_processor import EngineRequest
 from jaxserve.outputs import OutputKind, RequestOutput
+from jaxserve.runner_output import SpecDecodeCounts
 from scheduler.stats import SchedulerStats
 from server.streams import Aborted, EngineFailed, StreamBuffer
 
@@ -65,6 +66,7 @@ class EngineSnapshot:
     num_finished: int
     step_host_s: float
     step_device_s: float
+    spec_decode: SpecDecodeCounts | None = None  # cumulative; None: speculative decoding is off
 
 
 @dataclasses.dataclass
@@ -333,7 +335,15 @@ class EngineLoop:
             batched_tokens=self._batched_tokens, generation_tokens=self._generation_tokens,
             prompt_tokens=self._prompt_tokens, num_finished=self._num_finished,
             step_host_s=ls.host_s, step_device_s=ls.device_s,
+            spec_decode=self._spec_copy(),
         )
+
+    def _spec_copy(self) -> SpecDecodeCounts | None:
+        if getattr(self.engine, "proposer", None) is None:
+            return None
+        c = self.engine.spec_decode
+        return SpecDecodeCounts(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                                list(c.accepted_per_position))
 
 
 def _deliver(items: list[tuple[StreamBuffer, Any]]) -> None:

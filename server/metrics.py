@@ -178,6 +178,19 @@ class _SnapshotCollector:
         yield CounterMetricFamily(P + "prefix_cache_hits", "Prefix-cache hits (tokens).",
                                   value=st.prefix_cache_hits)
         yield CounterMetricFamily(P + "engine_steps", "Engine steps run.", value=snap.num_steps)
+        spec = snap.spec_decode
+        if spec is not None:  # vLLM's names
+            yield CounterMetricFamily(P + "spec_decode_num_drafts", "Sequences that carried speculative drafts.",
+                                      value=spec.num_drafts)
+            yield CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                      value=spec.num_draft_tokens)
+            yield CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Draft tokens kept.",
+                                      value=spec.num_accepted_tokens)
+            per = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens kept, by position in the draft.", labels=["position"])
+            for i, n in enumerate(spec.accepted_per_position):
+                per.add_metric([str(i)], n)
+            yield per
 
 
 # jax.monitoring listeners are process-wide: install one and fan out to live servers.

@@ -32,4 +32,18 @@ async def log_status(loop_runner: Any, metrics: Any, interval: float) -> None:
             snap.num_finished - prev.num_finished, st.num_running, st.num_waiting, st.num_swapped,
             100 * st.kv_usage, st.num_cached_free_blocks, 100 * st.prefix_cache_hit_rate,
             st.num_preemptions, metrics.num_compilations_after_warmup)
+        if snap.spec_decode is not None and prev.spec_decode is not None:
+            logger.info("speculative decoding: %s", spec_line(snap.spec_decode, prev.spec_decode))
         prev = snap
+
+
+def spec_line(now: Any, before: Any) -> str:
+    """Acceptance since the last line: kept / proposed drafts, and the mean tokens a drafted
+    sequence gained per step (kept drafts plus the target's own token)."""
+    drafts = now.num_drafts - before.num_drafts
+    proposed = now.num_draft_tokens - before.num_draft_tokens
+    kept = now.num_accepted_tokens - before.num_accepted_tokens
+    if not drafts:
+        return "no drafts"
+    return (f"acceptance {100 * kept / proposed:.1f}% ({kept} of {proposed} drafts), mean accepted length "
+            f"{1 + kept / drafts:.2f} over {drafts} drafted steps")

@@ -180,3 +180,28 @@ def test_the_flag_reaches_the_engine_config():
     add_engine_args(p)
     cfg = engine_config_from_args(p.parse_args(["--speculative-config", json.dumps({"method": "ngram"})]))
     assert cfg.speculative_config == SpeculativeConfig()
+
+
+def test_metrics_and_log_line_use_the_counters():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jaxserve.runner_output import SpecDecodeCounts
+    from scheduler import SchedulerStats
+    from server.engine_loop import EngineSnapshot
+    from server.metrics import _SnapshotCollector
+    from server.status_log import spec_line
+
+    stats = SchedulerStats(0, 0, 0, 0, 0, 1, 1, 0, 0, {"recompute": 0, "swap": 0}, 0, 0, {})
+    counts = SpecDecodeCounts.zero(3)
+    counts.add(3, 2)
+    counts.add(2, 0)
+    snap = EngineSnapshot(0.0, stats, 0, 5, 0, 0, 0, 0, 0.0, 0.0, spec_decode=counts)
+    reg = CollectorRegistry()
+    reg.register(_SnapshotCollector(lambda: snap))
+    text = generate_latest(reg).decode()
+    for line in ("jaxserve:spec_decode_num_drafts_total 2.0", "jaxserve:spec_decode_num_draft_tokens_total 5.0",
+                 "jaxserve:spec_decode_num_accepted_tokens_total 2.0",
+                 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0'):
+        assert line in text, text
+    assert spec_line(counts, SpecDecodeCounts.zero()) == (
+        "acceptance 40.0% (2 of 5 drafts), mean accepted length 2.00 over 2 drafted steps")
