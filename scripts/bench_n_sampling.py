@@ -32,7 +32,7 @@ def run_once(engine: Engine, prompt_ids: list[int], n: int, max_tokens: int, see
     params = SamplingParams(n=n, temperature=0.8, seed=seed, max_tokens=max_tokens, ignore_eos=True)
     computed = 0
     t0 = time.perf_counter()
-    engine.add_request(None, params, prompt_token_ids=prompt_ids, request_id=f"bench-{n}-{seed}")
+    engine.add_prompt(None, params, prompt_token_ids=prompt_ids, request_id=f"bench-{n}-{seed}")
     while engine.has_unfinished_requests():
         engine.step()
         computed += engine.last_step.num_tokens

@@ -6,10 +6,13 @@ Two engines on the embedded SmolLM2 (warmed up, same settings, one with
 
 - `copy`: chat prompts that ask to repeat or lightly edit a given text (code, a list, a
   paragraph), where the answer copies much of the prompt;
-- `random`: prompts of random tokens (nothing to copy);
+- `random`: prompts of random tokens (nothing to copy), greedy, EOS ignored (a small model's
+  greedy output from noise soon repeats itself, which prompt lookup catches);
+- `sampled`: the same prompts, sampled at temperature 1 with a seed per request, EOS
+  ignored (seldom repeats: the drafts' cost when they rarely match);
 
-at batch 1 (requests one after another) and at batch B (B requests at once), greedy, EOS
-ignored, a fixed number of output tokens. Prints output tokens/s of each (median of the
+at batch 1 (requests one after another) and at batch B (B requests at once), at most
+`--max-tokens` tokens (the copy answers end at EOS, after the copy). Prints output tokens/s of each (median of the
 rounds), the ratio, and the drafts' acceptance; then the proposer's own time per step at 64
 sequences with 2,000-token histories.
 
@@ -62,20 +65,28 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [rng.integers(100, vocab, length).tolist() for _ in range(n)]
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[float, int]:
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int, workload: str = "random",
+        ) -> tuple[float, int]:
     """Wall seconds and output tokens for the prompts, `batch` at a time."""
     engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        for p in prompts[i : i + batch]:
-            engine.add_prompt(None, params, prompt_token_ids=p)
+        for j, p in enumerate(prompts[i : i + batch]):
+            engine.add_prompt(None, workload_params(workload, max_tokens, i + j), prompt_token_ids=p)
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
                     out_tokens += len(o.outputs[0].token_ids)
     return time.perf_counter() - t0, out_tokens
+
+
+def workload_params(workload: str, max_tokens: int, index: int) -> SamplingParams:
+    """copy: greedy, ending at EOS; random: greedy, EOS ignored; sampled: temperature 1 with
+    a seed per request, EOS ignored (the output seldom repeats itself)."""
+    if workload == "sampled":
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=index, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=workload != "copy")
 
 
 def proposer_time(k: int, seqs: int = 64, length: int = 2000, calls: int = 200) -> float:
@@ -102,13 +113,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--workloads", default="copy,random")
+    ap.add_argument("--workloads", default="copy,random,sampled")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's (128 on CPU)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--batches", default=None, help="batch sizes (default: 1 and --batch)")
     args = ap.parse_args()
 
     loaded = load_model(None, "float32", quantization=args.quantization)
-    base = dict(max_model_len=2048, quantization=args.quantization, max_num_seqs=max(64, args.batch))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    base = dict(max_model_len=2048, quantization=args.quantization, max_num_seqs=args.max_num_seqs)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "disable_by_batch_size": args.disable_by_batch_size}
     engines = {"plain": Engine(EngineConfig(**base), loaded=loaded),
                "ngram": Engine(EngineConfig(**base, speculative_config=spec), loaded=loaded)}
     for e in engines.values():
@@ -116,7 +130,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, args.batch]
     tok = engines["plain"].tokenizer
     vocab = engines["plain"].model_config.vocab_size
-    print(f"k={args.k}, {args.max_tokens} output tokens per request, greedy, EOS ignored, "
+    print(f"k={args.k}, at most {args.max_tokens} output tokens per request, greedy, "
           f"{args.rounds} rounds (medians); weights {args.quantization or 'f32'}")
     print(f"{'workload':8} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
           f"{'accept':>7} {'mean kept/step':>14}")
@@ -130,7 +144,7 @@ def main() -> int:
             before = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
             for _ in range(args.rounds):
                 for name, e in engines.items():
-                    dt, toks = run(e, prompts, args.max_tokens, batch)
+                    dt, toks = run(e, prompts, args.max_tokens, batch, workload)
                     rates[name].append(toks / dt)
             drafts, dtoks, acc = (x - y for x, y in zip((c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens),
                                                         before))

@@ -133,8 +133,6 @@ def test_persistent_cache_across_processes(tmp_path):
     assert warm["hits"] == warm["shapes"] and warm["misses"] == 0
     assert warm["seconds"] < cold["seconds"]
     assert warm["compiles_after_warmup"] == 0 and warm["finished"] + warm["aborted"] == 50
-    budget = _run_child(cache, budget=48)  # a new token bucket appears
-    assert budget["misses"] > 0
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):

@@ -64,15 +64,30 @@ class NgramProposer:
             hist = self._histories[request_id] = _History()
         hist.extend(token_ids)
         data, total = hist.data, hist.num_tokens
-        for size in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            suffix = bytes(data[4 * (total - size):])
-            end = 4 * (total - 1)  # the match must end before the suffix's own last token
-            while True:
-                at = data.rfind(suffix, 0, end)
-                if at < 0:
-                    break
-                if at % 4 == 0:
-                    start = at // 4 + size
-                    return list(token_ids[start:start + n])
-                end = at + len(suffix) - 1
-        return []
+        # A longer n-gram recurs only where the shortest does: one scan settles the common
+        # case (nothing recurs); the longer sizes are searched only after a hit.
+        shortest = self._last_match(data, total, self.min_n)
+        if shortest is None:
+            return []
+        for size in range(min(self.max_n, total - 1), self.min_n, -1):
+            start = self._last_match(data, total, size)
+            if start is not None:
+                return list(token_ids[start:start + n])
+        return list(token_ids[shortest:shortest + n])
+
+    @staticmethod
+    def _last_match(data: bytearray, total: int, size: int) -> int | None:
+        """The index of the token after the last earlier occurrence of the final `size`
+        tokens, or None. An occurrence must end before the final token (something follows
+        it) and start on a token boundary."""
+        if size >= total:
+            return None
+        suffix = bytes(data[4 * (total - size):])
+        end = 4 * (total - 1)
+        while True:
+            at = data.rfind(suffix, 0, end)
+            if at < 0:
+                return None
+            if at % 4 == 0:
+                return at // 4 + size
+            end = at + len(suffix) - 1
