@@ -41,7 +41,7 @@ from jaxserve.quantization import (
 from jaxserve.runner import ModelRunner, StepConfig
 from jaxserve.runner_output import SpecDecodeCounts, StepTiming
 from jaxserve.sampler import bitmask_width
-from jaxserve.spec_decode import make_proposer
+from jaxserve.spec_decode import SpeculativeConfig, make_ngram_proposer
 from jaxserve.structured import StructuredOutputManager, make_manager
 from scheduler import (
     FinishReason,
@@ -107,7 +107,7 @@ class Engine:
         self.last_step = StepTiming()
         self.input_processor = self._make_input_processor()
         spec = config.speculative_config
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = self._make_proposer(spec) if spec is not None else None
         self.spec_decode = SpecDecodeCounts.zero(spec.num_speculative_tokens if spec else 0)  # since start
 
     @staticmethod
@@ -323,18 +323,40 @@ class Engine:
         processed = self.outputs.process(updates, ro.logprobs)
         for seq_id, stop_str in processed.stopped_by_string:
             self.scheduler.finish_requests(seq_id, FinishReason.STOP, stop_str)
+        if self.proposer is not None and not self.scheduler.has_unfinished_requests():
+            self.proposer.propose([])  # idle: the proposer lets go of every sequence (a draft model's pages)
         self.last_step = dataclasses.replace(ro.timing, host_s=time.perf_counter() - t0 - ro.timing.device_s)
         return failed + processed.outputs
+
+    def _make_proposer(self, spec: SpeculativeConfig):
+        if spec.method == "ngram":
+            return make_ngram_proposer(spec)
+        from jaxserve.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
+
+        config = self.config
+        if config.tensor_parallel_size > 1 or config.num_processes > 1 or config.compiled_dir:
+            raise ValueError("speculative_config: a draft model runs on one device of one process, without "
+                             "--compiled executables (tensor_parallel_size 1, num_processes 1, no compiled_dir)")
+        draft = load_model(spec.model, config.resolved_dtype(), quantization=config.quantization)
+        check_same_tokenizer(self.tokenizer, draft.tokenizer, self.model_config.vocab_size, draft.config.vocab_size,
+                             spec.model)
+        logger.info("speculative decoding: draft model %s (%d layers), %d tokens per step", spec.model,
+                    draft.config.num_layers, spec.num_speculative_tokens)
+        return DraftModelProposer(
+            draft, spec.num_speculative_tokens, num_pages=self.num_pages, page_size=config.page_size,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, plan=self.plan,
+            attention_backend=config.attention_backend, kv_layout=self.resolved.kv_layout, seed=config.seed)
 
     def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the decoding sequences, unless the batch is past the configured size
         (where a step is compute-bound and verifying drafts costs more than it saves)."""
         spec = self.config.speculative_config
         limit = spec.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) > limit:
-            return None
-        candidates = self.scheduler.draft_candidates(spec.num_speculative_tokens)
-        return self.proposer.propose(candidates) if candidates else None
+        over = limit is not None and len(self.scheduler.running) > limit
+        candidates = [] if over else self.scheduler.draft_candidates(spec.num_speculative_tokens)
+        # Called with no candidates too: the proposer forgets (frees) every sequence not listed.
+        return self.proposer.propose(candidates) or None
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The step's requests end with `error`; the engine recovers or reports unhealthy."""
@@ -383,6 +405,10 @@ class Engine:
                 self.runner, self.plan, max_reqs=self.config.max_num_seqs,
                 tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
                 progress=progress, cache_enabled=self.cache_dir is not None)
+        if hasattr(self.proposer, "warmup"):  # a draft model: its own shapes, before the guard is armed
+            draft = self.proposer.warmup(workers=self.config.warmup_threads, cache_enabled=self.cache_dir is not None)
+            report = dataclasses.replace(report, records=report.records + draft.records,
+                                         wall_seconds=report.wall_seconds + draft.wall_seconds)
         self.warmup_report = report
         if self.channel is not None:  # every process compiles the broadcasts in the same order
             self.channel.prime()

@@ -205,3 +205,47 @@ def test_metrics_and_log_line_use_the_counters():
         assert line in text, text
     assert spec_line(counts, SpecDecodeCounts.zero()) == (
         "acceptance 40.0% (2 of 5 drafts), mean accepted length 2.00 over 2 drafted steps")
+
+
+def test_a_draft_model_gives_the_plain_engines_outputs(tiny, tmp_path):
+    """The target as its own draft: a greedy request keeps every draft (the draft cache's
+    catch-up, chunked past the budget, and its rollback must be right for that), a sampled
+    one rejects some; outputs equal the plain engine's, the draft's pages are all freed when
+    the engine is idle, nothing compiles after warmup."""
+    from jaxserve.engine import Engine
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (5, 40, 12)]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(n=2, max_tokens=12, temperature=0, ignore_eos=True)]
+    requests = list(zip(prompts, params))
+    plain = _run(Engine(EngineConfig(**TINY), loaded=tiny), requests)
+    from hf_reference import save_tiny_llama
+
+    spec = {"model": save_tiny_llama(tmp_path, 2), "num_speculative_tokens": 3}  # the `tiny` weights
+    engine = Engine(EngineConfig(**TINY, speculative_config=json.dumps(spec), strict_compile_guard=True), loaded=tiny)
+    engine.warmup()
+    assert _run(engine, requests) == plain
+    from jaxserve.runner_output import SpecDecodeCounts
+
+    counts = engine.spec_decode
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens  # the sampled request rejected some
+    engine.spec_decode = SpecDecodeCounts.zero()
+    _run(engine, [(prompts[1], params[0])])
+    assert 0 < engine.spec_decode.num_accepted_tokens == engine.spec_decode.num_draft_tokens, engine.spec_decode
+    assert engine.proposer.num_used_pages == 0  # freed once no sequence decodes
+    assert engine.runner.guard.compiles_after_warmup == 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
+    pytest.importorskip("torch")
+    import transformers
+
+    from jaxserve.engine import Engine
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 128"):
+        Engine(EngineConfig(**TINY, speculative_config={"model": str(tmp_path)}), loaded=tiny)

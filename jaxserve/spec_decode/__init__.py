@@ -19,12 +19,10 @@ class Proposer(Protocol):
     def propose(self, candidates: list[DraftCandidate]) -> dict[str, list[int]]: ...
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        from jaxserve.spec_decode.ngram import NgramProposer
+def make_ngram_proposer(config: SpeculativeConfig) -> Proposer:
+    from jaxserve.spec_decode.ngram import NgramProposer
 
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config: unknown method {config.method!r}")
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-__all__ = ["Proposer", "SpeculativeConfig", "make_proposer"]
+__all__ = ["Proposer", "SpeculativeConfig", "make_ngram_proposer"]

@@ -2,6 +2,7 @@
 
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    LLM(speculative_config={"model": "/path/to/small-model", "num_speculative_tokens": 4})
     jaxserve serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 Unknown methods and keys are refused naming them. Parsed once, into a frozen dataclass.
@@ -13,13 +14,14 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
     num_speculative_tokens: int = 4
+    model: str | None = None  # draft_model: a smaller model with the target's tokenizer
     prompt_lookup_max: int = 4  # n-gram: the longest suffix looked up in the history
     prompt_lookup_min: int = 2  # n-gram: the shortest
     # No drafts in a step that runs more sequences than this (at large batch a step is
@@ -27,8 +29,15 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; supported: {', '.join(METHODS)}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: method 'draft_model' needs a model (the draft's path)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no model (a draft model is method "
+                             "'draft_model')")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
