@@ -301,7 +301,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        so = self.scheduler.schedule(self._propose() if self.proposer is not None else None)
+        so = self.scheduler.schedule(self._propose_or_stop() if self.proposer is not None else None)
         failed = [out for rid, why in self.scheduler.take_grammar_errors()
                   for out in self.outputs.fail([rid], why, param="structured_outputs")]
         if so.new_requests:
@@ -348,12 +348,23 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, plan=self.plan,
             attention_backend=config.attention_backend, kv_layout=self.resolved.kv_layout, seed=config.seed)
 
+    def _propose_or_stop(self) -> dict[str, list[int]] | None:
+        """Drafts; a proposer that fails is turned off (logged) and the engine goes on
+        without speculation: its outputs are the same, only slower."""
+        try:
+            return self._propose()
+        except Exception as e:  # noqa: BLE001 - drafts are an optimisation, never a reason to fail requests
+            logger.error("speculative decoding turned off: the %s proposer failed: %s: %s",
+                         self.config.speculative_config.method, type(e).__name__, e)
+            self.proposer = None
+            return None
+
     def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the decoding sequences, unless the batch is past the configured size
         (where a step is compute-bound and verifying drafts costs more than it saves)."""
         spec = self.config.speculative_config
         limit = spec.disable_by_batch_size
-        over = limit is not None and len(self.scheduler.running) > limit
+        over = limit is not None and self.scheduler.num_running > limit
         candidates = [] if over else self.scheduler.draft_candidates(spec.num_speculative_tokens)
         # Called with no candidates too: the proposer forgets (frees) every sequence not listed.
         return self.proposer.propose(candidates) or None

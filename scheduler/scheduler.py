@@ -215,6 +215,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._pending_updates)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 

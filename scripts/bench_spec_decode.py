@@ -17,20 +17,28 @@ rounds), the ratio, and the drafts' acceptance; then the proposer's own time per
 sequences with 2,000-token histories.
 
     .venv/bin/python scripts/bench_spec_decode.py [--k 4] [--batch 64] [--rounds 3] \\
-        [--quantization int8] [--max-tokens 96]
+        [--quantization int8] [--max-tokens 96] [--draft-layers 8]
+
+With `--draft-layers N` a third engine drafts with a draft model: the target's first N layers
+(no small model with SmolLM2's tokenizer is at hand offline; a truncated copy is one).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine import Engine  # noqa: E402
@@ -89,6 +97,28 @@ def workload_params(workload: str, max_tokens: int, index: int) -> SamplingParam
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=workload != "copy")
 
 
+def layer_draft(hf_dir: str, num_layers: int, out_root: str) -> str:
+    """An HF directory holding the model's first `num_layers` layers (and its embedding, final
+    norm and head): a draft with the target's tokenizer, no training needed, weak but cheap."""
+    from safetensors.numpy import load_file, save_file
+
+    out = os.path.join(out_root, f"draft-{num_layers}")
+    os.makedirs(out)
+    for name in os.listdir(hf_dir):
+        if name not in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(hf_dir, name), out)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = num_layers
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    keep = {k: v for k, v in tensors.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    save_file(keep, os.path.join(out, "model.safetensors"))
+    return out
+
+
 def proposer_time(k: int, seqs: int = 64, length: int = 2000, calls: int = 200) -> float:
     """Median microseconds of one `propose` over `seqs` sequences, each growing by a token."""
     rng = np.random.default_rng(0)
@@ -117,44 +147,56 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's (128 on CPU)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--batches", default=None, help="batch sizes (default: 1 and --batch)")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="also a draft model: the target's first N layers (its own embedding, norm and head)")
+    ap.add_argument("--hf-dir", default=os.path.join(ROOT, ".cache/smollm2-hf"),
+                    help="the embedded model as an HF directory (scripts/make_vllm_venv.sh writes it)")
     args = ap.parse_args()
 
     loaded = load_model(None, "float32", quantization=args.quantization)
     base = dict(max_model_len=2048, quantization=args.quantization, max_num_seqs=args.max_num_seqs)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-            "disable_by_batch_size": args.disable_by_batch_size}
-    engines = {"plain": Engine(EngineConfig(**base), loaded=loaded),
-               "ngram": Engine(EngineConfig(**base, speculative_config=spec), loaded=loaded)}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 4, "disable_by_batch_size": args.disable_by_batch_size}}
+    tmp = tempfile.TemporaryDirectory()
+    if args.draft_layers:
+        specs["draft"] = {"model": layer_draft(args.hf_dir, args.draft_layers, tmp.name),
+                          "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_by_batch_size}
+    engines = {"plain": Engine(EngineConfig(**base), loaded=loaded)}
+    engines.update({m: Engine(EngineConfig(**base, speculative_config=sp), loaded=loaded) for m, sp in specs.items()})
     for e in engines.values():
         e.warmup()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, args.batch]
     tok = engines["plain"].tokenizer
     vocab = engines["plain"].model_config.vocab_size
-    print(f"k={args.k}, at most {args.max_tokens} output tokens per request, greedy, "
-          f"{args.rounds} rounds (medians); weights {args.quantization or 'f32'}")
-    print(f"{'workload':8} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
+    print(f"k={args.k}, at most {args.max_tokens} output tokens per request, {args.rounds} rounds (medians); "
+          f"weights {args.quantization or 'f32'}" + (f"; draft: the first {args.draft_layers} layers" if
+                                                     args.draft_layers else ""))
+    print(f"{'workload':8} {'batch':>5} {'method':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
           f"{'accept':>7} {'mean kept/step':>14}")
     for workload in args.workloads.split(","):
         for batch in batches:
             n = args.batch1_prompts if batch == 1 else batch
             prompts = (copy_prompts(tok, n) if workload == "copy" else random_prompts(vocab, n, 256, seed=batch))
             run(engines["plain"], prompts[:1], 4, 1)  # untimed: first-call costs
-            rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-            c = engines["ngram"].spec_decode
-            before = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            before = {m: dataclasses.replace(engines[m].spec_decode) for m in specs}
             for _ in range(args.rounds):
                 for name, e in engines.items():
                     dt, toks = run(e, prompts, args.max_tokens, batch, workload)
                     rates[name].append(toks / dt)
-            drafts, dtoks, acc = (x - y for x, y in zip((c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens),
-                                                        before))
-            p, s = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-            print(f"{workload:8} {batch:5d} {p:12.1f} {s:12.1f} {s / p:6.2f} "
-                  f"{acc / dtoks if dtoks else 0:7.0%} {acc / drafts if drafts else 0:14.2f}", flush=True)
+            p = statistics.median(rates["plain"])
+            for m in specs:
+                c, b = engines[m].spec_decode, before[m]
+                drafts, dtoks, acc = (c.num_drafts - b.num_drafts, c.num_draft_tokens - b.num_draft_tokens,
+                                      c.num_accepted_tokens - b.num_accepted_tokens)
+                s = statistics.median(rates[m])
+                print(f"{workload:8} {batch:5d} {m:>6} {p:12.1f} {s:11.1f} {s / p:6.2f} "
+                      f"{acc / dtoks if dtoks else 0:7.0%} {acc / drafts if drafts else 0:14.2f}", flush=True)
     print(f"\nn-gram proposer: {proposer_time(args.k):.0f} us per step at 64 sequences of ~2,000 tokens "
           "(median of 200 steps)")
     for e in engines.values():
         e.close()
+    tmp.cleanup()
     return 0
 
 

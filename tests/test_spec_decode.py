@@ -249,3 +249,17 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 128"):
         Engine(EngineConfig(**TINY, speculative_config={"model": str(tmp_path)}), loaded=tiny)
+
+
+def test_a_failing_proposer_turns_speculation_off_and_requests_go_on(tiny):
+    from jaxserve.engine import Engine
+
+    engine = Engine(EngineConfig(**TINY, speculative_config=NGRAM), loaded=tiny)
+    want = _run(Engine(EngineConfig(**TINY), loaded=tiny), [([5, 9, 5, 9, 5], SamplingParams(max_tokens=8, temperature=0))])
+
+    def broken(candidates):
+        raise RuntimeError("proposer exploded")
+
+    engine.proposer.propose = broken
+    assert _run(engine, [([5, 9, 5, 9, 5], SamplingParams(max_tokens=8, temperature=0))]) == want
+    assert engine.proposer is None
