@@ -263,3 +263,17 @@ def test_a_failing_proposer_turns_speculation_off_and_requests_go_on(tiny):
     engine.proposer.propose = broken
     assert _run(engine, [([5, 9, 5, 9, 5], SamplingParams(max_tokens=8, temperature=0))]) == want
     assert engine.proposer is None
+
+
+def test_ngram_speculation_compiles_the_same_plan_and_a_draft_model_is_not_planned_yet():
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.compile_plan import CompilePlan
+    from jaxserve.compilation.targets import Target
+    from jaxserve.loading import load_model_config
+
+    plain = EngineConfig(**TINY)
+    assert (CompilePlan.from_config(EngineConfig(**TINY, speculative_config=NGRAM), swap_enabled=False)
+            == CompilePlan.from_config(plain, swap_enabled=False))
+    with pytest.raises(ValueError, match="does not plan a draft model"):
+        compile_for_target(load_model_config(None), EngineConfig(**TINY, speculative_config={"model": "/x"}),
+                           Target.parse("cpu"))

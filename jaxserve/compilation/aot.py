@@ -318,6 +318,11 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
                        progress: bool = False) -> CompileReport:
     """Compiles the planned shapes (all, or those named in `shapes`) for `target`."""
     t_start = time.perf_counter()
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError("jaxserve compile does not plan a draft model's programs yet (n-gram speculation needs "
+                         "no programs beyond the plan's: its drafts are more tokens and logits rows of the same "
+                         "buckets)")
     config = config.with_platform_defaults(target.platform)
     programs, resolved = abstract_programs(model_config, config, target)
     keys = resolved.plan.shapes()
