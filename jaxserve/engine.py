@@ -367,7 +367,11 @@ class Engine:
         over = limit is not None and self.scheduler.num_running > limit
         candidates = [] if over else self.scheduler.draft_candidates(spec.num_speculative_tokens)
         # Called with no candidates too: the proposer forgets (frees) every sequence not listed.
-        return self.proposer.propose(candidates) or None
+        drafts = self.proposer.propose(candidates)
+        if drafts and self.structured is not None:  # a structured-output draft ends where its grammar says no
+            valid = self.runner.input_batch.valid_drafts
+            drafts = {rid: kept for rid, d in drafts.items() if (kept := valid(rid, d))}
+        return drafts or None
 
     def _fail_step(self, so: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """The step's requests end with `error`; the engine recovers or reports unhealthy."""

@@ -131,14 +131,37 @@ class InputBatch:
     def fill_bitmask(self, scheduled: Sequence[ScheduledRequest], t: SamplingTensors) -> None:
         """The grammar's allowed next tokens into `t.token_bitmask` for each sampling row with
         a matcher; every other row allows all (the host work that overlaps the device step).
-        Structured-output sequences get no drafts, so each has one row."""
-        rows = []
+        A draft position's row is the grammar's state after the drafts before it: the
+        matchers walk the drafts one position at a time and are rolled back after."""
         t.token_bitmask.fill(-1)
-        for i, sr, _ in row_spans(scheduled):
+        layers: list[list[tuple[Matcher, int, int | None]]] = []  # by position: (matcher, row, draft before it)
+        for i, sr, j in row_spans(scheduled):
             st = self.requests.get(sr.request_id) if sr.samples else None
-            if st is not None and st.matcher is not None:
-                rows.append((st.matcher, i))
-        self.structured.fill_bitmask(rows, t.token_bitmask)
+            if st is None or st.matcher is None:
+                continue
+            while len(layers) <= j:
+                layers.append([])
+            draft = sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens + j - 1] if j else None
+            layers[j].append((st.matcher, i, draft))
+        walked: dict[int, tuple[Matcher, int]] = {}  # id -> (matcher, drafts it consumed)
+        try:
+            for layer in layers:
+                for matcher, _, draft in layer:
+                    if draft is not None:
+                        matcher.accept_token(draft)  # checked by valid_drafts before scheduling
+                        walked[id(matcher)] = (matcher, walked.get(id(matcher), (matcher, 0))[1] + 1)
+                self.structured.fill_bitmask([(m, row) for m, row, _ in layer], t.token_bitmask)
+        finally:
+            for matcher, n in walked.values():
+                matcher.rollback(n)
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's grammar would reject (all of them for
+        a request without a grammar)."""
+        st = self.requests.get(request_id)
+        if st is None or st.matcher is None or not drafts:
+            return drafts
+        return drafts[: st.matcher.count_valid(drafts)]
 
     def _fill_penalty_row(self, t: SamplingTensors, i: int, st: CachedRequestState,
                           drafts: Sequence[int] = ()) -> None:

@@ -212,11 +212,15 @@ class ModelRunner:
             st = states.get(sr.request_id)
             if st is None:
                 continue
+            if st.matcher is not None:
+                for i, tok in enumerate(toks):
+                    if not st.matcher.accept_token(tok):
+                        toks = sampled[sr.request_id] = toks[: i + 1]
+                        grammar_errors[sr.request_id] = (
+                            f"structured output: the grammar allowed no token the sampler could choose after "
+                            f"{len(st.output_token_ids) + i} output tokens ({st.matcher.error or 'token rejected'})")
+                        break
             st.output_token_ids.extend(toks)
-            if st.matcher is not None and not st.matcher.accept_token(toks[0]):
-                grammar_errors[sr.request_id] = (
-                    f"structured output: the grammar allowed no token the sampler could choose after "
-                    f"{len(st.output_token_ids) - 1} output tokens ({st.matcher.error or 'token rejected'})")
             top_n = st.params.logprobs
             if top_n is not None and lp is not None:
                 logprobs[sr.request_id] = [

@@ -224,13 +224,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def draft_candidates(self, max_drafts: int) -> list[DraftCandidate]:
-        """The running sequences that decode next step and could use speculative drafts:
-        not structured-output ones (their drafts would need the grammar's check), and only
+        """The running sequences that decode next step and could use speculative drafts, and
         as many drafts as max_tokens and max_model_len leave room for."""
         out = []
         max_len = self.config.max_model_len
         for req in self.running:
-            if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
+            if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             room = min(max_drafts, req.sampling_params.max_tokens - req.num_output_tokens - 1,
                        max_len - req.num_tokens)

@@ -133,8 +133,9 @@ SMALL = {**SMALL_PLAIN, "speculative_config": NGRAM}
 
 def test_embedded_model_copy_stop_strings_and_logprobs(engine, smollm, _warm_engines):
     """The real model and tokenizer: text, token ids, logprobs and finish reasons equal the
-    plain engine's, a stop string inside a run of kept drafts ends the output where it
-    would have token by token, and copying a prompt keeps drafts."""
+    plain engine's (a structured-output request among them), a stop string inside a run of
+    kept drafts ends the output where it would have token by token, and copying a prompt
+    keeps drafts."""
     from conftest import hand_back_idle
 
     from jaxserve.engine import Engine
@@ -150,6 +151,9 @@ def test_embedded_model_copy_stop_strings_and_logprobs(engine, smollm, _warm_eng
                                                                                  stop=["sub"])),
         ("List the numbers from one to twenty: one, two, three,", SamplingParams(
             max_tokens=30, temperature=0.7, seed=5, logprobs=3, stop=[" fifteen"])),
+        # structured output, in a batch whose other sequences have drafts
+        (f"{text}\nThe phone number is", SamplingParams(max_tokens=12, temperature=0,
+                                                       structured_outputs={"regex": r" \d{3}-\d{4}"})),
     ]
 
     def collect(e):
@@ -169,6 +173,17 @@ def test_embedded_model_copy_stop_strings_and_logprobs(engine, smollm, _warm_eng
     assert got == want
     assert want[1][2] == "stop" and want[1][3] == "sub" and len(want[1][1]) < len(want[0][1])
     assert engine.spec_decode.num_accepted_tokens >= 10, engine.spec_decode
+    # A structured-output request on its own: drafts from its repeats, checked against the
+    # grammar (cut where it says no: after the sixth word only the end is allowed).
+    from jaxserve.runner_output import SpecDecodeCounts
+
+    requests[:] = [("Say hello six times:", SamplingParams(max_tokens=30, temperature=0,
+                                                          structured_outputs={"regex": "( hello){6}"}))]
+    want = collect(plain)
+    hand_back_idle(plain)
+    engine.spec_decode = SpecDecodeCounts.zero()
+    assert collect(engine) == want and want[0][0] == " hello" * 6
+    assert engine.spec_decode.num_accepted_tokens > 0, engine.spec_decode
 
 
 def test_the_flag_reaches_the_engine_config():

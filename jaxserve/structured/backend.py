@@ -29,6 +29,15 @@ class Matcher(Protocol):
         is then in its error state for good)."""
         ...
 
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order from the current state, the grammar allows
+        (nothing is consumed): where a speculative draft must end."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` accepted tokens."""
+        ...
+
     @property
     def error(self) -> str | None:
         ...

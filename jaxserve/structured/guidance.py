@@ -33,6 +33,13 @@ class GuidanceMatcher:
     def accept_token(self, token_id: int) -> bool:
         return self._m.consume_token(int(token_id))
 
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        return self._m.validate_tokens([int(t) for t in token_ids])
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
     @property
     def error(self) -> str | None:
         return self._m.get_error() or None if self._m.is_error() else None
