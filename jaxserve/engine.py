@@ -363,7 +363,7 @@ class Engine:
         """Drafts for the decoding sequences, unless the batch is past the configured size
         (where a step is compute-bound and verifying drafts costs more than it saves)."""
         spec = self.config.speculative_config
-        limit = spec.disable_by_batch_size
+        limit = spec.batch_size_limit(self.platform)
         over = limit is not None and self.scheduler.num_running > limit
         candidates = [] if over else self.scheduler.draft_candidates(spec.num_speculative_tokens)
         # Called with no candidates too: the proposer forgets (frees) every sequence not listed.

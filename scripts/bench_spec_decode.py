@@ -145,7 +145,8 @@ def main() -> int:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--workloads", default="copy,random,sampled")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's (128 on CPU)")
-    ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--disable-by-batch-size", default="none",
+                    help="none (drafts at every batch size: where the crossover is), auto (the default), or N")
     ap.add_argument("--batches", default=None, help="batch sizes (default: 1 and --batch)")
     ap.add_argument("--draft-layers", type=int, default=0,
                     help="also a draft model: the target's first N layers (its own embedding, norm and head)")
@@ -153,6 +154,8 @@ def main() -> int:
                     help="the embedded model as an HF directory (scripts/make_vllm_venv.sh writes it)")
     args = ap.parse_args()
 
+    limit = args.disable_by_batch_size
+    args.disable_by_batch_size = None if limit == "none" else limit if limit == "auto" else int(limit)
     loaded = load_model(None, "float32", quantization=args.quantization)
     base = dict(max_model_len=2048, quantization=args.quantization, max_num_seqs=args.max_num_seqs)
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,

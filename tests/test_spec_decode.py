@@ -23,6 +23,8 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1
 def test_the_config_names_what_is_wrong():
     assert SpeculativeConfig.parse(NGRAM) == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     assert EngineConfig(speculative_config={"method": "ngram"}).speculative_config == SpeculativeConfig()
+    assert SpeculativeConfig().batch_size_limit("cpu") == 16 and SpeculativeConfig().batch_size_limit("tpu") is None
+    assert SpeculativeConfig(disable_by_batch_size=None).batch_size_limit("cpu") is None
     for bad, why in (({"method": "eagle"}, "unknown method 'eagle'"), ({"k": 3}, r"unknown keys \['k'\]"),
                      ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
                      ({"prompt_lookup_min": 5}, "prompt_lookup_min .5. is larger"), ("{", "not a JSON object"),

@@ -15,6 +15,12 @@ import json
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+# platform -> disable_by_batch_size when "auto". CPU: measured with scripts/bench_spec_decode.py
+# (docs/benchmarks.md): with n-gram drafts, 0.99x-1.19x plain up to 16 running sequences,
+# down to 0.90x at 32 and 64 when few drafts are kept (a CPU step's cost grows with every
+# token). TPU and GPU: not measured; a step there costs about the same up to far larger
+# batches, so no limit.
+AUTO_DISABLE_BY_BATCH_SIZE: dict[str, int] = {"cpu": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +31,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # n-gram: the longest suffix looked up in the history
     prompt_lookup_min: int = 2  # n-gram: the shortest
     # No drafts in a step that runs more sequences than this (at large batch a step is
-    # compute-bound and verifying drafts costs more than it saves). None: no limit.
-    disable_by_batch_size: int | None = None
+    # compute-bound and verifying drafts costs more than it saves). None: no limit; "auto":
+    # the platform's measured default (`AUTO_DISABLE_BY_BATCH_SIZE`).
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -46,8 +53,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         v = self.disable_by_batch_size
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {v!r}")
+        if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, null or "
+                             f"'auto', got {v!r}")
+
+    def batch_size_limit(self, platform: str) -> int | None:
+        """The batch size past which no drafts are proposed, on `platform`."""
+        if self.disable_by_batch_size == "auto":
+            return AUTO_DISABLE_BY_BATCH_SIZE.get(platform)
+        return self.disable_by_batch_size
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
