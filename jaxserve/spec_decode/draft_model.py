@@ -49,7 +49,8 @@ def check_same_tokenizer(target: Any, draft: Any, target_vocab: int, draft_vocab
 @dataclasses.dataclass
 class _DraftSeq:
     request: Request  # the draft pool's view: num_computed_tokens = valid draft K/V positions
-    seen: list[int]  # the tokens the draft K/V was computed from (then the drafts proposed)
+    num_verified: int = 0  # history length at the last proposal (tokens that never change)
+    fed_drafts: tuple[int, ...] = ()  # the drafts fed to the draft model after that history
 
 
 class DraftModelProposer:
@@ -88,7 +89,7 @@ class DraftModelProposer:
         drafts: dict[str, list[int]] = {c.request_id: [] for c in active}
         want = {c.request_id: min(self.k, c.max_drafts) for c in active}
         # Catch-up: every unseen token, in budget-sized steps; a finished span samples draft 1.
-        pending = [(c.request_id, list(c.token_ids)) for c in active]
+        pending = [(c.request_id, c.token_ids) for c in active]
         while pending:
             spans, pending = self._take_budget(pending)
             sampled, dropped = self._step(spans)
@@ -104,7 +105,7 @@ class DraftModelProposer:
                 drafts[rid].append(tok)
         for c in active:
             st = self._seqs[c.request_id]
-            st.seen = list(c.token_ids) + drafts[c.request_id][:-1]
+            st.num_verified, st.fed_drafts = len(c.token_ids), tuple(drafts[c.request_id][:-1])
         return {rid: d[: want[rid]] for rid, d in drafts.items() if d}
 
     def _catch_up_start(self, c: DraftCandidate) -> int | None:
@@ -112,19 +113,23 @@ class DraftModelProposer:
         what the draft saw; returns where its catch-up span starts (None: no room)."""
         st = self._seqs.get(c.request_id)
         if st is None:
-            st = self._seqs[c.request_id] = _DraftSeq(Request(c.request_id, [0], _GREEDY), [])
+            st = self._seqs[c.request_id] = _DraftSeq(Request(c.request_id, [0], _GREEDY))
             self._new.append(NewRequestData(c.request_id, [], _GREEDY, None))
-        seen, toks = st.seen, c.token_ids
+        toks = c.token_ids
+        # The history before the last proposal never changes; of the drafts fed after it,
+        # those the target kept are still valid.
         n = min(st.request.num_computed_tokens, len(toks) - 1)
-        same = 0
-        while same < n and seen[same] == toks[same]:
+        same = min(st.num_verified, n)
+        for d in st.fed_drafts:
+            if same >= n or toks[same] != d:
+                break
             same += 1
         st.request.num_computed_tokens = same
         if self.kv.num_blocks_for(len(toks) + self.k) > self.kv.width:
             return None
         return same
 
-    def _take_budget(self, pending: list[tuple[str, list[int]]]):
+    def _take_budget(self, pending: list[tuple[str, Sequence[int]]]):
         """This step's catch-up spans (rid, tokens, samples) within the budget and rows; the
         rest of each long span waits for the next step."""
         spans, rest, budget = [], [], self.budget
