@@ -282,15 +282,28 @@ def test_a_failing_proposer_turns_speculation_off_and_requests_go_on(tiny):
     assert engine.proposer is None
 
 
-def test_ngram_speculation_compiles_the_same_plan_and_a_draft_model_is_not_planned_yet():
+def test_compile_plans_the_same_shapes_for_ngram_and_adds_a_draft_models(tmp_path):
+    """n-gram: the plan is the plain one. A draft model: its greedy programs are compiled for
+    the target too, and its params and pages are in the same HBM table."""
+    pytest.importorskip("torch")
+    from hf_reference import save_tiny_llama
+
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.compile_plan import CompilePlan
     from jaxserve.compilation.targets import Target
     from jaxserve.loading import load_model_config
 
-    plain = EngineConfig(**TINY)
     assert (CompilePlan.from_config(EngineConfig(**TINY, speculative_config=NGRAM), swap_enabled=False)
-            == CompilePlan.from_config(plain, swap_enabled=False))
-    with pytest.raises(ValueError, match="does not plan a draft model"):
-        compile_for_target(load_model_config(None), EngineConfig(**TINY, speculative_config={"model": "/x"}),
-                           Target.parse("cpu"))
+            == CompilePlan.from_config(EngineConfig(**TINY), swap_enabled=False))
+    path = save_tiny_llama(tmp_path / "m", 2)
+    cfg = dict(TINY, max_num_seqs=2, max_num_batched_tokens=8, dtype="float32")
+    target = load_model_config(path)
+    plain = compile_for_target(target, EngineConfig(**cfg), Target.parse("cpu"))
+    both = compile_for_target(target, EngineConfig(**cfg, speculative_config={"model": path}), Target.parse("cpu"))
+    draft = [s for s in both.shapes if s.name.startswith("draft ")]
+    assert all(s.compiled for s in both.shapes) and {s.kind for s in draft} == {"backbone", "logits", "head"}
+    assert [s.name for s in draft if s.kind == "head"] == [f"draft head[R={r},greedy]" for r in (1, 2)]
+    assert both.params_bytes == 2 * plain.params_bytes and both.kv_cache_bytes == 2 * plain.kv_cache_bytes
+    with pytest.raises(ValueError, match="not serialized yet"):
+        compile_for_target(target, EngineConfig(**cfg, speculative_config={"model": path}), Target.parse("cpu"),
+                           out_dir=str(tmp_path / "out"))

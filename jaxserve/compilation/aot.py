@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
-from jaxserve.compilation.compile_plan import ShapeKey, variant_name
+from jaxserve.compilation.compile_plan import CompilePlan, ShapeKey, variant_name
 from jaxserve.compilation.step_programs import StepPrograms, sds
 from jaxserve.compilation.targets import Target, software_versions
 from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
@@ -316,13 +316,43 @@ def _gb(n: int | None) -> str:
 def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: Target, *,
                        shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
                        progress: bool = False) -> CompileReport:
-    """Compiles the planned shapes (all, or those named in `shapes`) for `target`."""
-    t_start = time.perf_counter()
+    """Compiles the planned shapes (all, or those named in `shapes`) for `target`. With a
+    draft model (`speculative_config={"model": ...}`) its programs are compiled too and its
+    params and KV pages are counted in the same HBM table (n-gram drafts need no programs
+    beyond the plan's: they are more tokens and logits rows of the same buckets)."""
     spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError("jaxserve compile does not plan a draft model's programs yet (n-gram speculation needs "
-                         "no programs beyond the plan's: its drafts are more tokens and logits rows of the same "
-                         "buckets)")
+    if spec is None or spec.method != "draft_model":
+        return _compile_plan(model_config, config, target, shapes=shapes, out_dir=out_dir, workers=workers,
+                             progress=progress)
+    if out_dir is not None:
+        raise ValueError("jaxserve compile --out: a draft model's executables are not serialized yet (the engine "
+                         "compiles or loads them from the persistent cache at warmup)")
+    from jaxserve.loading import load_model_config
+
+    report = _compile_plan(model_config, config, target, shapes=shapes, workers=workers, progress=progress)
+    # The engine's draft runner: the target's buckets and page count, the greedy sampler only.
+    draft_config = dataclasses.replace(
+        config, model=spec.model, speculative_config=None, num_pages=report.num_pages, num_host_pages=0,
+        preemption_mode="recompute", max_logprobs=0, structured_outputs=False)
+    draft_plan = CompilePlan.from_config(draft_config.with_platform_defaults(target.platform), swap_enabled=False,
+                                         platform=target.platform)
+    greedy = [k.name for k in draft_plan.shapes()
+              if k.kind != "head" or variant_name(k.flags) == "greedy"]
+    draft = _compile_plan(load_model_config(spec.model), draft_config, target, shapes=greedy, workers=workers,
+                          progress=progress)
+    return dataclasses.replace(
+        report, params_bytes=report.params_bytes + draft.params_bytes,
+        kv_cache_bytes=report.kv_cache_bytes + draft.kv_cache_bytes,
+        kv_bytes_per_page=report.kv_bytes_per_page + draft.kv_bytes_per_page,
+        fingerprint={**report.fingerprint, "draft_model": draft.fingerprint},
+        shapes=report.shapes + tuple(dataclasses.replace(s, name=f"draft {s.name}") for s in draft.shapes),
+        wall_seconds=report.wall_seconds + draft.wall_seconds)
+
+
+def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Target, *,
+                  shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
+                  progress: bool = False) -> CompileReport:
+    t_start = time.perf_counter()
     config = config.with_platform_defaults(target.platform)
     programs, resolved = abstract_programs(model_config, config, target)
     keys = resolved.plan.shapes()
