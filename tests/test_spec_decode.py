@@ -84,7 +84,7 @@ def tiny(tmp_path_factory):
 
 
 TINY = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=24, page_size=4, max_model_len=96,
-            max_logprobs=2, structured_outputs=False, compilation_cache_dir=None)
+            max_logprobs=2, structured_outputs=False, compilation_cache_dir=None, warmup_threads=1)
 
 
 def _run(engine, requests) -> dict[str, list]:
@@ -130,7 +130,10 @@ def test_outputs_equal_the_plain_engine_across_features(tiny):
 
 # ---------------------------------------------------------------------- engine, embedded model
 SMALL_PLAIN = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256)  # test_engine_behaviour's
-SMALL = {**SMALL_PLAIN, "speculative_config": NGRAM}
+# One warmup thread: a full-suite run once crashed (SIGSEGV inside XLA's executable
+# deserialization, two warmup threads reading the persistent cache) while warming this engine
+# up, late in the session; not reproduced alone. Single-threaded warmups keep that path out.
+SMALL = {**SMALL_PLAIN, "speculative_config": NGRAM, "warmup_threads": 1}
 
 
 def test_embedded_model_copy_stop_strings_and_logprobs(engine, smollm, _warm_engines):
