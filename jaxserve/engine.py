@@ -108,6 +108,7 @@ class Engine:
         self.input_processor = self._make_input_processor()
         spec = config.speculative_config
         self.proposer = self._make_proposer(spec) if spec is not None else None
+        self._draft_batch_limit = spec.batch_size_limit(self.platform) if spec is not None else None
         self.spec_decode = SpecDecodeCounts.zero(spec.num_speculative_tokens if spec else 0)  # since start
 
     @staticmethod
@@ -362,10 +363,9 @@ class Engine:
     def _propose(self) -> dict[str, list[int]] | None:
         """Drafts for the decoding sequences, unless the batch is past the configured size
         (where a step is compute-bound and verifying drafts costs more than it saves)."""
-        spec = self.config.speculative_config
-        limit = spec.batch_size_limit(self.platform)
+        limit = self._draft_batch_limit
         over = limit is not None and self.scheduler.num_running > limit
-        candidates = [] if over else self.scheduler.draft_candidates(spec.num_speculative_tokens)
+        candidates = [] if over else self.scheduler.draft_candidates(self.config.speculative_config.num_speculative_tokens)
         # Called with no candidates too: the proposer forgets (frees) every sequence not listed.
         drafts = self.proposer.propose(candidates)
         if drafts and self.structured is not None:  # a structured-output draft ends where its grammar says no

@@ -115,7 +115,7 @@ class InputBatch:
             t.min_tokens_mask[i] = num_out < p.min_tokens
             t.stop_token_ids[i] = st.stop_ids_row
             if st.uses_penalties:
-                self._fill_penalty_row(t, i, st, sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens:][:j])
+                self._fill_penalty_row(t, i, st, sr.draft_token_ids[:j])
                 any_penalties = True
             elif t.bias_token_ids[i, 0] >= 0:  # a previous request's bias (biases fill from 0)
                 t.bias_token_ids[i] = -1
@@ -141,15 +141,14 @@ class InputBatch:
                 continue
             while len(layers) <= j:
                 layers.append([])
-            draft = sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens + j - 1] if j else None
-            layers[j].append((st.matcher, i, draft))
+            layers[j].append((st.matcher, i, sr.draft_token_ids[j - 1] if j else None))
         walked: dict[int, tuple[Matcher, int]] = {}  # id -> (matcher, drafts it consumed)
         try:
-            for layer in layers:
+            for j, layer in enumerate(layers):
                 for matcher, _, draft in layer:
                     if draft is not None:
                         matcher.accept_token(draft)  # checked by valid_drafts before scheduling
-                        walked[id(matcher)] = (matcher, walked.get(id(matcher), (matcher, 0))[1] + 1)
+                        walked[id(matcher)] = (matcher, j)
                 self.structured.fill_bitmask([(m, row) for m, row, _ in layer], t.token_bitmask)
         finally:
             for matcher, n in walked.values():
@@ -196,10 +195,6 @@ def row_spans(scheduled: Sequence[ScheduledRequest]):
         for j in range(1 + sr.num_draft_tokens):
             yield i, sr, j
             i += 1
-
-
-def num_logits_rows(scheduled: Sequence[ScheduledRequest]) -> int:
-    return sum(1 + sr.num_draft_tokens for sr in scheduled)
 
 
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingTensors) if f.name != "token_bitmask")

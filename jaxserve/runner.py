@@ -203,7 +203,7 @@ class ModelRunner:
             targets = token_ids[first : first + 1 + k].tolist()
             n = 1
             if k:
-                drafts = sr.token_ids[len(sr.token_ids) - k:]
+                drafts = sr.draft_token_ids
                 while n <= k and targets[n - 1] == drafts[n - 1]:
                     n += 1
                 spec.add(k, n - 1)

@@ -44,6 +44,9 @@ class SpecDecodeCounts:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def copy(self) -> SpecDecodeCounts:
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
+
     def merge(self, other: SpecDecodeCounts) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens

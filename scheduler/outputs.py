@@ -63,6 +63,11 @@ class ScheduledRequest:
         return self.num_tokens - self.num_draft_tokens > 1 or not self.samples
 
     @property
+    def draft_token_ids(self) -> list[int]:
+        """The span's speculative drafts: its last `num_draft_tokens` token ids."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
+
+    @property
     def num_sampled(self) -> int:
         """Positions the runner samples at: 1 + drafts, or 0 for a non-final prefill chunk."""
         return 1 + self.num_draft_tokens if self.samples else 0

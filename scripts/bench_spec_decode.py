@@ -26,7 +26,6 @@ With `--draft-layers N` a third engine drafts with a draft model: the target's f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -182,7 +181,7 @@ def main() -> int:
             prompts = (copy_prompts(tok, n) if workload == "copy" else random_prompts(vocab, n, 256, seed=batch))
             run(engines["plain"], prompts[:1], 4, 1)  # untimed: first-call costs
             rates: dict[str, list[float]] = {name: [] for name in engines}
-            before = {m: dataclasses.replace(engines[m].spec_decode) for m in specs}
+            before = {m: engines[m].spec_decode.copy() for m in specs}
             for _ in range(args.rounds):
                 for name, e in engines.items():
                     dt, toks = run(e, prompts, args.max_tokens, batch, workload)

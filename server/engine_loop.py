@@ -341,9 +341,7 @@ class EngineLoop:
     def _spec_copy(self) -> SpecDecodeCounts | None:
         if getattr(self.engine, "proposer", None) is None:
             return None
-        c = self.engine.spec_decode
-        return SpecDecodeCounts(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                                list(c.accepted_per_position))
+        return self.engine.spec_decode.copy()
 
 
 def _deliver(items: list[tuple[StreamBuffer, Any]]) -> None:

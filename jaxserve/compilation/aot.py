@@ -334,8 +334,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
     draft_config = dataclasses.replace(
         config, model=spec.model, speculative_config=None, num_pages=report.num_pages, num_host_pages=0,
         preemption_mode="recompute", max_logprobs=0, structured_outputs=False)
-    draft_plan = CompilePlan.from_config(draft_config.with_platform_defaults(target.platform), swap_enabled=False,
-                                         platform=target.platform)
+    draft_plan = CompilePlan.from_config(draft_config, swap_enabled=False, platform=target.platform)
     greedy = [k.name for k in draft_plan.shapes()
               if k.kind != "head" or variant_name(k.flags) == "greedy"]
     draft = _compile_plan(load_model_config(spec.model), draft_config, target, shapes=greedy, workers=workers,
