@@ -44,11 +44,13 @@ class StubEngine:
     """One token per request per step; the step sleeps (a device step that costs no host CPU)."""
 
     def __init__(self, step_s: float, vocab: int = 1000):
+        from jaxserve.config import EngineConfig
         from jaxserve.input_processor import InputLimits, InputProcessor
         from jaxserve.runner_output import StepTiming
         from scheduler.stats import SchedulerStats
 
         self.step_s = step_s
+        self.config = EngineConfig(max_num_seqs=256).with_platform_defaults("cpu")  # the engine's resolved config
         self.reqs: dict[str, list] = {}
         self.tokenizer = StubTokenizer()
         self.max_model_len = 100_000
