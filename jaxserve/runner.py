@@ -67,6 +67,15 @@ class StepConfig:
     record_traffic_log: str | None = None  # append each step's token count to this file
 
 
+def num_drafts_kept(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the tokens the target chose at their positions
+    (`targets` holds 1 + len(drafts) tokens: one per draft position, then the bonus)."""
+    n = 0
+    while n < len(drafts) and targets[n] == drafts[n]:
+        n += 1
+    return n
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -203,9 +212,7 @@ class ModelRunner:
             targets = token_ids[first : first + 1 + k].tolist()
             n = 1
             if k:
-                drafts = sr.draft_token_ids
-                while n <= k and targets[n - 1] == drafts[n - 1]:
-                    n += 1
+                n += num_drafts_kept(sr.draft_token_ids, targets)
                 spec.add(k, n - 1)
             toks = targets[:n]
             sampled[sr.request_id] = toks

@@ -128,6 +128,54 @@ def test_outputs_equal_the_plain_engine_across_features(tiny):
     assert spec_engine.runner.guard.compiles_after_warmup == 0
 
 
+def _sample_many(engine, prompt: list[int], seeds: range, wave: int = 16) -> list[tuple[int, ...]]:
+    """Outputs of one seeded request per seed, sent a wave at a time so the step keeps rows
+    free for drafts (a step samples at most max_num_seqs rows, drafts included)."""
+    out: list[tuple[int, ...]] = []
+    bias = {5: 4.0, 9: 4.0, 17: 4.0}  # top-3 is almost always {5, 9, 17}: few outcomes, many drafts
+    for start in range(seeds.start, seeds.stop, wave):
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, logit_bias=bias, seed=s, ignore_eos=True)
+                  for s in range(start, min(start + wave, seeds.stop))]
+        out += [tuple(r[0][0]) for r in _run(engine, [(prompt, sp) for sp in params])]
+    return out
+
+
+def _chi_square_p(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> float:
+    """Two-sample chi-square test of the outcomes' frequencies (outcomes seen fewer than 10
+    times in all are pooled into one cell)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    common = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
+    table = [[c[k] for k in common] + [sum(v for k, v in c.items() if k not in common)] for c in (ca, cb)]
+    table = np.array([col for col in zip(*table) if sum(col)]).T
+    return float(chi2_contingency(table)[1])
+
+
+def test_sampling_with_drafts_keeps_the_targets_distribution(tiny, monkeypatch):
+    """400 seeded samples with n-gram drafts against 400 plain ones on other seeds (so the
+    two are independent draws, not the same stream): the frequencies of the three tokens
+    after the first (the positions drafts can fill) pass a chi-square test, while a broken
+    acceptance rule that keeps every draft fails it by far."""
+    import jaxserve.runner as runner_module
+    from jaxserve.engine import Engine
+
+    cfg = dict(TINY, max_num_seqs=64, max_num_batched_tokens=256, num_pages=256)
+    prompt = [5, 9, 17] * 8  # drafts continue the cycle; the target keeps about one in eight
+    spec = dict(json.loads(NGRAM), disable_by_batch_size=None)
+    plain = _sample_many(Engine(EngineConfig(**cfg), loaded=tiny), prompt, range(0, 400))
+    engine = Engine(EngineConfig(**cfg, speculative_config=spec), loaded=tiny)
+    drafted = _sample_many(engine, prompt, range(400, 800))
+    assert engine.spec_decode.num_accepted_tokens >= 50, engine.spec_decode
+    tail = [x[1:] for x in plain]
+    assert _chi_square_p(tail, [x[1:] for x in drafted]) > 1e-3
+    monkeypatch.setattr(runner_module, "num_drafts_kept", lambda drafts, targets: len(drafts))
+    broken = _sample_many(engine, prompt, range(400, 800))
+    assert _chi_square_p(tail, [x[1:] for x in broken]) < 1e-6
+
+
 # ---------------------------------------------------------------------- engine, embedded model
 # Run in a child process: late in a full-suite run (many engines, torch, servers before it),
 # loading this engine's executables from the persistent cache crashed the test process twice
