@@ -220,7 +220,8 @@ class Engine:
         why = ("the model has no tokenizer" if self.tokenizer is None
                else "the engine runs with structured_outputs=False")
         limits = InputLimits(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-                             max_logprobs=self.config.max_logprobs, max_n=self.config.max_n)
+                             max_logprobs=self.config.max_logprobs, max_n=self.config.max_n,
+                             prompt_logprobs=self.config.num_processes == 1)
         return InputProcessor(limits, self.tokenizer, self.structured, why, seed=self.config.seed)
 
     def add_prompt(
@@ -321,7 +322,7 @@ class Engine:
         if ro.spec_decode is not None:
             self.spec_decode.merge(ro.spec_decode)
         updates = self.scheduler.update_from_output(so, ro.sampled_token_ids)
-        processed = self.outputs.process(updates, ro.logprobs)
+        processed = self.outputs.process(updates, ro.logprobs, ro.prompt_logprobs)
         for seq_id, stop_str in processed.stopped_by_string:
             self.scheduler.finish_requests(seq_id, FinishReason.STOP, stop_str)
         if self.proposer is not None and not self.scheduler.has_unfinished_requests():

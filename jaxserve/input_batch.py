@@ -37,6 +37,7 @@ class CachedRequestState:
     bias_ids_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] int32, -1 padded
     bias_values_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] f32
     matcher: Matcher | None = None  # structured output: the grammar state after the outputs
+    num_prompt_logprobs: int = 0  # prompt positions scored so far (params.prompt_logprobs set)
 
     @property
     def uses_penalties(self) -> bool:

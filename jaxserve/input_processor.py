@@ -61,6 +61,7 @@ class InputLimits:
     max_logprobs: int
     max_n: int
     max_prompt_chars: int | None = None  # None: no character limit (the batch API)
+    prompt_logprobs: bool = True  # False: refused (a multi-host engine does not score prompts yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,11 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > lim.max_logprobs:
             name = (field_names or {}).get("logprobs", "logprobs")
             raise InputError(f"{name} must be <= {lim.max_logprobs} (max_logprobs), got {params.logprobs}", name)
+        if params.prompt_logprobs is not None and not lim.prompt_logprobs:
+            raise InputError("prompt_logprobs is not supported on a multi-host engine yet", "prompt_logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > lim.max_logprobs:
+            raise InputError(f"prompt_logprobs must be <= {lim.max_logprobs} (max_logprobs), "
+                             f"got {params.prompt_logprobs}", "prompt_logprobs")
         if params.n > lim.max_n:
             raise InputError(f"n must be <= {lim.max_n}, got {params.n}", "n")
         if len(params.stop) > MAX_STOP_STRINGS:

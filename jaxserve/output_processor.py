@@ -47,6 +47,7 @@ class _Parent:
     kind: OutputKind = OutputKind.CUMULATIVE
     num_completion_tokens: int = 0
     prompt_sent: bool = False  # DELTA: the prompt's ids went out with the first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: filled as prefill runs
 
 
 @dataclasses.dataclass
@@ -91,6 +92,8 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(arrival_time),
                          [CompletionOutput(index=i, logprobs=[] if with_lp else None) for i in range(params.n)],
                          params.n, kind=kind)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self._parents[request_id] = parent
         ids = child_ids(request_id, params.n)
         for i, cid in enumerate(ids):
@@ -121,9 +124,15 @@ class OutputProcessor:
                 child.parent.metrics.first_scheduled_time = now
 
     # ------------------------------------------------------------------ one step
-    def process(self, updates: Sequence[RequestUpdate], logprobs: dict[str, list[TokenLogprob]]) -> ProcessedOutputs:
-        """`logprobs`: one entry per new token id, for the sequences that asked."""
+    def process(self, updates: Sequence[RequestUpdate], logprobs: dict[str, list[TokenLogprob]],
+                prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None) -> ProcessedOutputs:
+        """`logprobs`: one entry per new token id, for the sequences that asked;
+        `prompt_logprobs`: entries from this step's prefill chunks (first index, entries)."""
         now = time.monotonic()
+        for seq_id, (first, entries) in (prompt_logprobs or {}).items():
+            child = self._children.get(seq_id)
+            if child is not None and child.parent.prompt_logprobs is not None:
+                child.parent.prompt_logprobs[first : first + len(entries)] = entries
         touched: dict[str, _Parent] = {}
         stopped: list[tuple[str, str]] = []
         for up in updates:
@@ -235,6 +244,7 @@ class OutputProcessor:
             metrics=dataclasses.replace(parent.metrics),
             error=parent.error,
             error_param=parent.error_param,
+            prompt_logprobs=list(parent.prompt_logprobs) if with_prompt and parent.prompt_logprobs else None,
         )
 
 

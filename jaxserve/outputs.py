@@ -87,3 +87,8 @@ class RequestOutput:
     # The request field the error is due to (its structured-output spec failed while it ran),
     # so fronts answer as for bad input; None: the engine failed it (a device step failed).
     error_param: str | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None first (nothing comes
+    # before it), then each token's logprob given the tokens before it, its rank and the top
+    # alternatives (as `CompletionOutput.logprobs`). Sent with the prompt's ids (every output
+    # when cumulative, the first one when DELTA); all entries are filled by then.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

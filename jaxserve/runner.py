@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve import parallel
+from jaxserve import parallel, prompt_logprobs
 from jaxserve.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.compilation.buckets import pick
 from jaxserve.compilation.compile_cache import CompileGuard
@@ -38,6 +38,8 @@ from jaxserve.compilation.step_programs import (
     backbone_jit,
     gather_pages_jit,
     logits_jit,
+    prompt_logprob_rows,
+    prompt_logprobs_jit,
     sample_jit,
     scatter_pages_jit,
 )
@@ -168,10 +170,11 @@ class ModelRunner:
             if flags.use_bitmask:  # the followers need the masks before the step
                 mask_s = self._fill_bitmask(so, tensors)
             self.channel.send_step(arrays, tensors, R, flags)
-        h_last = self.run_backbone(arrays)  # dispatched: the device runs while the host goes on
+        h_last, h_all = self.run_backbone(arrays)  # dispatched: the device runs while the host goes on
         if flags.use_bitmask and self.channel is None:
             mask_s = self._fill_bitmask(so, tensors)
         out = self.sample(h_last, tensors, R, flags)
+        prompt_lps = self._prompt_logprobs(so, h_all, T)
         token_ids = np.asarray(out.token_ids)
         lp = None
         if flags.num_logprobs is not None:
@@ -180,10 +183,32 @@ class ModelRunner:
                             padded_tokens=T, num_rows=R, mask_s=mask_s,
                             num_decode_tokens=sum(1 + s.num_draft_tokens for s in so.scheduled if not s.is_prefill))
         result = self._collect(so, token_ids, lp, timing)
+        if prompt_lps:
+            result = dataclasses.replace(result, prompt_logprobs=prompt_lps)
         self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
         if self._traffic_log is not None:
             self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
         return result
+
+    def _prompt_logprobs(self, so: SchedulerOutput, h_all: jax.Array, T: int) -> dict:
+        """Prompt logprobs of this step's prefill positions, for the requests that asked."""
+        states = self.input_batch.requests
+        plan = prompt_logprobs.plan_rows(so.scheduled, states)
+        if plan is None:
+            return {}
+        key = ShapeKey("prompt_logprobs", T, num_top=self.steps.max_logprobs)
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = functools.partial(prompt_logprobs_jit, self.graphdef, self.mesh, num_top=key.num_top)
+        self.guard.check([key.name])
+
+        def run_slice(rows, targets):
+            rows, targets = self._put((rows, targets))
+            out = exe(self.state, h_all, rows, targets)
+            return out["chosen_logprob"], out["chosen_rank"], out["top_logprobs"], out["top_token_ids"]
+
+        top_n = {rid: states[rid].params.prompt_logprobs for rid, _, _ in plan.owners}
+        return prompt_logprobs.score(plan, prompt_logprob_rows(T), run_slice, top_n)
 
     def _fill_bitmask(self, so: SchedulerOutput, tensors: SamplingTensors) -> float:
         t0 = time.perf_counter()
@@ -239,7 +264,7 @@ class ModelRunner:
     def run_step(self, arrays: StepArrays, tensors: SamplingTensors, num_rows: int,
                  flags: SamplerFlags) -> SamplerOutput:
         """The device part of a step (what every multi-host process runs)."""
-        return self.sample(self.run_backbone(arrays), tensors, num_rows, flags)
+        return self.sample(self.run_backbone(arrays)[0], tensors, num_rows, flags)
 
     def kv_cache_lost(self) -> bool:
         """True when a failed call had already consumed the donated cache buffers."""
@@ -295,16 +320,17 @@ class ModelRunner:
 
         return jax.tree.map(one, tree)
 
-    def run_backbone(self, arrays: StepArrays) -> jax.Array:
-        """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]."""
+    def run_backbone(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array]:
+        """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]
+        and every token's, before the final norm [T, E] (read only for prompt logprobs)."""
         tok, pos, md, lidx = self.device_inputs(arrays)
         exe = self.executables.get(ShapeKey("backbone", tok.shape[0]))
         if exe is not None:
-            h_last, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
+            h_last, h_all, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
         else:
-            h_last, self.kv_cache = backbone_jit(self.graphdef, self.attention_backend, self.mesh,
-                                                  self.state, self.kv_cache, tok, pos, md, lidx)
-        return h_last
+            h_last, h_all, self.kv_cache = backbone_jit(self.graphdef, self.attention_backend, self.mesh,
+                                                         self.state, self.kv_cache, tok, pos, md, lidx)
+        return h_last, h_all
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags) -> SamplerOutput:
@@ -325,7 +351,7 @@ class ModelRunner:
 
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
-        h_last = self.run_backbone(arrays)
+        h_last = self.run_backbone(arrays)[0]
         return logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=h_last.shape[0])
 
     def forward_numpy(self, arrays: StepArrays) -> np.ndarray:

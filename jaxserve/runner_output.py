@@ -72,6 +72,9 @@ class ModelRunnerOutput:
     timing: StepTiming
     grammar_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     spec_decode: SpecDecodeCounts | None = None  # None: no sequence carried drafts
+    # Requests that asked for prompt logprobs and prefilled this step: (index of the first
+    # prompt-logprobs entry filled, the entries), see `jaxserve.prompt_logprobs`.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def empty(cls, timing: StepTiming | None = None) -> ModelRunnerOutput:

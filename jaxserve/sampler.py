@@ -326,7 +326,7 @@ def _random_sample(logits: jax.Array, t: SamplingTensors, use_top_k_top_p: bool)
     return _inverse_cdf(probs, _row_uniforms(t.seeds, t.seeds_hi, t.output_pos))
 
 
-def _logprobs(raw_logits: jax.Array, token_ids: jax.Array, k: int) -> dict[str, jax.Array]:
+def token_logprobs(raw_logits: jax.Array, token_ids: jax.Array, k: int) -> dict[str, jax.Array]:
     """Logprobs of the raw model distribution: chosen token, its rank, and the top k."""
     lp = jax.nn.log_softmax(raw_logits, axis=-1)  # [R, V]
     chosen = jnp.take_along_axis(lp, token_ids[:, None], 1)[:, 0]  # [R]
@@ -377,7 +377,7 @@ def sample(
         token_ids = jnp.where(is_greedy | (sampled < 0), greedy, sampled)
     kept = {"processed_logits": x} if keep_processed else {}
     if num_logprobs is not None:
-        return SamplerOutput(token_ids=token_ids, **_logprobs(raw, token_ids, num_logprobs), **kept)
+        return SamplerOutput(token_ids=token_ids, **token_logprobs(raw, token_ids, num_logprobs), **kept)
     return SamplerOutput(token_ids=token_ids, **kept)
 
 

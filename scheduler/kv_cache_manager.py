@@ -158,9 +158,10 @@ class KVCacheManager:
 
         At least the last token is always left to compute (the runner needs its logits), so
         the hit is capped at ``num_tokens - 1`` and floored to the block size. The blocks are
-        not yet referenced; pass them to ``allocate_slots``.
+        not yet referenced; pass them to ``allocate_slots``. A request that asks for prompt
+        logprobs never hits: its prompt's logits must all be computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return _NO_HIT
         num_tokens = request.num_tokens
         max_hit_blocks = (num_tokens - 1) // self.block_size

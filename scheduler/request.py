@@ -114,6 +114,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of every prompt token after the first (the actual token's and the top-k
+    # alternatives'; 0: the actual token's only). Such a request skips the prefix cache:
+    # a cached position's logits are never computed.
+    prompt_logprobs: int | None = None
     cache_salt: str | None = None
     priority: int = 0
     skip_special_tokens: bool = True
@@ -155,7 +159,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _verify(self) -> None:
-        for name in ("n", "max_tokens", "min_tokens", "top_k", "priority", "logprobs"):
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "priority", "logprobs",
+                     "prompt_logprobs"):
             v = getattr(self, name)
             if _is_int(v) and not -_INT32 <= v < _INT32:  # they land in int32 device buffers
                 raise ValueError(f"{name} must be in [-2**31, 2**31), got {v!r}")
@@ -204,6 +209,8 @@ class SamplingParams:
                 )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):

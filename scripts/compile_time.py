@@ -23,7 +23,7 @@ def compile_seconds(loaded, tokens: int, backend: str) -> float:
     runner = ModelRunner(loaded, num_pages=64, page_size=16, attention_backend=backend)
     arrays = BatchBuilder(tokens, 8, 16, 16).build([], tokens, 8)
     t0 = time.perf_counter()
-    runner.run_backbone(arrays).block_until_ready()
+    runner.run_backbone(arrays)[0].block_until_ready()
     return time.perf_counter() - t0
 
 

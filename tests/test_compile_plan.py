@@ -28,7 +28,7 @@ def test_plan_is_m_plus_n_shapes():
     assert plan.token_buckets == (16, 32, 64, 128, 256, 512)
     assert plan.request_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert len(plan.sampler_variants) == 10  # 3 modes + 2 masked ones, each with logprobs off / on
-    assert len(plan.shapes()) == len(plan) == 6 + 7 * (1 + 10) + 3
+    assert len(plan.shapes()) == len(plan) == 6 * 2 + 7 * (1 + 10) + 3  # backbone and prompt logprobs per T
     assert len({s.name for s in plan.shapes()}) == len(plan)
     unmasked = CompilePlan.from_config(dataclasses.replace(cfg, structured_outputs=False), swap_enabled=True)
     assert len(unmasked.sampler_variants) == 6 and not any(f.use_bitmask for f in unmasked.sampler_variants)

@@ -335,7 +335,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
         config, model=spec.model, speculative_config=None, num_pages=report.num_pages, num_host_pages=0,
         preemption_mode="recompute", max_logprobs=0, structured_outputs=False)
     draft_plan = CompilePlan.from_config(draft_config, swap_enabled=False, platform=target.platform)
-    greedy = [k.name for k in draft_plan.shapes()
+    greedy = [k.name for k in dataclasses.replace(draft_plan, prompt_logprobs_top=None).shapes()
               if k.kind != "head" or variant_name(k.flags) == "greedy"]
     draft = _compile_plan(load_model_config(spec.model), draft_config, target, shapes=greedy, workers=workers,
                           progress=progress)

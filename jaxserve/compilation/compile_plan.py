@@ -52,9 +52,10 @@ def variant_name(flags: SamplerFlags) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeKey:
-    kind: str  # "backbone" | "logits" | "head" (the sampler) | "swap"
-    size: int  # T for the backbone, R for logits and the sampler, pages for swap copies
+    kind: str  # "backbone" | "logits" | "head" (the sampler) | "prompt_logprobs" | "swap"
+    size: int  # T for the backbone and prompt logprobs, R for logits and the sampler, pages for swaps
     flags: SamplerFlags | None = None  # head only
+    num_top: int = 0  # prompt_logprobs only: the top-k width (max_logprobs)
 
     @property
     def name(self) -> str:
@@ -64,6 +65,8 @@ class ShapeKey:
             return f"head[R={self.size},{variant_name(self.flags)}]"
         if self.kind == "logits":
             return f"logits[R={self.size}]"
+        if self.kind == "prompt_logprobs":
+            return f"prompt_logprobs[T={self.size},k={self.num_top}]"
         return f"swap[{self.size}]"
 
 
@@ -73,6 +76,9 @@ class CompilePlan:
     request_buckets: tuple[int, ...]
     sampler_variants: tuple[SamplerFlags, ...]
     swap_sizes: tuple[int, ...]
+    # Top-k width of the prompt-logprobs programs (one per token bucket); None: not planned
+    # (a draft model's plan).
+    prompt_logprobs_top: int | None = None
 
     @classmethod
     def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
@@ -96,18 +102,21 @@ class CompilePlan:
             request_buckets=tuple(request_buckets(config.max_num_seqs)),
             sampler_variants=sampler_variants(config.max_logprobs, config.structured_outputs),
             swap_sizes=SWAP_SIZES if swap_enabled else (),
+            prompt_logprobs_top=config.max_logprobs,
         )
 
     def shapes(self) -> list[ShapeKey]:
         out = [ShapeKey("backbone", t) for t in self.token_buckets]
         out += [ShapeKey("logits", r) for r in self.request_buckets]
         out += [ShapeKey("head", r, f) for r in self.request_buckets for f in self.sampler_variants]
+        if self.prompt_logprobs_top is not None:
+            out += [ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top) for t in self.token_buckets]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
         return out
 
     def __len__(self) -> int:
-        return len(self.token_buckets) + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(
-            self.swap_sizes)
+        return (len(self.token_buckets) * (1 + (self.prompt_logprobs_top is not None))
+                + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(self.swap_sizes))
 
 
 # ---------------------------------------------------------------------- traffic-derived buckets

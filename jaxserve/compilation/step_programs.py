@@ -25,7 +25,14 @@ import pallas_kernels
 from jaxserve import parallel
 from jaxserve.compilation.compile_plan import ShapeKey
 from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.sampler import SamplingTensors, sample, token_logprobs
+
+PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
+
+
+def prompt_logprob_rows(num_tokens: int) -> int:
+    """Positions per prompt-logprobs call for a step of token bucket `num_tokens`."""
+    return min(num_tokens, PROMPT_LOGPROB_ROWS)
 
 
 def sds(shape, dtype, sharding: Sharding | None = None) -> jax.ShapeDtypeStruct:
@@ -78,6 +85,12 @@ class StepPrograms:
         if key.kind == "logits":
             h = sds((max_reqs, self.hidden_size), self.dtype, rep)
             return logits_jit.lower(self.graphdef, self.mesh, self.state, h, num_rows=key.size).compile()
+        if key.kind == "prompt_logprobs":
+            T = key.size
+            h = sds((T, self.hidden_size), self.dtype, rep)
+            P = prompt_logprob_rows(T)
+            return prompt_logprobs_jit.lower(self.graphdef, self.mesh, self.state, h, i32(P), i32(P),
+                                             num_top=key.num_top).compile()
         if key.kind == "head":
             logits = sds((key.size, self.vocab_size), jnp.float32, rep)
             t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
@@ -102,11 +115,12 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
         attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
         if model.config.is_moe:
             extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
-    h_last, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
-                             attention_fn=attention_fn, kv_update_fn=kv_update_fn, **extra)
-    if mesh is not None:  # the head receives replicated hidden states, as its warmup assumed
+    h_last, h_all, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
+                                    attention_fn=attention_fn, kv_update_fn=kv_update_fn, **extra)
+    if mesh is not None:  # the heads receive replicated hidden states, as their warmup assumed
         h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
-    return h_last, kv_cache
+        h_all = jax.lax.with_sharding_constraint(h_all, parallel.replicated(mesh))
+    return h_last, h_all, kv_cache
 
 
 def _logits(graphdef, mesh, state, h_last, *, num_rows):
@@ -121,6 +135,19 @@ def _logits(graphdef, mesh, state, h_last, *, num_rows):
     return logits
 
 
+def _prompt_logprobs(graphdef, mesh, state, h_all, rows, targets, *, num_top):
+    """Logprobs of prompt tokens, one slice of positions per call: rows `rows` [P] of the
+    step's pre-norm hidden states `h_all` [T, E] score the tokens `targets` [P] that follow
+    them. Returns the target's logprob and rank and the top `num_top` [P, K] of the raw
+    distribution (as the sampler's logprobs). P is fixed per token bucket, so a long chunk
+    takes several calls and the [P, V] logits stay small however large T and V are."""
+    model = nnx.merge(graphdef, state)
+    logits = model.compute_logits(model.final_hidden(jnp.take(h_all, rows, axis=0)))  # [P, V]
+    if mesh is not None:
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
+    return token_logprobs(logits, targets, num_top)
+
+
 def _sample(logits, tensors, *, flags):
     # The logits are donated and the processed ones returned, so scatters run in place.
     return sample(logits, tensors, **flags._asdict(), keep_processed=True)
@@ -128,6 +155,7 @@ def _sample(logits, tensors, *, flags):
 
 backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
+prompt_logprobs_jit = jax.jit(_prompt_logprobs, static_argnums=(0, 1), static_argnames=("num_top",))
 sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
 
 

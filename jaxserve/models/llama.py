@@ -166,8 +166,10 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: AttentionFn,
         kv_update_fn: KVUpdateFn,
         moe_fn: MoEFn = single_device_moe,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Returns the final-normed hidden states of rows `logits_indices` ([R, E]) and the cache."""
+    ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+        """Returns the final-normed hidden states of rows `logits_indices` ([R, E]), every
+        token's hidden state before the final norm ([T, E], for prompt logprobs; the layers
+        made it anyway, so it costs one output buffer) and the cache."""
         cfg = self.config
         k_cache, v_cache = kv_cache[:2]
         L, P, S, *row = k_cache.shape
@@ -219,10 +221,14 @@ class LlamaForCausalLM(nnx.Module):
 
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
-        h_last = rms_norm(jnp.take(h, logits_indices, axis=0), self.final_norm[...], cfg.rms_norm_eps,
-                          cfg.norm_weight_offset)
+        h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
         kv_cache = (pool[0].reshape(k_cache.shape), pool[1].reshape(v_cache.shape), *pool[2:])
-        return h_last, kv_cache
+        return h_last, h, kv_cache
+
+    def final_hidden(self, h: jax.Array) -> jax.Array:
+        """The final norm: [N, E] last-layer hidden states -> what `compute_logits` takes."""
+        cfg = self.config
+        return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_weight_offset)
 
     def _attention(self, h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn):
         """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, cache).

@@ -61,7 +61,7 @@ class DraftModelProposer:
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         greedy = sampler_variant(False, False, False, False, 0, False)
-        self.plan = dataclasses.replace(plan, sampler_variants=(greedy,), swap_sizes=())
+        self.plan = dataclasses.replace(plan, sampler_variants=(greedy,), swap_sizes=(), prompt_logprobs_top=None)
         self.kv = KVCacheManager(SchedulerConfig(
             block_size=page_size, num_blocks=num_pages, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False))

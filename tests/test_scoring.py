@@ -1,0 +1,99 @@
+"""Prompt logprobs on the embedded model, against transformers' log_softmax over the prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.compilation.compile_cache import EVENTS
+from scheduler import SamplingParams
+
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256)  # shared with test_engine_semantics
+SHORT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+LONG = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+        "who repaired every clock in the valley. Each morning he opened his shop, wound the tall clock by the "
+        "door, and listened to the ticking of a hundred small machines. Children came to watch him work, and "
+        "he told them stories about the gears. ") * 2
+
+
+def _hf_prompt_logprobs(hf_model, ids: list[int]) -> np.ndarray:
+    """[len(ids) - 1, V]: row i is the distribution of token i + 1 given tokens 0..i."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1).numpy()[:-1]
+
+
+def _score(engine, prompt: str, k: int, rid: str):
+    engine.add_prompt(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=k), request_id=rid)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.request_id == rid), out)
+    assert out is not None and out.finished
+    return out
+
+
+def _check_against_hf(out, ref: np.ndarray, k: int) -> None:
+    ids = out.prompt_token_ids
+    lps = out.prompt_logprobs
+    assert len(lps) == len(ids) and lps[0] is None
+    for i in range(1, len(ids)):
+        e, row = lps[i], ref[i - 1]
+        assert e.token_id == ids[i]
+        assert abs(e.logprob - row[ids[i]]) < 2e-3, (i, e.logprob, row[ids[i]])
+        hf_rank = int((row > row[ids[i]] + 2e-3).sum()) + 1  # ranks may differ only within a near tie
+        assert hf_rank <= e.rank <= int((row > row[ids[i]] - 2e-3).sum()) + 1, (i, e.rank)
+        assert len(e.top) == k
+        top = np.sort(row)[::-1][:k]
+        assert np.allclose([lp for _, lp in e.top], top, atol=2e-3), (i, e.top, top)
+        for tid, _ in e.top:  # the same set, except a token tied with the k-th
+            assert row[tid] >= top[-1] - 2e-3
+
+
+def test_prompt_logprobs_match_transformers_chunked_unchunked_and_after_a_prefix_hit(engine, hf_smollm):
+    """One chunk (a 20-token prompt), three chunks (a long prompt over a 64-token budget),
+    and the long prompt again once a plain request has cached it: the asking request skips
+    the cache (no cached tokens), so its logprobs are all computed, and still equal HF's."""
+    before = EVENTS.compiles
+    short = _score(engine, SHORT, 3, "short")
+    assert len(short.prompt_token_ids) < SMALL["max_num_batched_tokens"]
+    _check_against_hf(short, _hf_prompt_logprobs(hf_smollm, short.prompt_token_ids), 3)
+
+    long = _score(engine, LONG, 0, "long")
+    assert len(long.prompt_token_ids) > 2 * SMALL["max_num_batched_tokens"]
+    ref = _hf_prompt_logprobs(hf_smollm, long.prompt_token_ids)
+    _check_against_hf(long, ref, 0)
+
+    engine.add_prompt(LONG, SamplingParams(max_tokens=1), request_id="warm-the-cache")
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = _score(engine, LONG, 5, "again")
+    assert again.usage.cached_tokens == 0
+    _check_against_hf(again, ref, 5)
+    assert EVENTS.compiles == before, f"{EVENTS.compiles - before} compilations after warmup"
+
+
+def test_prompt_logprobs_beside_other_requests_and_through_delta_outputs(engine):
+    """Batched with plain requests (their spans sit between the asking one's rows) the
+    entries are the same as alone; a DELTA stream sends them once, with the first output."""
+    from jaxserve.outputs import OutputKind
+
+    alone = _score(engine, SHORT, 2, "alone").prompt_logprobs
+    engine.add_prompt(LONG, SamplingParams(max_tokens=8), request_id="other")
+    engine.add_prompt(SHORT, SamplingParams(max_tokens=4, prompt_logprobs=2), request_id="delta",
+                      output_kind=OutputKind.DELTA)
+    engine.add_prompt(LONG[:100], SamplingParams(max_tokens=8), request_id="third")
+    sent = []
+    while engine.has_unfinished_requests():
+        sent += [o.prompt_logprobs for o in engine.step() if o.request_id == "delta"]
+    assert sent[0] is not None and all(s is None for s in sent[1:])
+    assert [e and (e.token_id, e.rank) for e in sent[0]] == [e and (e.token_id, e.rank) for e in alone]
+    assert np.allclose([e.logprob for e in sent[0][1:]], [e.logprob for e in alone[1:]], atol=1e-4)
+
+
+def test_prompt_logprobs_are_checked(engine):
+    with pytest.raises(ValueError, match="prompt_logprobs must be None or an integer >= 0"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= 20 \(max_logprobs\)"):
+        engine.add_prompt(SHORT, SamplingParams(prompt_logprobs=21))
