@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, TokenLogprob
 from scheduler import SamplingParams, StructuredOutputsParams
 from server.core_types import PromptInput
 from server.proto import jaxserve_pb2 as pb
@@ -13,7 +13,7 @@ from server.proto import jaxserve_pb2 as pb
 _SCALAR_FIELDS = (
     "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "ignore_eos",
-    "logprobs", "cache_salt", "priority", "skip_special_tokens", "include_stop_str_in_output",
+    "logprobs", "cache_salt", "priority", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs",
 )
 
 
@@ -95,16 +95,22 @@ def output_to_proto(out: RequestOutput, reported: set[int] | None = None, *,
         d = resp.outputs.add(index=c.index, text=c.delta_text, token_ids=c.delta_token_ids,
                              finish_reason=c.finish_reason or "")
         if c.delta_logprobs:
-            for lp in c.delta_logprobs:
-                t = d.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
-                for tid, tlp in lp.top:
-                    t.top.add(token_id=tid, logprob=tlp)
+            _add_logprobs(d.logprobs, c.delta_logprobs)
         if isinstance(c.stop_reason, str):
             d.stop_str = c.stop_reason
         elif isinstance(c.stop_reason, int):
             d.stop_token_id = c.stop_reason
+    if out.prompt_logprobs:
+        _add_logprobs(resp.prompt_logprobs, out.prompt_logprobs[1:])
     u = out.usage
     resp.usage.prompt_tokens = u.prompt_tokens
     resp.usage.completion_tokens = u.completion_tokens
     resp.usage.cached_tokens = u.cached_tokens
     return resp
+
+
+def _add_logprobs(field: Any, lps: list[TokenLogprob]) -> None:
+    for lp in lps:
+        t = field.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+        for tid, tlp in lp.top:
+            t.top.add(token_id=tid, logprob=tlp)

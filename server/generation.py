@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, Usage
 from server.admission import Reservation
 from server.engine_loop import new_error_id
 from server.errors import ErrorKind, ServeError
@@ -36,6 +36,8 @@ class Generation:
         self.ticket = object()
         self.finished_indices: set[int] = set()
         self.last_usage = Usage(0, 0, 0)
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked
         self._on_close = on_close
         self._abort = abort
         self._closed = False
@@ -79,6 +81,10 @@ class Generation:
 
     def _note(self, out: RequestOutput) -> None:
         self.last_usage = out.usage
+        if out.prompt_token_ids and not self.prompt_token_ids:
+            self.prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs:
             if c.finish_reason is not None:
                 self.finished_indices.add(c.index)

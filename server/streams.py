@@ -65,6 +65,7 @@ class StreamBuffer:
         self._seqs: dict[int, _SeqDelta] = {}
         self._latest: RequestOutput | None = None  # usage, finished, error, prompt of the merged deltas
         self._prompt_token_ids: list[int] | None = None
+        self._prompt_logprobs: list | None = None  # the first output's, until taken
         self._terminal: Terminal | None = None
         self._ready = asyncio.Event()
         self._on_engine_done = on_engine_done
@@ -92,6 +93,8 @@ class StreamBuffer:
     def _merge(self, out: RequestOutput) -> None:
         if self._prompt_token_ids is None and out.prompt_token_ids:
             self._prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = out.prompt_logprobs
         for c in out.outputs:
             s = self._seqs.get(c.index)
             if s is None:
@@ -132,8 +135,10 @@ class StreamBuffer:
             outputs.append(CompletionOutput(
                 index=c.index, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 delta_text="".join(s.text), delta_token_ids=s.token_ids, delta_logprobs=s.logprobs))
-        merged = dataclasses.replace(latest, outputs=outputs, prompt_token_ids=self._prompt_token_ids or [])
+        merged = dataclasses.replace(latest, outputs=outputs, prompt_token_ids=self._prompt_token_ids or [],
+                                     prompt_logprobs=self._prompt_logprobs)
         self._seqs.clear()
         self._latest = None
         self._prompt_token_ids = []
+        self._prompt_logprobs = None
         return merged

@@ -185,6 +185,45 @@ def test_logprobs_stop_and_logit_bias(client, base, model):
     assert not greedy_first.startswith(r.choices[0].text)
 
 
+def test_echo_logprobs_scores_the_prompt_as_the_legacy_api_and_vllm_frame_it(srv, client, base, model):
+    """What evaluation harnesses send for log-likelihoods: echo + logprobs + max_tokens 0.
+    The prompt comes back as the text, its tokens' logprobs (null first) equal the batch
+    API's prompt_logprobs, nothing generated is shown or counted. With max_tokens > 0 and
+    streamed, the prompt's entries lead the first chunk; n > 1 echoes each choice."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    want = batch_generate(srv, [prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    ids, plp = want.prompt_token_ids, want.prompt_logprobs
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == prompt and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in plp[1:]], abs=1e-4)
+    assert "".join(lp.tokens) == prompt and lp.text_offset == sorted(lp.text_offset)
+    for i, top in enumerate(lp.top_logprobs[1:], 1):  # the top 2 and the prompt's own token
+        assert 2 <= len(top) <= 3 and top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i], abs=1e-4)
+    vllm = c.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and vllm[1][str(ids[1])]["logprob"] == pytest.approx(plp[1].logprob, abs=1e-4)
+    assert vllm[1][str(ids[1])]["rank"] == plp[1].rank
+    # streamed, with generated tokens after the prompt
+    with httpx.stream("POST", base + "/v1/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "echo": True,
+                            "logprobs": 1, "stream": True, "ignore_eos": True}) as resp:
+        chunks = [e for e in sse_events(resp) if e != "[DONE]"]
+    tokens = [t for ch in chunks for t in (ch["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    values = [v for ch in chunks for v in (ch["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+    assert len(tokens) == len(ids) + 4 and values[0] is None and None not in values[1:]
+    assert values[1:len(ids)] == pytest.approx([e.logprob for e in plp[1:]], abs=1e-4)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(prompt)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2, echo=True, temperature=0.8, seed=1)
+    assert [c.text.startswith(prompt) for c in r.choices] == [True, True]
+    # vLLM's prompt_logprobs field on chat: top level, None first
+    r = post(base, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                            "max_tokens": 1, "prompt_logprobs": 0})
+    got = r.json()["prompt_logprobs"]
+    assert r.status_code == 200 and got[0] is None and all(len(e) == 1 for e in got[1:])
+
+
 def test_served_model_names(srv, client, base, monkeypatch):
     import dataclasses
 
@@ -225,7 +264,9 @@ def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo (scoring)
+    ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 50}, 400, "prompt_logprobs"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),

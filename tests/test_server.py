@@ -206,6 +206,13 @@ def test_logprobs_usage_and_stop(srv, stub):
     _, _, _, last = generate(stub, text_req("The capital of France is " * 4, max_tokens=2))
     _, _, _, last = generate(stub, text_req("The capital of France is " * 4, max_tokens=2))
     assert last.usage.cached_tokens >= 16
+    # prompt logprobs: in the first response only, one per prompt token after the first
+    resps, _, _, last = generate(stub, text_req("The capital of France is " * 4, max_tokens=3, prompt_logprobs=2))
+    assert [len(r.prompt_logprobs) for r in resps][1:] == [0] * (len(resps) - 1)
+    plp = resps[0].prompt_logprobs
+    assert len(plp) == last.usage.prompt_tokens - 1 and last.usage.cached_tokens == 0  # skips the cache
+    assert all(len(e.top) == 2 and e.rank >= 1 and e.logprob <= 0 for e in plp)
+    assert [e.rank for e in plp[-5:-1]] == [1] * 4, [e.rank for e in plp]  # the fourth repeat is no surprise
 
 
 # ---------------------------------------------------------------------------- cancellation

@@ -73,10 +73,13 @@ class _Sampling(_Body):
     best_of: int | None = None  # accepted only when equal to n: the engine returns all n it samples
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, json_object, regex, choice, grammar
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (non-streamed calls)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options: only allowed with stream=true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise invalid("prompt_logprobs: not available with stream=true", "prompt_logprobs")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of: only best_of == n is supported (every sampled sequence is returned)", "best_of")
 
@@ -91,7 +94,8 @@ class _Sampling(_Body):
                 raise invalid(f"logit_bias: keys must be token ids, got {k!r}", "logit_bias") from None
         return out
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
             name: getattr(self, name) for name in (
                 "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -99,7 +103,8 @@ class _Sampling(_Body):
                 "include_stop_str_in_output", "cache_salt", "priority", "stop")
             if getattr(self, name) is not None}
         fields.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=self.logit_bias_ids(),
-                      structured_outputs=self.structured_spec())
+                      structured_outputs=self.structured_spec(),
+                      prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         try:
             return SamplingParams(**fields)
         except ValueError as e:
@@ -145,10 +150,22 @@ class CompletionRequest(_Sampling):
         self.check_common()
         if self.suffix:
             raise invalid("suffix: insertion (fill-in-the-middle) is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo with logprobs needs prompt logprobs, which the engine does not compute", "echo")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise invalid(f"max_tokens must be an integer >= 1, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise invalid(f"max_tokens must be an integer >= {0 if self.echo else 1}, got {self.max_tokens}",
+                          "max_tokens")
+
+    @property
+    def score_only(self) -> bool:
+        """echo with max_tokens 0 (log-likelihood scoring): the prompt comes back, nothing
+        generated; the engine samples one token (vLLM does the same) that is not shown."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echo_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: the explicit field, else `logprobs` when echoing."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

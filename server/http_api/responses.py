@@ -8,7 +8,7 @@ stream does. Token strings for logprobs come from `TokenText`, which decodes eac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.outputs import TokenLogprob, Usage
@@ -39,18 +39,54 @@ def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, An
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
-def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
-    """OpenAI's legacy shape: parallel lists; `offset` is where this delta's text starts."""
-    tokens, offsets = [], []
+def completion_logprobs(lps: Sequence[TokenLogprob | int], text: TokenText, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy shape: parallel lists; `offset` is where this delta's text starts. A
+    bare token id is a token without a logprob (an echoed prompt's first token: null)."""
+    tokens, offsets, values, tops = [], [], [], []
     for lp in lps:
+        tid = lp if isinstance(lp, int) else lp.token_id
         offsets.append(offset)
-        s = text(lp.token_id)
+        s = text(tid)
         tokens.append(s)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{text(t): _finite(v) for t, v in lp.top} | {text(lp.token_id): _finite(lp.logprob)}
-                             for lp in lps],
-            "text_offset": offsets}
+        if isinstance(lp, int):
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(_finite(lp.logprob))
+            tops.append({text(t): _finite(v) for t, v in lp.top} | {s: _finite(lp.logprob)})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoedPrompt:
+    """What `echo` puts before a prompt's choices: its text and, with logprobs, its tokens'
+    entries (the first token's logprob is null: nothing comes before it)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_logprobs: list[TokenLogprob | None] | None
+
+    def logprob_entries(self) -> list[TokenLogprob | int]:
+        lps = self.prompt_logprobs or [None] * len(self.token_ids)
+        return [lp if lp is not None else tid for tid, lp in zip(self.token_ids, lps)]
+
+
+def vllm_prompt_logprobs(lps: list[TokenLogprob | None] | None, text: TokenText) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or
+    {token id: {logprob, rank, decoded_token}} for the token and its top alternatives."""
+    if lps is None:
+        return None
+    out: list[Any] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": _finite(v), "rank": r + 1, "decoded_token": text(t)}
+                 for r, (t, v) in enumerate(lp.top)}
+        entry[str(lp.token_id)] = {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": text(lp.token_id)}
+        out.append(entry)
+    return out
 
 
 @dataclasses.dataclass
@@ -76,19 +112,29 @@ class ChoiceState:
 
 
 def completion_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
-                    text: TokenText, echo: list[str] | None) -> dict[str, Any]:
+                    text: TokenText, prompts: list[EchoedPrompt], n: int, *, echo: bool = False,
+                    score_only: bool = False) -> dict[str, Any]:
+    """`prompts`: per prompt, what echo shows and its prompt logprobs; `score_only`: echo with
+    max_tokens 0 (the prompt alone comes back, its one sampled token is dropped)."""
     out = []
     for c in choices:
-        prefix = echo[c.index] if echo is not None else ""
-        out.append({"index": c.index, "text": prefix + "".join(c.text),
-                    "logprobs": completion_logprobs(c.logprobs, text, 0) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        p = prompts[c.index // n]
+        lps = None
+        if c.logprobs is not None:
+            lps = (p.logprob_entries() if echo else []) + ([] if score_only else c.logprobs)
+        out.append({"index": c.index, "text": (p.text if echo else "") + ("" if score_only else "".join(c.text)),
+                    "logprobs": completion_logprobs(lps, text, 0) if lps is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "prompt_logprobs": vllm_prompt_logprobs(p.prompt_logprobs, text)})
+    if score_only:
+        usage = dataclasses.replace(usage, completion_tokens=0)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage_json(usage), "system_fingerprint": None}
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
-              text: TokenText, tools: Callable[[], Any] | None = None) -> dict[str, Any]:
+              text: TokenText, tools: Callable[[], Any] | None = None,
+              prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
     """`tools` makes each choice's tool handling (`tools.ChoiceTools`), for calls in the reply."""
     out = []
     for c in choices:
@@ -101,7 +147,8 @@ def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], us
                     "logprobs": {"content": chat_logprobs(c.logprobs, text)} if c.logprobs is not None else None,
                     "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-            "usage": usage_json(usage), "system_fingerprint": None}
+            "usage": usage_json(usage), "system_fingerprint": None,
+            "prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs, text)}
 
 
 def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -45,6 +45,7 @@ from server.http_api.protocol import (
 )
 from server.http_api.responses import (
     ChoiceState,
+    EchoedPrompt,
     chat_body,
     chat_logprobs,
     chunk,
@@ -166,7 +167,7 @@ class OpenAIFront:
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else await self.core.detokenize(tenant, p, "prompt") for p in prompts]
-        params = req.sampling_params(req.max_tokens or 1, req.logprobs)
+        params = req.sampling_params(req.max_tokens or 1, req.logprobs, req.echo_prompt_logprobs)
         gens = []
         async with contextlib.AsyncExitStack() as stack:
             for i, p in enumerate(prompts):
@@ -183,8 +184,11 @@ class OpenAIFront:
                 return EventStream(events, stack.pop_all(), self.core.options.stream_idle_timeout,
                                    self.core.count_stream_idle_abort)
             choices = await until_disconnect(request, _collect(gens, req.n))
+            prompts = [EchoedPrompt(echo[i] if echo else "", g.prompt_token_ids, g.prompt_logprobs)
+                       for i, g in enumerate(gens)]
             return JSONResponse(completion_body(rid, created, model, choices, sum_usage([g.last_usage for g in gens]),
-                                                self.token_text, echo))
+                                                self.token_text, prompts, req.n, echo=req.echo,
+                                                score_only=req.score_only))
 
     async def chat(self, request: Request) -> Response:
         tenant, req = await self._request(request, ChatCompletionRequest)
@@ -219,7 +223,7 @@ class OpenAIFront:
                                    self.core.count_stream_idle_abort)
             choices = await until_disconnect(request, _collect([gen], req.n))
             return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text,
-                                          choice_tools))
+                                          choice_tools, gen.prompt_logprobs))
 
     async def _completion_events(self, gens: list[Generation], req: CompletionRequest, rid: str, created: int,
                                  model: str, echo: list[str] | None) -> AsyncIterator[bytes]:
@@ -233,15 +237,21 @@ class OpenAIFront:
             for c in out.outputs:
                 idx = pi * n + c.index
                 new_finish = c.finish_reason is not None and idx not in reported
-                text = c.delta_text
+                text, delta_lps = c.delta_text, c.delta_logprobs
+                if req.score_only:  # the one sampled token is not shown
+                    text, delta_lps = "", ([] if delta_lps is not None else None)
                 if echo is not None and idx not in offsets:
                     text = echo[pi] + text
-                if not (text or c.delta_token_ids or new_finish):
+                    if delta_lps is not None:
+                        g = gens[pi]
+                        delta_lps = EchoedPrompt(echo[pi], g.prompt_token_ids, g.prompt_logprobs).logprob_entries() + \
+                            delta_lps
+                if not (text or delta_lps or (c.delta_token_ids and not req.score_only) or new_finish):
                     continue
                 if new_finish:
                     reported.add(idx)
                 off = offsets.get(idx, 0)
-                lps = completion_logprobs(c.delta_logprobs, self.token_text, off) if c.delta_logprobs else None
+                lps = completion_logprobs(delta_lps, self.token_text, off) if delta_lps else None
                 offsets[idx] = off + len(text)
                 choices.append({"index": idx, "text": text, "logprobs": lps,
                                 "finish_reason": c.finish_reason if new_finish else None,
