@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -29,6 +31,7 @@ from jaxserve.input_batch import STOP_ID_WIDTH
 from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
 from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
 from jaxserve.loading import LoadedModel, load_model
+from jaxserve.loading.loader import resolve_dtype
 from jaxserve.output_processor import OutputProcessor, child_ids
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
@@ -64,6 +67,7 @@ class Engine:
         self.distributed = self._join_processes(config)  # before anything touches a JAX backend
         self.config = config = config.with_platform_defaults()
         self.healthy = True
+        self.weights_version = 0  # update_weights calls so far
         self.unhealthy_reason: str | None = None
         self.dtype = config.resolved_dtype()
         self.cache_dir = config.resolved_cache_dir()
@@ -295,6 +299,39 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         return len(self.outputs)
 
+    def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> int:
+        """Takes new weights in place, without recompiling: `source` is an HF directory, a
+        jaxserve (orbax) checkpoint, a GGUF file, or a mapping of every HF tensor name to an
+        array. The model's config must be the running one's and every tensor must match the
+        running one's shape and dtype (quantized as the engine runs); otherwise ValueError
+        naming the tensor, and nothing changes. Requests in flight are aborted (finish reason
+        "abort"): none finishes on a mix of weights. The prefix cache is reset (its K/V came
+        from the old weights). Returns the new `weights_version`."""
+        if self.config.num_processes > 1:
+            raise ValueError("update_weights: not supported on a multi-host engine yet (no process updates)")
+        loaded = self._load_update(source)
+        if loaded.config != self.model_config:
+            raise ValueError(f"update_weights: the new weights' model config differs from the running one's "
+                             f"({_config_difference(loaded.config, self.model_config)})")
+        self.abort_all()
+        while self.has_unfinished_requests():  # the aborts reach the scheduler and runner
+            self.step()
+        self.runner.replace_params(loaded.params, loaded.config)
+        self.reset_prefix_cache()
+        self.weights_version += 1
+        logger.info("weights updated (version %d)", self.weights_version)
+        return self.weights_version
+
+    def _load_update(self, source: str | os.PathLike | Mapping[str, Any]) -> LoadedModel:
+        from jaxserve.loading.hf_loader import TensorMapping, load_hf_params
+
+        config = self.config
+        if isinstance(source, Mapping):
+            params = load_hf_params("", self.model_config, resolve_dtype(self.dtype), config.quantization,
+                                    config.quantize_lm_head, index=TensorMapping(source))
+            return LoadedModel(self.model_config, params, None, self.model.dtype, "mapping", "", config.quantization)
+        return self._load(dataclasses.replace(config, model=os.fspath(source)), None)
+
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix (after a weight reload, say); blocks running requests
         hold are never shared afterwards either. Returns how many blocks lost their hash."""
@@ -477,3 +514,10 @@ def run_follower_process(config: EngineConfig) -> None:
     engine.run_follower()
     engine.close()
     distributed.exit_follower(0)
+
+
+def _config_difference(new: Any, running: Any) -> str:
+    """The fields that differ between two model configs, as `name: new vs running`."""
+    diffs = [f"{f.name}: {getattr(new, f.name)!r} vs {getattr(running, f.name)!r}"
+             for f in dataclasses.fields(running) if getattr(new, f.name) != getattr(running, f.name)]
+    return "; ".join(diffs[:4]) or "equal fields"

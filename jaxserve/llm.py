@@ -33,6 +33,17 @@ class LLM:
         cache is warm), so generation never waits on the compiler. Returns a WarmupReport."""
         return self.engine.warmup(progress=progress)
 
+    def update_weights(self, source: Any) -> int:
+        """New weights without a restart or a recompile (`Engine.update_weights`): an HF
+        directory, a jaxserve checkpoint, a GGUF file or {HF tensor name: array}. Returns the
+        new `weights_version`."""
+        return self.engine.update_weights(source)
+
+    @property
+    def weights_version(self) -> int:
+        """How many times the weights were updated since the engine started."""
+        return self.engine.weights_version
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

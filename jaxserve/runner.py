@@ -106,22 +106,19 @@ class ModelRunner:
         self.kv_layout = kv_layout
         self.max_pages_per_seq = max_pages_per_seq
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.expert_parallel = expert_parallel
+        self.matmul_precision = matmul_precision
         if self.mesh is None:
-            tp = 1
             self.config = loaded.config
-            params = {**loaded.params, "layers": fuse_projections(loaded.params["layers"])}
-            params = jax.tree.map(jnp.asarray, params)
+            params = jax.tree.map(jnp.asarray, self._serving_params(loaded.params, loaded.config))
             self.input_sharding = None
         else:  # tensor parallel: KV heads replicated up to tp when fewer, params sharded
-            tp = self.mesh.shape[parallel.MODEL_AXIS]
-            self.config = parallel.tp_model_config(loaded.config, tp, expert_parallel)
-            params = parallel.expand_kv_heads(loaded.params, loaded.config, self.config.num_kv_heads)
-            params = {**params, "layers": fuse_projections(params["layers"], tp, 1 if expert_parallel else tp)}
-            params = parallel.shard_params(params, self.config, self.mesh, expert_parallel)
+            self.config = parallel.tp_model_config(loaded.config, self.mesh.shape[parallel.MODEL_AXIS],
+                                                   expert_parallel)
+            params = parallel.shard_params(self._serving_params(loaded.params, loaded.config), self.config,
+                                           self.mesh, expert_parallel)
             self.input_sharding = parallel.replicated(self.mesh)
-        model = LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=expert_parallel and tp > 1,
-                                 matmul_precision=matmul_precision)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, self.state = nnx.split(self._model(params))
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype
         self.kv_cache = self._new_kv_cache()
@@ -143,6 +140,44 @@ class ModelRunner:
                                           vocab_size=self.config.vocab_size, structured=structured)
             self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size)
         self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
+
+    def _serving_params(self, params: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Loaded params (host arrays) as the model holds them: projections fused (and, under
+        tensor parallelism, KV heads replicated up to the degree), still on the host."""
+        if self.mesh is None:
+            return {**params, "layers": fuse_projections(params["layers"])}
+        tp = self.mesh.shape[parallel.MODEL_AXIS]
+        params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads)
+        return {**params, "layers": fuse_projections(params["layers"], tp, 1 if self.expert_parallel else tp)}
+
+    def _model(self, params: dict[str, Any]) -> LlamaForCausalLM:
+        tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
+        return LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
+                                matmul_precision=self.matmul_precision)
+
+    def replace_params(self, params: dict[str, Any], config: Any) -> None:
+        """New weights in place of the running ones, every compiled program kept: each tensor
+        must have the running one's shape and dtype (else ValueError naming it and both shapes,
+        before anything changes); it is placed with the running sharding and the old buffer
+        freed, one tensor at a time, so the peak is one tensor more than the params."""
+        new = nnx.split(self._model(self._serving_params(params, config)))[1]
+        old_leaves = jax.tree_util.tree_leaves_with_path(self.state)
+        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+        if [p for p, _ in old_leaves] != [p for p, _ in new_leaves]:
+            raise ValueError("the new weights hold other tensors than the running ones "
+                             f"({len(new_leaves)} tensors against {len(old_leaves)})")
+        for (path, old), (_, x) in zip(old_leaves, new_leaves):
+            if tuple(x.shape) != tuple(old.shape) or jnp.dtype(x.dtype) != old.dtype:
+                raise ValueError(f"weight {jax.tree_util.keystr(path)}: the new tensor is {tuple(x.shape)} "
+                                 f"{jnp.dtype(x.dtype).name}, the running one {tuple(old.shape)} {old.dtype.name}")
+        placed = []
+        for (_, old), (_, x) in zip(old_leaves, new_leaves):
+            if not isinstance(old, jax.Array):  # a host constant the model keeps (not a weight)
+                placed.append(x)
+                continue
+            placed.append(jax.device_put(x, old.sharding))
+            old.delete()
+        self.state = jax.tree_util.tree_unflatten(new_def, placed)
 
     # ------------------------------------------------------------------ the step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -124,6 +124,28 @@ class _SafetensorsIndex:
         return arr.astype(np.float32, copy=False)
 
 
+class TensorMapping:
+    """HF-named tensors held in memory ({name: array}), read as a checkpoint's would be."""
+
+    def __init__(self, tensors: Any, what: str = "the weight mapping"):
+        self._tensors = dict(tensors)
+        self.path = what
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        if name not in self._tensors:
+            raise MissingTensorError(f"{self.path} is missing tensor {name!r}")
+        return np.asarray(self._tensors[name])
+
+    def get(self, name: str) -> np.ndarray:
+        arr = self.raw(name)
+        if arr.dtype.kind not in "fV" or arr.dtype.itemsize < 2:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {arr.dtype}, not floating point")
+        return arr.astype(np.float32, copy=False)
+
+
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
@@ -147,10 +169,11 @@ _DECODER_PREFIXES = (("model.", ""), ("language_model.model.", "language_model."
 
 
 def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | None = None,
-                   quantize_lm_head: bool = False, published: str | None = None) -> dict[str, Any]:
+                   quantize_lm_head: bool = False, published: str | None = None, index: Any = None) -> dict[str, Any]:
     """The params tree; `quantization` as `assemble_params` takes it, `published` the
-    checkpoint's own method (`hf_quantization`), which `quantization` must equal when set."""
-    index = _SafetensorsIndex(path)
+    checkpoint's own method (`hf_quantization`), which `quantization` must equal when set.
+    `index`: tensors from elsewhere than `path`'s safetensors (`TensorMapping`)."""
+    index = _SafetensorsIndex(path) if index is None else index
     names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
     decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
                          _DECODER_PREFIXES[0])

@@ -1,0 +1,84 @@
+"""Weight updates in place (RL rollouts): a second checkpoint of the same shapes gives what a
+fresh engine on it gives, with nothing compiled; bad sources change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from scheduler import SamplingParams
+
+TINY = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=4, max_model_len=64,
+            max_logprobs=2, structured_outputs=False, compilation_cache_dir=None, warmup_threads=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two tiny Llama checkpoints of the same shapes (different seeds), and the second's tensors."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    paths, tensors = [], None
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(cfg)
+        path = tmp_path_factory.mktemp(f"ckpt{seed}")
+        model.save_pretrained(path)
+        paths.append(str(path))
+        tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return paths, tensors
+
+
+def _outputs(engine) -> list:
+    prompts = [[5, 9, 17, 3, 8, 1], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    ids = [engine.add_prompt(None, params, prompt_token_ids=p) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, [round(lp.logprob, 4) for lp in c.logprobs])
+    return [done[i] for i in ids]
+
+
+def test_an_update_reproduces_a_fresh_engine_with_nothing_compiled(checkpoints):
+    from jaxserve.engine import Engine
+
+    (first, second), tensors = checkpoints
+    want = _outputs(Engine(EngineConfig(model=second, **TINY)))
+    engine = Engine(EngineConfig(model=first, strict_compile_guard=True, **TINY))
+    engine.warmup()
+    before = _outputs(engine)
+    assert before != want  # the two checkpoints differ: the test can fail
+    engine.add_prompt(None, SamplingParams(max_tokens=30), prompt_token_ids=[1, 2, 3], request_id="in-flight")
+    engine.step()
+    assert engine.update_weights(second) == 1
+    assert not engine.has_unfinished_requests() and engine.scheduler.stats().num_used_blocks == 0
+    assert _outputs(engine) == want
+    assert engine.update_weights({k: v for k, v in tensors.items()}) == 2  # the same weights, from memory
+    assert _outputs(engine) == want
+    assert engine.update_weights(first) == 3
+    assert _outputs(engine) == before
+    assert engine.runner.guard.compiles_after_warmup == 0
+
+
+def test_a_bad_source_names_the_tensor_and_changes_nothing(checkpoints, tmp_path):
+    from jaxserve.engine import Engine
+
+    (first, _), tensors = checkpoints
+    engine = Engine(EngineConfig(model=first, **TINY))
+    want = _outputs(engine)
+    bad = dict(tensors)
+    bad["model.layers.1.mlp.down_proj.weight"] = np.zeros((32, 48), np.float32)
+    with pytest.raises(ValueError, match=r"layer 1 down_proj has shape \(48, 32\), expected \(64, 32\)"):
+        engine.update_weights(bad)
+    del bad["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+        engine.update_weights(bad)
+    with pytest.raises(FileNotFoundError):
+        engine.update_weights(str(tmp_path / "nothing-here"))
+    assert engine.weights_version == 0 and _outputs(engine) == want
