@@ -236,6 +236,19 @@ class ServingCore:
             has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)),
             max_logprobs=self.engine_config.max_logprobs, max_n=self.engine_config.max_n)
 
+    async def update_weights(self, tenant: Tenant, path: Any) -> int:
+        """Admin only: the engine takes the weights at `path` (`Engine.update_weights`);
+        returns its new weights version. A bad source is INVALID and changes nothing."""
+        if self.auth.required and not tenant.admin:
+            raise ServeError(ErrorKind.UNAUTHENTICATED, "update_weights: needs an admin key", code="admin_only")
+        if not isinstance(path, str) or not path:
+            raise invalid("path: a weights path (HF directory, jaxserve checkpoint or GGUF file) is required", "path")
+        self.require_serving()
+        try:
+            return await self.loop_runner.update_weights(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise invalid(f"path: {e}", "path") from None
+
     def server_info(self, tenant: Tenant) -> ServerInfo:
         """Server-wide engine state for admin tenants; others see the state and their own
         requests in flight only (the rest would tell them about the other tenants' load)."""

@@ -138,6 +138,16 @@ class EngineLoop:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         return await asyncio.wrap_future(self.submit(fn))
 
+    async def update_weights(self, source: str) -> int:
+        """New weights between two steps: the requests in flight end first, with finish
+        reason "abort" on their streams (none finishes on a mix of weights); requests that
+        arrive meanwhile wait for the engine thread and run on the new weights."""
+        def run(engine) -> int:
+            self._abort_all("the weights were updated")
+            return engine.update_weights(source)
+
+        return await self.call(run)
+
     async def add_request(
         self,
         request_id: str,

@@ -224,6 +224,22 @@ def test_echo_logprobs_scores_the_prompt_as_the_legacy_api_and_vllm_frame_it(srv
     assert r.status_code == 200 and got[0] is None and all(len(e) == 1 for e in got[1:])
 
 
+def test_update_weights_is_admin_only_and_keeps_serving(srv, client, model, base, smollm_path):
+    """The same weights again: a new version, the same greedy text, nothing compiled; a bad
+    path is a 400 naming `path` and changes nothing."""
+    before = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text
+    r = post(base, "/v1/update_weights", {"path": smollm_path})
+    assert r.status_code == 200, r.text
+    version = r.json()["weights_version"]
+    assert version >= 1 and srv.server.engine.weights_version == version
+    r = post(base, "/v1/update_weights", {"path": "/no/such/weights"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    assert post(base, "/v1/update_weights", {"path": smollm_path}, key="wrong").status_code == 401
+    assert srv.server.engine.weights_version == version
+    after = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text
+    assert after == before
+
+
 def test_served_model_names(srv, client, base, monkeypatch):
     import dataclasses
 

@@ -34,7 +34,7 @@ from jaxserve.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
 from server.core import ServingCore
 from server.core_types import GenerateInput, PromptInput, TokenText
-from server.errors import ErrorKind, ServeError
+from server.errors import ErrorKind, ServeError, invalid
 from server.generation import Generation
 from server.http_api.protocol import (
     ChatCompletionRequest,
@@ -80,7 +80,8 @@ class OpenAIFront:
                 ("/v1/completions", "POST", self.completions), ("/v1/chat/completions", "POST", self.chat),
                 ("/v1/models", "GET", self.models), ("/health", "GET", self.health),
                 ("/metrics", "GET", self.metrics_text), ("/tokenize", "POST", self.tokenize),
-                ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version)):
+                ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version),
+                ("/v1/update_weights", "POST", self.update_weights)):
             app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
 
     # ------------------------------------------------------------------ plumbing
@@ -325,6 +326,16 @@ class OpenAIFront:
         tenant = self._tenant(request) if self.core.auth.required else None
         body, content_type = self.core.metrics_exposition(tenant)
         return Response(body, media_type=content_type)
+
+    async def update_weights(self, request: Request) -> Response:
+        """Admin only: {"path": ...} -> {"weights_version": N} once the engine runs them."""
+        tenant = self._tenant(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise invalid("the body is not valid JSON") from None
+        path = body.get("path") if isinstance(body, dict) else None
+        return JSONResponse({"weights_version": await self.core.update_weights(tenant, path)})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
