@@ -208,3 +208,12 @@ class GrpcFront(pb_grpc.JaxServeServicer):
         except ServeError as e:
             await _abort(context, e)
         return pb.AbortResponse(found=found)
+
+    @_internal_errors
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context):
+        tenant = await self._caller(context)
+        try:
+            version = await self.core.update_weights(tenant, request.path)
+        except ServeError as e:
+            await _abort(context, e)
+        return pb.UpdateWeightsResponse(weights_version=version)

@@ -215,6 +215,15 @@ def test_logprobs_usage_and_stop(srv, stub):
     assert [e.rank for e in plp[-5:-1]] == [1] * 4, [e.rank for e in plp]  # the fourth repeat is no surprise
 
 
+def test_update_weights_over_grpc(srv, stub, smollm_path):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UpdateWeights(pb.UpdateWeightsRequest(path="/no/such/weights"), metadata=AUTH, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "path" in e.value.details()
+    version = srv.server.engine.weights_version
+    r = stub.UpdateWeights(pb.UpdateWeightsRequest(path=smollm_path), metadata=AUTH, timeout=120)
+    assert r.weights_version == version + 1 == srv.server.engine.weights_version
+
+
 # ---------------------------------------------------------------------------- cancellation
 def test_concurrent_streams_with_cancellations(srv, stub):
     info0 = server_info(stub)

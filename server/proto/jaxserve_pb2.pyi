@@ -287,3 +287,15 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weights_version",)
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    def __init__(self, weights_version: _Optional[int] = ...) -> None: ...

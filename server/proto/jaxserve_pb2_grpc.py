@@ -60,6 +60,11 @@ class JaxServeStub:
                 request_serializer=server_dot_proto_dot_jaxserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=server_dot_proto_dot_jaxserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/UpdateWeights',
+                request_serializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -98,6 +103,14 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Admin only: new weights in place (no restart, no recompile). Requests in flight end with
+        finish_reason "abort"; a bad path is INVALID_ARGUMENT and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=server_dot_proto_dot_jaxserve__pb2.AbortRequest.FromString,
                     response_serializer=server_dot_proto_dot_jaxserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/Abort',
             server_dot_proto_dot_jaxserve__pb2.AbortRequest.SerializeToString,
             server_dot_proto_dot_jaxserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/UpdateWeights',
+            server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
+            server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
