@@ -68,6 +68,7 @@ class Engine:
         self.config = config = config.with_platform_defaults()
         self.healthy = True
         self.weights_version = 0  # update_weights calls so far
+        self.sleep_level = 0  # 0: awake; 1: KV cache freed; 2: weights on the host too
         self.unhealthy_reason: str | None = None
         self.dtype = config.resolved_dtype()
         self.cache_dir = config.resolved_cache_dir()
@@ -241,6 +242,8 @@ class Engine:
         """Processes a prompt (text or ids) with `input_processor` and queues it; returns its
         id. Raises ValueError (an InputError naming the field) on bad input. The batch API's
         and the tests' way in; the servers process on their event loop and call `add_request`."""
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): call wake_up() first")
         params = params or SamplingParams()
         if prompt_token_ids is None:
             prompt_token_ids = self.input_processor.encode(prompt or "")
@@ -314,13 +317,45 @@ class Engine:
             raise ValueError(f"update_weights: the new weights' model config differs from the running one's "
                              f"({_config_difference(loaded.config, self.model_config)})")
         self.abort_all()
-        while self.has_unfinished_requests():  # the aborts reach the scheduler and runner
+        while self.has_unfinished_requests() and not self.sleep_level:  # the aborts reach the runner
             self.step()
         self.runner.replace_params(loaded.params, loaded.config)
         self.reset_prefix_cache()
         self.weights_version += 1
         logger.info("weights updated (version %d)", self.weights_version)
         return self.weights_version
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives back device memory between jobs (an RL trainer's turn): level 1 frees the KV
+        cache (its contents and the prefix cache are lost), level 2 also moves the weights to
+        host memory. Compiled programs stay. Needs no request in flight (ValueError otherwise).
+        While asleep, `add_prompt` refuses requests and `step` runs nothing: requests added
+        with `add_request` (the servers') wait for `wake_up`. `update_weights` works asleep (at
+        level 2 it replaces the host copy, which `wake_up` puts on the device)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {self.num_unfinished_requests} requests in flight; finish or abort them first")
+        if level <= self.sleep_level:
+            return
+        if not self.sleep_level:
+            self.scheduler.reset_prefix_cache()
+            self.runner.free_kv_cache()
+            if self.proposer is not None:
+                self.proposer.propose([])  # a draft model gives back its pages
+        if level == 2:
+            self.runner.offload_params()
+        self.sleep_level = level
+        logger.info("asleep (level %d): device bytes now %s", level, self.runner.device_bytes())
+
+    def wake_up(self) -> None:
+        """Puts back what `sleep` freed (a fresh, empty KV cache; the weights, if offloaded)."""
+        if self.sleep_level == 2:
+            self.runner.restore_params()
+        if self.sleep_level:
+            self.runner.rebuild_kv_cache()
+            self.sleep_level = 0
+            logger.info("awake: device bytes %s", self.runner.device_bytes())
 
     def _load_update(self, source: str | os.PathLike | Mapping[str, Any]) -> LoadedModel:
         from jaxserve.loading.hf_loader import TensorMapping, load_hf_params
@@ -339,6 +374,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        if self.sleep_level:  # requests wait for wake_up
+            time.sleep(0.001)
+            return []
         t0 = time.perf_counter()
         so = self.scheduler.schedule(self._propose_or_stop() if self.proposer is not None else None)
         failed = [out for rid, why in self.scheduler.take_grammar_errors()

@@ -44,6 +44,13 @@ class LLM:
         """How many times the weights were updated since the engine started."""
         return self.engine.weights_version
 
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache's device memory (level 2: the weights' too, kept on the host)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

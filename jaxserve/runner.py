@@ -172,12 +172,43 @@ class ModelRunner:
                                  f"{jnp.dtype(x.dtype).name}, the running one {tuple(old.shape)} {old.dtype.name}")
         placed = []
         for (_, old), (_, x) in zip(old_leaves, new_leaves):
-            if not isinstance(old, jax.Array):  # a host constant the model keeps (not a weight)
-                placed.append(x)
+            if not isinstance(old, jax.Array):  # a host constant, or a weight offloaded by sleep
+                placed.append(np.asarray(x))
                 continue
             placed.append(jax.device_put(x, old.sharding))
             old.delete()
         self.state = jax.tree_util.tree_unflatten(new_def, placed)
+
+    # ------------------------------------------------------------------ sleep / wake
+    def free_kv_cache(self) -> None:
+        """Frees the KV cache's device buffers (its contents are lost); `rebuild_kv_cache`
+        makes a new one with the same shapes and shardings."""
+        for x in self.kv_cache or ():
+            x.delete()
+        self.kv_cache = None
+
+    def offload_params(self) -> None:
+        """The weights to host memory, their device buffers freed; `restore_params` puts
+        them back with the same shardings. `replace_params` meanwhile replaces the host copy."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        self._param_shardings = [x.sharding if isinstance(x, jax.Array) else None for x in leaves]
+        host = []
+        for x in leaves:
+            host.append(np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x)
+            if isinstance(x, jax.Array):
+                x.delete()
+        self.state = jax.tree_util.tree_unflatten(treedef, host)
+
+    def restore_params(self) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        placed = [x if s is None else jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings)]
+        self.state = jax.tree_util.tree_unflatten(treedef, placed)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of the weights and of the KV cache that are on the device now."""
+        def size(tree) -> int:
+            return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted())
+        return {"weights": size(self.state), "kv_cache": size(self.kv_cache or ())}
 
     # ------------------------------------------------------------------ the step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -239,8 +239,7 @@ class ServingCore:
     async def update_weights(self, tenant: Tenant, path: Any) -> int:
         """Admin only: the engine takes the weights at `path` (`Engine.update_weights`);
         returns its new weights version. A bad source is INVALID and changes nothing."""
-        if self.auth.required and not tenant.admin:
-            raise ServeError(ErrorKind.UNAUTHENTICATED, "update_weights: needs an admin key", code="admin_only")
+        self._require_admin(tenant, "update_weights")
         if not isinstance(path, str) or not path:
             raise invalid("path: a weights path (HF directory, jaxserve checkpoint or GGUF file) is required", "path")
         self.require_serving()
@@ -248,6 +247,27 @@ class ServingCore:
             return await self.loop_runner.update_weights(path)
         except (ValueError, FileNotFoundError) as e:
             raise invalid(f"path: {e}", "path") from None
+
+    async def sleep(self, tenant: Tenant, level: Any) -> None:
+        """Admin only: `Engine.sleep(level)`; requests that arrive while asleep wait."""
+        self._require_admin(tenant, "sleep")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise invalid(f"level: 1 (KV cache) or 2 (KV cache and weights), got {level!r}", "level")
+        try:
+            await self.loop_runner.call(lambda engine: engine.sleep(level))
+        except ValueError as e:
+            raise invalid(str(e), "level") from None
+
+    async def wake_up(self, tenant: Tenant) -> None:
+        self._require_admin(tenant, "wake_up")
+        await self.loop_runner.call(lambda engine: engine.wake_up())
+
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self.engine, "sleep_level", 0))
+
+    def _require_admin(self, tenant: Tenant, what: str) -> None:
+        if self.auth.required and not tenant.admin:
+            raise ServeError(ErrorKind.UNAUTHENTICATED, f"{what}: needs an admin key", code="admin_only")
 
     def server_info(self, tenant: Tenant) -> ServerInfo:
         """Server-wide engine state for admin tenants; others see the state and their own

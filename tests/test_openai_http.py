@@ -240,6 +240,23 @@ def test_update_weights_is_admin_only_and_keeps_serving(srv, client, model, base
     assert after == before
 
 
+def test_sleep_queues_requests_until_wake_up(srv, client, model, base):
+    """vLLM's /sleep, /wake_up, /is_sleeping: a request sent while asleep waits and is
+    answered after wake_up, as it would have been."""
+    import concurrent.futures
+
+    want = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0].text
+    assert post(base, "/sleep?level=3", {}).status_code == 400
+    assert post(base, "/sleep?level=2", {}).json() == {"is_sleeping": True}
+    assert httpx.get(base + "/is_sleeping", headers={"authorization": f"Bearer {KEY}"}).json()["is_sleeping"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.completions.create, model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0)
+        time.sleep(1.0)
+        assert not fut.done()  # queued while asleep
+        assert post(base, "/wake_up", {}).json() == {"is_sleeping": False}
+        assert fut.result(timeout=60).choices[0].text == want
+
+
 def test_served_model_names(srv, client, base, monkeypatch):
     import dataclasses
 

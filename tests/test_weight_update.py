@@ -82,3 +82,43 @@ def test_a_bad_source_names_the_tensor_and_changes_nothing(checkpoints, tmp_path
     with pytest.raises(FileNotFoundError):
         engine.update_weights(str(tmp_path / "nothing-here"))
     assert engine.weights_version == 0 and _outputs(engine) == want
+
+
+def test_sleep_frees_device_memory_and_wake_up_serves_the_same(checkpoints):
+    """Level 1 frees the KV cache, level 2 the weights too (the live device arrays shrink by
+    as much); asleep, the batch API refuses requests and an update lands in the host copy;
+    awake, outputs are a fresh engine's, with nothing compiled."""
+    import jax
+
+    from jaxserve.engine import Engine
+
+    (first, second), _ = checkpoints
+    fresh_second = _outputs(Engine(EngineConfig(model=second, **TINY)))  # before the guard counts
+    engine = Engine(EngineConfig(model=first, strict_compile_guard=True, **TINY))
+    engine.warmup()
+    want = _outputs(engine)
+    awake = engine.runner.device_bytes()
+    assert awake["weights"] > 0 and awake["kv_cache"] > 0
+
+    def live() -> int:
+        return sum(x.nbytes for x in jax.live_arrays())
+
+    before = live()
+    engine.sleep(1)
+    assert engine.runner.device_bytes() == {"weights": awake["weights"], "kv_cache": 0}
+    assert before - live() >= awake["kv_cache"]
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.add_prompt(None, SamplingParams(), prompt_token_ids=[1, 2])
+    engine.sleep(2)
+    assert engine.runner.device_bytes() == {"weights": 0, "kv_cache": 0}
+    assert before - live() >= awake["kv_cache"] + awake["weights"]
+    engine.wake_up()
+    assert engine.runner.device_bytes() == awake and _outputs(engine) == want
+    engine.sleep(2)
+    engine.update_weights(second)  # into the host copy
+    assert engine.runner.device_bytes()["weights"] == 0
+    engine.wake_up()
+    assert _outputs(engine) == fresh_second
+    with pytest.raises(ValueError, match="sleep level must be 1"):
+        engine.sleep(3)
+    assert engine.runner.guard.compiles_after_warmup == 0

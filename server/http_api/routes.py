@@ -81,7 +81,8 @@ class OpenAIFront:
                 ("/v1/models", "GET", self.models), ("/health", "GET", self.health),
                 ("/metrics", "GET", self.metrics_text), ("/tokenize", "POST", self.tokenize),
                 ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version),
-                ("/v1/update_weights", "POST", self.update_weights)):
+                ("/v1/update_weights", "POST", self.update_weights), ("/sleep", "POST", self.sleep),
+                ("/wake_up", "POST", self.wake_up), ("/is_sleeping", "GET", self.is_sleeping)):
             app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
 
     # ------------------------------------------------------------------ plumbing
@@ -336,6 +337,21 @@ class OpenAIFront:
             raise invalid("the body is not valid JSON") from None
         path = body.get("path") if isinstance(body, dict) else None
         return JSONResponse({"weights_version": await self.core.update_weights(tenant, path)})
+
+    async def sleep(self, request: Request) -> Response:
+        """Admin only, vLLM's: `POST /sleep?level=1|2`."""
+        tenant = self._tenant(request)
+        raw = request.query_params.get("level", "1")
+        await self.core.sleep(tenant, int(raw) if raw.isdigit() else raw)
+        return JSONResponse({"is_sleeping": True})
+
+    async def wake_up(self, request: Request) -> Response:
+        await self.core.wake_up(self._tenant(request))
+        return JSONResponse({"is_sleeping": False})
+
+    async def is_sleeping(self, request: Request) -> Response:
+        self._tenant(request)
+        return JSONResponse({"is_sleeping": self.core.is_sleeping()})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
