@@ -32,6 +32,7 @@ AttentionBackend = Literal["auto", "pallas", "reference"]
 # 1.2x the output tokens/s, 0.68x the TTFT p99 and 0.79x the TPOT p50 at 4 requests/s, for six
 # more backbone shapes to warm up. TPU and GPU: not measured on a device yet; the earlier
 # defaults stay (`jaxserve tune --target` shows what each setting costs in HBM).
+BATCH_INVARIANT_ROW_TILE = 16  # rows per matmul tile in batch-invariant mode
 SCHEDULING_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (2048, 128), "tpu": (512, 64), "gpu": (512, 64)}
 
 
@@ -96,6 +97,9 @@ class EngineConfig:
     # SpeculativeConfig. None: off. docs/speculative_decoding.md.
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
+    # A request's tokens and logprobs bitwise the same whatever shares its batch (dense
+    # matmuls in fixed row tiles; verified on CPU; costs speed). docs/scoring_and_rl.md.
+    batch_invariant: bool = False
     min_token_bucket: int | None = None  # None: 4 on CPU (small decode steps), 16 on TPU/GPU
     token_bucket_gap: int = 256
     extra_token_buckets: tuple[int, ...] = ()
@@ -118,6 +122,9 @@ class EngineConfig:
             )
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError("batch_invariant: not with quantized weights yet (their matmul kernels are not tiled "
+                             "by rows); use quantization=None")
         if self.quantized_matmul_precision not in ("auto", "highest", "bf16"):
             raise ValueError("quantized_matmul_precision must be 'auto', 'highest' or 'bf16', got "
                              f"{self.quantized_matmul_precision!r}")
@@ -183,10 +190,14 @@ class EngineConfig:
     def resolved_min_token_bucket(self, platform: str | None = None) -> int:
         """Smallest token bucket. On CPU a 1-sequence decode padded to 16 rows costs ~60% more
         than at 4 (matmul time grows with rows); a 1-row bucket hits a slow XLA:CPU path, so
-        the floor is 2. Accelerators tile rows in 8s/16s anyway."""
+        the floor is 2. Accelerators tile rows in 8s/16s anyway. Batch-invariant mode: at least
+        one matmul row tile (XLA:CPU reduces the rows of a [T, E] norm in another order below
+        16 rows)."""
         if self.min_token_bucket is not None:
-            return self.min_token_bucket
-        return 4 if (platform or jax.default_backend()) == "cpu" else 16
+            found = self.min_token_bucket
+        else:
+            found = 4 if (platform or jax.default_backend()) == "cpu" else 16
+        return max(found, BATCH_INVARIANT_ROW_TILE) if self.batch_invariant else found
 
     def resolved_max_model_len(self, model_config) -> int:
         """`max_model_len`, or min(model context, 4096). Past the model's context (as its
@@ -262,6 +273,7 @@ class EngineConfig:
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
             quantized_matmul_precision="highest" if self.quantized_matmul_precision == "highest" else "bf16",
+            row_tile=BATCH_INVARIANT_ROW_TILE if self.batch_invariant else 0,
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
         )
 
@@ -276,6 +288,7 @@ class ResolvedConfig:
     kv_cache_dtype: str | None  # quantized page dtype ("int8", "float8_e4m3fn", ...); None: `dtype`
     plan: Any  # CompilePlan: token and request buckets, sampler variants, swap sizes
     quantized_matmul_precision: str = "highest"  # "highest" | "bf16" (pallas_kernels.quantized_matmul)
+    row_tile: int = 0  # batch_invariant: every dense matmul in tiles of this many rows (0: off)
 
     @property
     def max_model_len(self) -> int:

@@ -107,6 +107,7 @@ class Engine:
         self.runner = self._make_runner()
         self.kernels = self._choose_kernels()
         self.attention = self.kernels.attention
+        self._check_batch_invariant(config, mc)
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
         self.last_step = StepTiming()
@@ -129,6 +130,16 @@ class Engine:
                 f"multi-host serving shards the model over all {jax.device_count()} devices: set "
                 f"tensor_parallel_size={jax.device_count()} (got {config.tensor_parallel_size})")
         return dc
+
+    def _check_batch_invariant(self, config: EngineConfig, mc: Any) -> None:
+        """What batch-invariant mode cannot make invariant yet is refused, naming why."""
+        if not config.batch_invariant:
+            return
+        if mc.is_moe:
+            raise ValueError("batch_invariant: not for MoE models yet (routed experts are not tiled by rows)")
+        if self.platform == "cpu" and self.attention[0] != "native":
+            raise ValueError(f"batch_invariant on CPU needs the native CPU attention kernel (the reference sums "
+                             f"a chunk's keys in another order than a decode's); attention here: {self.attention[1]}")
 
     @staticmethod
     def _check_quantization_target(config: EngineConfig) -> None:
@@ -179,7 +190,7 @@ class Engine:
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
             kv_cache_dtype=self.resolved.kv_cache_dtype,
             structured=self.structured, expert_parallel=config.enable_expert_parallel,
-            matmul_precision=self.resolved.quantized_matmul_precision,
+            matmul_precision=self.resolved.quantized_matmul_precision, row_tile=self.resolved.row_tile,
         )
 
     @property

@@ -96,6 +96,7 @@ class ModelRunner:
         structured: Any = None,
         expert_parallel: bool = False,
         matmul_precision: str = "highest",
+        row_tile: int = 0,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
@@ -108,6 +109,7 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.expert_parallel = expert_parallel
         self.matmul_precision = matmul_precision
+        self.row_tile = row_tile  # batch-invariant mode's matmul row tile (0: off)
         if self.mesh is None:
             self.config = loaded.config
             params = jax.tree.map(jnp.asarray, self._serving_params(loaded.params, loaded.config))
@@ -153,7 +155,7 @@ class ModelRunner:
     def _model(self, params: dict[str, Any]) -> LlamaForCausalLM:
         tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
         return LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
-                                matmul_precision=self.matmul_precision)
+                                matmul_precision=self.matmul_precision, row_tile=self.row_tile)
 
     def replace_params(self, params: dict[str, Any], config: Any) -> None:
         """New weights in place of the running ones, every compiled program kept: each tensor

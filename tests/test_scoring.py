@@ -97,3 +97,40 @@ def test_prompt_logprobs_are_checked(engine):
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be <= 20 \(max_logprobs\)"):
         engine.add_prompt(SHORT, SamplingParams(prompt_logprobs=21))
+
+
+# ---------------------------------------------------------------------- batch invariance
+def _target_alone_and_in_a_batch(engine) -> tuple[tuple, tuple]:
+    """One seeded request with logprobs and prompt logprobs: alone, then placed in the middle
+    of 24 requests that prefill (in chunks: 256 tokens a step) and decode around it."""
+    target = (LONG[:160], SamplingParams(max_tokens=20, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1))
+    rng = np.random.default_rng(0)
+    others = [(" ".join(["word"] * int(n)) + f" {i}",
+               SamplingParams(max_tokens=int(m), temperature=float(t), seed=i, logprobs=1 if i % 3 else None))
+              for i, (n, m, t) in enumerate(zip(rng.integers(5, 150, 23), rng.integers(2, 30, 23), rng.random(23)))]
+
+    def run(requests) -> tuple:
+        ids = [engine.add_prompt(p, sp) for p, sp in requests]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        out = done[ids[[r is target for r in requests].index(True)]]
+        c = out.outputs[0]
+        return (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs],
+                [lp and lp.logprob for lp in out.prompt_logprobs])
+
+    return run([target]), run(others[:11] + [target] + others[11:])
+
+
+def test_batch_invariant_mode_is_bitwise_equal_alone_and_in_a_batch(smollm):
+    """The same request alone and among 24 others (other token and request buckets, prefill
+    chunks beside its decodes): bitwise-equal tokens, logprobs and prompt logprobs with
+    batch_invariant=True; the default mode differs in the low bits (the test can fail)."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import Engine
+
+    cfg = dict(max_num_seqs=32, max_num_batched_tokens=256, num_pages=160, max_model_len=256)
+    alone, batched = _target_alone_and_in_a_batch(Engine(EngineConfig(batch_invariant=True, **cfg), loaded=smollm))
+    assert alone == batched
+    alone, batched = _target_alone_and_in_a_batch(Engine(EngineConfig(**cfg), loaded=smollm))
+    assert alone[0] == batched[0] and alone[1:] != batched[1:]  # same tokens, other low bits

@@ -127,7 +127,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
 
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
-                                                 matmul_precision=resolved.quantized_matmul_precision))
+                                                 matmul_precision=resolved.quantized_matmul_precision,
+                                                 row_tile=resolved.row_tile))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
     kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)

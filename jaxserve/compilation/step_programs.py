@@ -108,7 +108,8 @@ class StepPrograms:
 # ---------------------------------------------------------------------- pure step functions
 def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices):
     model = nnx.merge(graphdef, state)
-    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend)
+    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend,
+                                     batch_invariant=model.row_tile > 0)
     kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
     extra = {}
     if mesh is not None:

@@ -133,8 +133,11 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False,
-                 matmul_precision: str = "highest"):
+                 matmul_precision: str = "highest", row_tile: int = 0):
         self.config = config
+        # Batch-invariant mode (> 0): every dense matmul runs over fixed tiles of `row_tile`
+        # rows (`tiled_matmul`), so a row's result never depends on how many rows share it.
+        self.row_tile = row_tile
         # The quantized matmuls' activation precision ("highest" | "bf16": activations rounded
         # to bf16 before the products, f32 sums; `pallas_kernels.quantized_matmul`).
         self.matmul_precision = matmul_precision
@@ -205,7 +208,7 @@ class LlamaForCausalLM(nnx.Module):
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
-            lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision)
+            lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile)
             attn, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
             if cfg.sandwich_norms:
@@ -287,8 +290,9 @@ class LlamaForCausalLM(nnx.Module):
             logits = quantized_matmul(h, self.embed[...], self.embed_qscale[...], transposed=True,
                                       precision=self.matmul_precision).astype(jnp.float32)
         else:
-            head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [E, V]
-            logits = (h @ head).astype(jnp.float32)
+            tied = self.lm_head is None  # the embedding [V, E] as the head
+            head = self.embed[...] if tied else self.lm_head[...]  # [V, E] or [E, V]
+            logits = tiled_matmul(h, head, self.row_tile, transposed=tied).astype(jnp.float32)
         return soft_cap(logits, self.config.final_logit_softcap)
 
 
@@ -310,17 +314,45 @@ class _LayerWeights(dict):
     """One layer's weights inside the scan: the sliced ones as a dict, plus `matmul(x, name)`
     that runs a quantized projection from the stacked weights by layer index."""
 
-    def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array, precision: str):
+    def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array, precision: str,
+                 row_tile: int = 0):
         super().__init__(sliced)
         self._stacked = stacked
         self._layer = layer
         self._precision = precision
+        self._row_tile = row_tile
 
     def matmul(self, x: jax.Array, name: str) -> jax.Array:
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
                                     precision=self._precision)
-        return x @ self[name]
+        return tiled_matmul(x, self[name], self._row_tile) if self._row_tile else x @ self[name]
+
+
+def tiled_matmul(x: jax.Array, w: jax.Array, row_tile: int, transposed: bool = False) -> jax.Array:
+    """x [N, K] @ w [K, F] (`transposed`: w is [F, K], as a tied head's embedding); with
+    `row_tile` > 0, as a loop over [row_tile, K] tiles (rows padded up to a whole tile).
+    XLA:CPU's GEMM sums a row in an order that depends on the row count and the row's
+    position, so the plain product of one row changes with the batch around it; one fixed
+    tile shape fixes the order. The trip count is hidden from XLA (an optimization barrier),
+    so it never unrolls or drops the loop for one shape and not another, and a transposed
+    weight is contracted on its own dim 1 (written as `w.T`, XLA hoisted a transposed copy
+    out of some loops and not others, and the two dots summed differently). The loop costs
+    the parallelism a large GEMM has (about 2x on a 2048-row prefill on this CPU)."""
+    if not row_tile:
+        return x @ (w.T if transposed else w)
+    dims = (((1,), (1 if transposed else 0,)), ((), ()))
+    n, k = x.shape
+    tiles = -(-n // row_tile)
+    xp = jnp.pad(x, ((0, tiles * row_tile - n), (0, 0)))  # [tiles * row_tile, K]
+    out = jnp.zeros((tiles * row_tile, w.shape[0 if transposed else 1]), jnp.result_type(x, w))
+
+    def tile(i, out):
+        t = jax.lax.dynamic_slice(xp, (i * row_tile, 0), (row_tile, k))
+        return jax.lax.dynamic_update_slice(out, jax.lax.dot_general(t, w, dims).astype(out.dtype), (i * row_tile, 0))
+
+    trips = jax.lax.optimization_barrier(jnp.int32(tiles))
+    return jax.lax.fori_loop(0, trips, tile, out)[:n]
 
 
 def _rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

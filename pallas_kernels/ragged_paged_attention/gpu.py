@@ -252,6 +252,7 @@ def _combine(o_part: jax.Array, lse: jax.Array) -> jax.Array:
         "num_warps",
         "num_stages",
         "interpret",
+        "batch_invariant",
     ),
 )
 def ragged_paged_attention_gpu(
@@ -274,8 +275,13 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
     v_scales: jax.Array | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Triton (Pallas) ragged paged attention; same contract as the reference.
+
+    `batch_invariant`: one block shape (16 query rows) and no KV split whatever the batch, so
+    a row's sums never depend on the batch around it (the split count is otherwise data: it
+    grows as the batch shrinks).
 
     `sliding_window` (an int, or an int32 array of shape [] or [1], <= 0: none) is a kernel
     input read as a scalar either way: an int is a traced argument of this jit, so layers with
@@ -289,6 +295,8 @@ def ragged_paged_attention_gpu(
     if not supports(head_dim):
         raise ValueError(f"GPU kernel needs head_dim in [16, 256], a multiple of 16; got {head_dim}")
     pieces = head_dim_pieces(head_dim)
+    if batch_invariant:
+        block_q, max_splits = block_q or max(1, 16 // group_padded), 1
     if block_q is None:
         block_q = default_block_q(num_tokens, num_rows, group_padded)
     if block_q * group_padded < 16 or block_q != _next_pow2(block_q):

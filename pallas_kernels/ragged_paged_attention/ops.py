@@ -98,6 +98,7 @@ def ragged_paged_attention(
     v_scales: jax.Array | None = None,
     backend: str = "auto",
     interpret: bool | object = False,
+    batch_invariant: bool = False,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged batch over the paged cache (docs/architecture.md contract).
 
@@ -118,6 +119,9 @@ def ragged_paged_attention(
     float8_e5m2; `pallas_kernels.kv_quant`): f32 of `kv_layout.kv_scales_shape(num_pages,
     page_size, Hkv, layout)`, one per token and KV head. Keys and values are read as
     `value * scale`; the output is in q's dtype.
+    batch_invariant: the GPU kernel runs one block shape and no KV split (a row's result then
+    never depends on the batch); the native CPU kernel already sums each row alone; the TPU
+    kernel is unchanged (not verified invariant).
     """
     num_kv_heads = _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sliding_window,
                              soft_cap, num_kv_heads, k_scales, v_scales)
@@ -142,7 +146,8 @@ def ragged_paged_attention(
             if _native_cpu_choice(layout, q.shape[1], k_pages.dtype)[0] else None,
             tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw)
             if fits("tpu", device_kind=tpu_kind) and (k_scales is None or tpu_scales_ok(k_pages.shape[1])) else None,
-            gpu=functools.partial(ragged_paged_attention_gpu, **kw) if fits("gpu") else None,
+            gpu=functools.partial(ragged_paged_attention_gpu, **kw, batch_invariant=batch_invariant)
+            if fits("gpu") else None,
         )
     impl = resolve_backend(backend, interpret)
     if impl != "reference" and layout != _KERNEL_LAYOUT[impl]:
@@ -164,7 +169,7 @@ def ragged_paged_attention(
         return ragged_paged_attention_tpu(*args, num_kv_heads=num_kv_heads, **kw, interpret=interpret)
     from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
-    return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret))
+    return ragged_paged_attention_gpu(*args, **kw, interpret=bool(interpret), batch_invariant=batch_invariant)
 
 
 def attention_implementation(platform: str, num_kv_heads: int, head_dim: int, dtype,
