@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,3 +189,28 @@ def test_a_70b_model_needs_eight_h100s():
     eight = compile_for_target(mc, settings, Target.parse("gpu:h100x8"), shapes=["logits[R=8]"])
     assert eight.fits and 16 * 2**30 < eight.params_bytes < 18 * 2**30, eight.verdict()
     assert eight.max_num_pages > 4096
+
+
+def test_batch_invariant_mode_compiles_unsplit_attention_and_row_tiled_matmuls():
+    """By construction on GPU (not run on one): the decode-shaped attention that splits the
+    keys by default (f32 partials [splits, Hkv, ...]) has no split in batch-invariant mode,
+    and the tiled LM head's dots all take 16 rows, inside a loop."""
+    from jaxserve.models.llama import tiled_matmul
+    from pallas_kernels.ragged_paged_attention.gpu import default_max_splits
+
+    splits = default_max_splits(16, R)
+    args = attention_args(jnp.bfloat16, 9, 3, 64, 16)
+    assert f"f32[{splits},3," in compiled_hlo(ATTENTION, args, gpu_device())
+    hlo = compiled_hlo(functools.partial(ATTENTION, batch_invariant=True), args, gpu_device())
+    assert TRITON in hlo and f"f32[{splits},3," not in hlo
+    head = functools.partial(tiled_matmul, row_tile=16, transposed=True)
+    hlo = compiled_hlo(head, (jax.ShapeDtypeStruct((64, 576), jnp.bfloat16),
+                              jax.ShapeDtypeStruct((49152, 576), jnp.bfloat16)), gpu_device())
+    assert "while" in hlo and row_tiled_dots(hlo)
+
+
+def row_tiled_dots(hlo: str) -> bool:
+    """Every dot (a convolution on TPU) of the optimized HLO has a 16-row side (XLA may swap
+    the operands)."""
+    dots = re.findall(r"= \w+\[([\d,]+)\]\S* (?:dot|convolution)\(", hlo)
+    return bool(dots) and all(16 in (int(d) for d in shape.split(",")) for shape in dots)

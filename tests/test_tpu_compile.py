@@ -236,3 +236,16 @@ def test_tune_target_dry_run_says_which_candidates_fit(capsys, tmp_path):
     assert small["fits"] and small["settings"] == {"max_num_batched_tokens": 64, "max_num_seqs": 8, "num_pages": 64}
     assert not huge["fits"] and "does not fit" in huge["verdict"]
     assert small["max_num_pages"] > 64 and small["total_bytes"] < small["capacity_bytes"]
+
+
+def test_batch_invariant_matmuls_compile_row_tiled_for_tpu():
+    """By construction on TPU (not run on one): the tiled LM head's dots all take 16 rows,
+    inside a loop; the plain product takes all 64. (The attention kernel is unchanged.)"""
+    from test_gpu_compile import row_tiled_dots
+
+    from jaxserve.models.llama import tiled_matmul
+
+    args = (jax.ShapeDtypeStruct((64, 576), jnp.bfloat16), jax.ShapeDtypeStruct((49152, 576), jnp.bfloat16))
+    tiled = compiled_hlo(functools.partial(tiled_matmul, row_tile=16, transposed=True), args, tpu_device("v5e:2x2"))
+    plain = compiled_hlo(functools.partial(tiled_matmul, row_tile=0, transposed=True), args, tpu_device("v5e:2x2"))
+    assert "while" in tiled and row_tiled_dots(tiled) and not row_tiled_dots(plain)
