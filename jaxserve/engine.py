@@ -315,22 +315,23 @@ class Engine:
 
     def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> int:
         """Takes new weights in place, without recompiling: `source` is an HF directory, a
-        jaxserve (orbax) checkpoint, a GGUF file, or a mapping of every HF tensor name to an
-        array. The model's config must be the running one's and every tensor must match the
+        jaxserve (orbax) checkpoint, a GGUF file, or a mapping of HF tensor names to arrays
+        (every tensor, or some: the others keep their values; partial updates need unquantized
+        weights). The model's config must be the running one's and every tensor must match the
         running one's shape and dtype (quantized as the engine runs); otherwise ValueError
         naming the tensor, and nothing changes. Requests in flight are aborted (finish reason
         "abort"): none finishes on a mix of weights. The prefix cache is reset (its K/V came
         from the old weights). Returns the new `weights_version`."""
         if self.config.num_processes > 1:
             raise ValueError("update_weights: not supported on a multi-host engine yet (no process updates)")
-        loaded = self._load_update(source)
+        loaded, mask = self._load_update(source)
         if loaded.config != self.model_config:
             raise ValueError(f"update_weights: the new weights' model config differs from the running one's "
                              f"({_config_difference(loaded.config, self.model_config)})")
         self.abort_all()
         while self.has_unfinished_requests() and not self.sleep_level:  # the aborts reach the runner
             self.step()
-        self.runner.replace_params(loaded.params, loaded.config)
+        self.runner.replace_params(loaded.params, loaded.config, mask)
         self.reset_prefix_cache()
         self.weights_version += 1
         logger.info("weights updated (version %d)", self.weights_version)
@@ -368,15 +369,26 @@ class Engine:
             self.sleep_level = 0
             logger.info("awake: device bytes %s", self.runner.device_bytes())
 
-    def _load_update(self, source: str | os.PathLike | Mapping[str, Any]) -> LoadedModel:
+    def _load_update(self, source: str | os.PathLike | Mapping[str, Any]) -> tuple[LoadedModel, dict | None]:
+        """The new weights, and for a partial mapping the mask of what it covers."""
+        from jaxserve.loading.errors import MissingTensorError
         from jaxserve.loading.hf_loader import TensorMapping, load_hf_params
+        from jaxserve.loading.partial import load_partial_params
 
         config = self.config
-        if isinstance(source, Mapping):
-            params = load_hf_params("", self.model_config, resolve_dtype(self.dtype), config.quantization,
-                                    config.quantize_lm_head, index=TensorMapping(source))
-            return LoadedModel(self.model_config, params, None, self.model.dtype, "mapping", "", config.quantization)
-        return self._load(dataclasses.replace(config, model=os.fspath(source)), None)
+        if not isinstance(source, Mapping):
+            return self._load(dataclasses.replace(config, model=os.fspath(source)), None), None
+        dtype = resolve_dtype(self.dtype)
+        mask = None
+        try:
+            params = load_hf_params("", self.model_config, dtype, config.quantization, config.quantize_lm_head,
+                                    index=TensorMapping(source))
+        except MissingTensorError as e:
+            if config.quantization is not None:
+                raise ValueError(f"{e} (a partial update needs unquantized weights; this engine runs "
+                                 f"{config.quantization})") from None
+            params, mask = load_partial_params(source, self.model_config, dtype)
+        return LoadedModel(self.model_config, params, None, self.model.dtype, "mapping", "", config.quantization), mask
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix (after a weight reload, say); blocks running requests

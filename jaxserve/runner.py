@@ -157,12 +157,17 @@ class ModelRunner:
         return LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
                                 matmul_precision=self.matmul_precision, row_tile=self.row_tile)
 
-    def replace_params(self, params: dict[str, Any], config: Any) -> None:
+    def replace_params(self, params: dict[str, Any], config: Any, mask: dict[str, Any] | None = None) -> None:
         """New weights in place of the running ones, every compiled program kept: each tensor
         must have the running one's shape and dtype (else ValueError naming it and both shapes,
         before anything changes); it is placed with the running sharding and the old buffer
-        freed, one tensor at a time, so the peak is one tensor more than the params."""
+        freed, one tensor at a time, so the peak is one tensor more than the params.
+        `mask` (a partial update, `loading.partial`): 1 where `params` hold new values; a
+        tensor it leaves all 0 is not touched, one it covers in part is merged on the host."""
         new = nnx.split(self._model(self._serving_params(params, config)))[1]
+        masks = None
+        if mask is not None:
+            masks = jax.tree.leaves(nnx.split(self._model(self._serving_params(mask, config)))[1])
         old_leaves = jax.tree_util.tree_leaves_with_path(self.state)
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
         if [p for p, _ in old_leaves] != [p for p, _ in new_leaves]:
@@ -173,7 +178,14 @@ class ModelRunner:
                 raise ValueError(f"weight {jax.tree_util.keystr(path)}: the new tensor is {tuple(x.shape)} "
                                  f"{jnp.dtype(x.dtype).name}, the running one {tuple(old.shape)} {old.dtype.name}")
         placed = []
-        for (_, old), (_, x) in zip(old_leaves, new_leaves):
+        for i, ((_, old), (_, x)) in enumerate(zip(old_leaves, new_leaves)):
+            if masks is not None:
+                m = np.asarray(masks[i]) > 0
+                if not m.any():
+                    placed.append(old)
+                    continue
+                if not m.all():
+                    x = np.where(m, np.asarray(x), np.asarray(jax.device_get(old)))
             if not isinstance(old, jax.Array):  # a host constant, or a weight offloaded by sleep
                 placed.append(np.asarray(x))
                 continue

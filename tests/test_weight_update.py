@@ -15,11 +15,12 @@ TINY = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=4
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Two tiny Llama checkpoints of the same shapes (different seeds), and the second's tensors."""
+    """Two tiny Llama checkpoints of the same shapes (different seeds), and the second's tensors
+    (the first's as `checkpoints.first_tensors`)."""
     torch = pytest.importorskip("torch")
     import transformers
 
-    paths, tensors = [], None
+    paths, tensors, all_tensors = [], None, []
     for seed in (0, 1):
         torch.manual_seed(seed)
         cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -28,8 +29,13 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"ckpt{seed}")
         model.save_pretrained(path)
         paths.append(str(path))
-        tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        all_tensors.append(tensors)
+    _FIRST.update(all_tensors[0])
     return paths, tensors
+
+
+_FIRST: dict = {}  # the first checkpoint's tensors (filled by the fixture)
 
 
 def _outputs(engine) -> list:
@@ -76,9 +82,8 @@ def test_a_bad_source_names_the_tensor_and_changes_nothing(checkpoints, tmp_path
     bad["model.layers.1.mlp.down_proj.weight"] = np.zeros((32, 48), np.float32)
     with pytest.raises(ValueError, match=r"layer 1 down_proj has shape \(48, 32\), expected \(64, 32\)"):
         engine.update_weights(bad)
-    del bad["model.layers.1.mlp.down_proj.weight"]
-    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
-        engine.update_weights(bad)
+    with pytest.raises(ValueError, match="holds no tensor of this model"):
+        engine.update_weights({})
     with pytest.raises(FileNotFoundError):
         engine.update_weights(str(tmp_path / "nothing-here"))
     assert engine.weights_version == 0 and _outputs(engine) == want
@@ -122,3 +127,31 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same(checkpoints):
     with pytest.raises(ValueError, match="sleep level must be 1"):
         engine.sleep(3)
     assert engine.runner.guard.compiles_after_warmup == 0
+
+
+def test_a_partial_update_changes_exactly_the_tensors_given(checkpoints):
+    """Two tensors of the second checkpoint (layer 0's q_proj, a slice of the fused qkv, and
+    layer 1's down_proj, one layer of a stacked array) into an engine on the first: it then
+    answers as a fresh engine on the first checkpoint with just those two replaced."""
+    from jaxserve.engine import Engine
+
+    (first, _), second = checkpoints
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    mixed = {**_FIRST, **{n: second[n] for n in names}}
+    want = _outputs(_engine_from(mixed, first))
+    engine = Engine(EngineConfig(model=first, **TINY))
+    before = _outputs(engine)
+    assert engine.update_weights({n: second[n] for n in names}) == 1
+    assert _outputs(engine) == want != before
+    with pytest.raises(ValueError, match=r"not of this model: \['model.layers.0.self_attn.q_proj.weigth'\]"):
+        engine.update_weights({"model.layers.0.self_attn.q_proj.weigth": second[names[0]]})
+    assert engine.weights_version == 1
+
+
+def _engine_from(tensors: dict, config_path: str):
+    """A fresh engine on the first checkpoint, then fully updated to `tensors`."""
+    from jaxserve.engine import Engine
+
+    engine = Engine(EngineConfig(model=config_path, **TINY))
+    engine.update_weights(tensors)
+    return engine

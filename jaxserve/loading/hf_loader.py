@@ -130,6 +130,7 @@ class TensorMapping:
     def __init__(self, tensors: Any, what: str = "the weight mapping"):
         self._tensors = dict(tensors)
         self.path = what
+        self.read: set[str] = set()  # names asked for and found
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -137,6 +138,7 @@ class TensorMapping:
     def raw(self, name: str) -> np.ndarray:
         if name not in self._tensors:
             raise MissingTensorError(f"{self.path} is missing tensor {name!r}")
+        self.read.add(name)
         return np.asarray(self._tensors[name])
 
     def get(self, name: str) -> np.ndarray:
@@ -174,6 +176,12 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | 
     checkpoint's own method (`hf_quantization`), which `quantization` must equal when set.
     `index`: tensors from elsewhere than `path`'s safetensors (`TensorMapping`)."""
     index = _SafetensorsIndex(path) if index is None else index
+    return assemble_params(cfg, hf_tensor_getter(index, cfg, published), dtype, quantization, quantize_lm_head)
+
+
+def hf_tensor_getter(index: Any, cfg: ModelConfig, published: str | None = None) -> Any:
+    """`get(name, layer)` for `assemble_params`: our tensor `name` (of `layer`, None for the
+    global ones) read from `index` under its HF name, transposed where we store it so."""
     names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
     decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
                          _DECODER_PREFIXES[0])
@@ -189,7 +197,7 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | 
             return _transposed(read_linear(index, key.removesuffix(".weight"), published))
         return index.get(key)
 
-    return assemble_params(cfg, get, dtype, quantization, quantize_lm_head)
+    return get
 
 
 def _transposed(t: np.ndarray | QuantizedTensor) -> np.ndarray | QuantizedTensor:
