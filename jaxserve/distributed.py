@@ -35,7 +35,7 @@ from scheduler.request import MAX_LOGIT_BIAS
 
 logger = logging.getLogger(__name__)
 
-OP_NOOP, OP_STEP, OP_STOP = 0, 1, 3
+OP_NOOP, OP_STEP, OP_STOP, OP_UPDATE_WEIGHTS = 0, 1, 3, 4
 HEADER_SIZE = 8  # [op, T, R, variant index, has penalties, num_reqs, num_tokens, has bitmask]
 
 
@@ -110,9 +110,32 @@ class StepChannel:
             _broadcast(p)
 
     def prime(self) -> None:
-        """Compiles each broadcast size class (both sides run this at warmup)."""
+        """Compiles each broadcast size class, and the vote of `all_agree` (both sides run
+        this at warmup)."""
         for size in (HEADER_SIZE, self.step_size, self.penalty_size, self.bitmask_size):
             _broadcast(np.zeros(size, np.int32))
+        self.all_agree(True)
+
+    # -------------------------------------------------------------- weight updates
+    def send_update_weights(self, path: str) -> None:
+        """Tells every follower to load the weights at `path` (each reads its own copy)."""
+        raw = np.frombuffer(path.encode(), np.uint8).astype(np.int32)
+        if len(raw) > self.step_size:
+            raise ValueError(f"update_weights: the path is longer than {self.step_size} bytes")
+        buf = np.zeros(self.step_size, np.int32)
+        buf[: len(raw)] = raw
+        self._send([OP_UPDATE_WEIGHTS, len(raw)], [buf])
+
+    def recv_update_weights(self, header: np.ndarray) -> str:
+        buf = _broadcast(np.zeros(self.step_size, np.int32))
+        return bytes(buf[: int(header[1])].astype(np.uint8)).decode()
+
+    @staticmethod
+    def all_agree(ok: bool) -> bool:
+        """True when every process says `ok` (a collective: every process must call it)."""
+        from jax.experimental import multihost_utils
+
+        return bool(np.asarray(multihost_utils.process_allgather(np.asarray([int(ok)], np.int32))).min())
 
     @property
     def step_size(self) -> int:
@@ -222,8 +245,10 @@ def exit_follower(code: int = 0) -> None:
     os._exit(code)
 
 
-def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, SamplingTensors]) -> None:
-    """A follower's loop: receive each step from the leader and run it, until STOP."""
+def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, SamplingTensors],
+                 update_weights: Callable[[str], object] | None = None) -> None:
+    """A follower's loop: receive each step from the leader and run it, until STOP;
+    `update_weights(path)` takes part in a weight update the leader started."""
     while True:
         header = channel.recv_header()
         op = int(header[0])
@@ -232,6 +257,12 @@ def run_follower(runner, channel: StepChannel, tensors_by_rows: dict[int, Sampli
         if op == OP_STEP:
             arrays, tensors, rows, flags = channel.recv_step(header, tensors_by_rows)
             runner.run_step(arrays, tensors, rows, flags).token_ids.block_until_ready()
+        elif op == OP_UPDATE_WEIGHTS:
+            path = channel.recv_update_weights(header)
+            try:
+                update_weights(path)
+            except ValueError as e:  # refused everywhere: the leader reports it; keep serving
+                logger.warning("weight update from %s not applied: %s", path, e)
 
 
 class PeerMonitor:

@@ -322,15 +322,43 @@ class Engine:
         naming the tensor, and nothing changes. Requests in flight are aborted (finish reason
         "abort"): none finishes on a mix of weights. The prefix cache is reset (its K/V came
         from the old weights). Returns the new `weights_version`."""
-        if self.config.num_processes > 1:
-            raise ValueError("update_weights: not supported on a multi-host engine yet (no process updates)")
+        multi_host = self.channel is not None
+        if multi_host and not isinstance(source, (str, os.PathLike)):
+            raise ValueError("update_weights: a multi-host engine takes a path (each process reads its own copy)")
+        if not multi_host:
+            loaded, mask = self._checked_update(source)
+        self.abort_all()
+        while self.has_unfinished_requests() and not self.sleep_level:  # the aborts reach the runner
+            self.step()
+        if multi_host:
+            self.channel.send_update_weights(os.fspath(source))
+            return self._update_everywhere(os.fspath(source))
+        return self._apply_update(loaded, mask)
+
+    def _checked_update(self, source: str | os.PathLike | Mapping[str, Any]) -> tuple[LoadedModel, dict | None]:
         loaded, mask = self._load_update(source)
         if loaded.config != self.model_config:
             raise ValueError(f"update_weights: the new weights' model config differs from the running one's "
                              f"({_config_difference(loaded.config, self.model_config)})")
-        self.abort_all()
-        while self.has_unfinished_requests() and not self.sleep_level:  # the aborts reach the runner
-            self.step()
+        return loaded, mask
+
+    def _update_everywhere(self, path: str) -> int:
+        """Multi-host (every process runs it, the leader first broadcasting `path`): each
+        process loads and checks its copy, then all apply it, or, when any process failed,
+        none does (ValueError; the failing process logs why)."""
+        loaded, error = None, None
+        try:
+            loaded = self._checked_update(path)
+        except (ValueError, OSError) as e:
+            error = e
+        if not self.channel.all_agree(error is None):
+            if error is not None:
+                raise ValueError(str(error)) from None
+            raise ValueError(f"update_weights: another process could not load {path} (see its log); "
+                             "no process changed its weights")
+        return self._apply_update(*loaded)
+
+    def _apply_update(self, loaded: LoadedModel, mask: dict | None) -> int:
         self.runner.replace_params(loaded.params, loaded.config, mask)
         self.reset_prefix_cache()
         self.weights_version += 1
@@ -543,7 +571,8 @@ class Engine:
         """A follower process's whole life after warmup: run the leader's steps until STOP."""
         if self.is_leader:
             raise RuntimeError("run_follower is for processes other than process 0")
-        distributed.run_follower(self.runner, self.channel, self.runner.input_batch.tensors)
+        distributed.run_follower(self.runner, self.channel, self.runner.input_batch.tensors,
+                                 update_weights=self._update_everywhere)
 
     def close(self) -> None:
         """Leader: ends the followers' loops and waits until they have said goodbye, so the

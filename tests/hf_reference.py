@@ -39,14 +39,15 @@ def hf_greedy(hf_model, ids: list[int], max_new: int) -> tuple[list[int], np.nda
     return toks, logp
 
 
-def save_tiny_llama(path, num_kv_heads: int) -> str:
+def save_tiny_llama(path, num_kv_heads: int, seed: int | None = None) -> str:
     """A random 8-query-head Llama saved as an HF directory; weights scaled up so logits are
-    sharp and greedy picks are not near-ties (tensor-parallel and multi-host comparisons)."""
+    sharp and greedy picks are not near-ties (tensor-parallel and multi-host comparisons).
+    `seed` (default: `num_kv_heads`) draws other weights of the same shapes."""
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=num_kv_heads)
-    torch.manual_seed(num_kv_heads)
+    torch.manual_seed(num_kv_heads if seed is None else seed)
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():

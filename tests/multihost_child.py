@@ -1,7 +1,9 @@
 """A process of a multi-host test group (run by tests/test_multihost.py, not by pytest).
 
-    python multihost_child.py MODEL COORDINATOR NUM_PROCESSES PROCESS_ID MODE
+    python multihost_child.py MODEL COORDINATOR NUM_PROCESSES PROCESS_ID MODE [SECOND_MODEL]
 MODE "generate": the leader generates and prints JSON tokens; followers run the leader's steps.
+MODE "update": the same, then the leader updates the weights to SECOND_MODEL (after a path
+that does not exist, which every process must refuse) and generates again.
 MODE "watch": everyone warms up and prints READY; the leader then polls its health and prints
 UNHEALTHY when a peer is lost.
 """
@@ -42,6 +44,19 @@ def main() -> None:
         engine.close()
         print("FOLLOWER DONE", flush=True)
         exit_follower(0)
+    result = {"tokens": generate(engine)}
+    if mode == "update":
+        try:
+            engine.update_weights("/no/such/weights")
+        except ValueError as e:
+            result["refused"] = str(e)
+        result["version"] = engine.update_weights(sys.argv[6])
+        result["tokens_after_update"] = generate(engine)
+    engine.close()
+    print(json.dumps({**result, "compiles_after_warmup": engine.compiles_after_warmup}), flush=True)
+
+
+def generate(engine) -> list[list[int]]:
     for i, ids in enumerate(PROMPTS):
         # The second request needs the full sampler variant: its penalty history and logit-bias
         # rows travel in the step's second payload.
@@ -53,9 +68,7 @@ def main() -> None:
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
-    engine.close()
-    print(json.dumps({"tokens": [outs[str(i)] for i in range(len(PROMPTS))],
-                      "compiles_after_warmup": engine.compiles_after_warmup}), flush=True)
+    return [outs[str(i)] for i in range(len(PROMPTS))]
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ def tiny_model(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_mh"), 2)
 
 
-def _spawn(model, coordinator, n, pid, mode, log=None):
+def _spawn(model, coordinator, n, pid, mode, log=None, *extra):
     out = open(log, "w") if log else subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-u", CHILD, model, coordinator, str(n), str(pid), mode],
+    return subprocess.Popen([sys.executable, "-u", CHILD, model, coordinator, str(n), str(pid), mode, *extra],
                             stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
@@ -44,10 +44,20 @@ def single_process_tokens(tiny_model):
     return _last_json(single.stdout)["tokens"]
 
 
-def test_two_processes_match_single_process(tiny_model, single_process_tokens):
+def test_two_processes_match_single_process_and_update_weights_together(tiny_model, single_process_tokens,
+                                                                      tmp_path):
+    """Then a weight update: a path no process can read is refused by all (nothing changes,
+    the group keeps serving), another checkpoint is taken by both, and the group answers as
+    one process on that checkpoint does, with nothing compiled."""
+    from hf_reference import save_tiny_llama
+
+    second = save_tiny_llama(tmp_path / "second", 2, seed=1)
+    single = subprocess.run([sys.executable, CHILD, second, "-", "1", "0", "generate"],
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
     coordinator = f"127.0.0.1:{free_port()}"
-    follower = _spawn(tiny_model, coordinator, 2, 1, "generate")
-    leader = _spawn(tiny_model, coordinator, 2, 0, "generate")
+    follower = _spawn(tiny_model, coordinator, 2, 1, "update", None, second)
+    leader = _spawn(tiny_model, coordinator, 2, 0, "update", None, second)
     try:
         out_leader, _ = leader.communicate(timeout=300)
         out_follower, _ = follower.communicate(timeout=60)
@@ -56,8 +66,10 @@ def test_two_processes_match_single_process(tiny_model, single_process_tokens):
             p.kill()
     result = _last_json(out_leader)
     assert result["tokens"] == single_process_tokens
+    assert "/no/such/weights" in result["refused"] and result["version"] == 1
+    assert result["tokens_after_update"] == _last_json(single.stdout)["tokens"] != single_process_tokens
     assert result["compiles_after_warmup"] == 0
-    assert "FOLLOWER DONE" in out_follower
+    assert "FOLLOWER DONE" in out_follower and "not applied" in out_follower
 
 
 def _wait_for(log, needle: str, timeout: float) -> tuple[bool, str, float]:
