@@ -148,3 +148,16 @@ def test_strict_guard_names_an_unplanned_shape(smollm):
     engine.add_prompt(None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 21)))
     with pytest.raises(UnplannedCompilationError, match=r"backbone\[T=24\]"):
         engine.step()
+
+
+def test_the_persistent_cache_is_keyed_by_the_host_cpu(monkeypatch):
+    """XLA:CPU executables target the host CPU and JAX's cache key does not say which: another
+    CPU (a shared home directory) gets its own subdirectory."""
+    import pallas_kernels._native_cpu as native
+    from jaxserve.compilation.compile_cache import host_cpu_key
+
+    here = host_cpu_key()
+    monkeypatch.setattr(native, "cpu_features", lambda: "flags : sse2 avx2")
+    other = host_cpu_key()
+    monkeypatch.setattr(native, "cpu_features", lambda: "flags : sse2 avx2 avx512f")
+    assert len({here, other, host_cpu_key()}) == 3 and here.startswith("host-")

@@ -8,8 +8,10 @@ attribution during a threaded warmup uses thread-local counters.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 
 import jax
@@ -69,11 +71,27 @@ EVENTS = CompileEvents()
 _cache_dir: str | None = None
 
 
+def host_cpu_key() -> str:
+    """A short key of the host CPU's model and feature flags. XLA:CPU compiles for the host
+    CPU, and JAX's cache key does not say which: an executable cached on one machine and
+    read on another (a home directory shared between machines) crashed the process inside
+    `deserialize_executable`. Entries live in a subdirectory per key."""
+    from pallas_kernels._native_cpu import cpu_features
+
+    model = platform.processor()
+    try:
+        model = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return "host-" + hashlib.sha256(f"{model}\0{cpu_features()}".encode()).hexdigest()[:12]
+
+
 def enable_persistent_cache(cache_dir: str) -> str:
-    """Points JAX's persistent cache at `cache_dir` and makes it cache every executable (no
-    minimum compile time or size). The directory is process-wide: the first engine sets it."""
+    """Points JAX's persistent cache at `cache_dir`/<host CPU key> (`host_cpu_key`) and makes
+    it cache every executable (no minimum compile time or size). The directory is
+    process-wide: the first engine sets it. Returns the directory in use."""
     global _cache_dir
-    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    cache_dir = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), host_cpu_key())
     if _cache_dir is not None:
         if _cache_dir != cache_dir:
             logger.warning("compilation cache already at %s; ignoring %s", _cache_dir, cache_dir)
