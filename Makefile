@@ -68,8 +68,17 @@ serve: $(RUN_STAMP)
 CXX_CHECK = command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null || \
 	{ echo "make test needs a C++ compiler for the native CPU attention kernel (Debian: apt-get install g++)"; exit 2; }
 
+# Each loaded XLA:CPU executable holds ~120 memory maps and JAX keeps every one it compiled,
+# so one pytest process of the whole suite nears Linux's default limit of 65530 maps; past it,
+# XLA crashes (SIGSEGV) compiling or loading the next program. Raise the limit where allowed
+# (root); tests/conftest.py warns when it stays low.
+MAP_COUNT_CHECK = [ $$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 262144) -ge 262144 ] || \
+	sysctl -q -w vm.max_map_count=262144 2>/dev/null || \
+	echo "warning: vm.max_map_count is $$(cat /proc/sys/vm/max_map_count); the full suite may crash XLA (run as root or raise it)"
+
 test: $(TEST_STAMP)
 	@$(CXX_CHECK)
+	@$(MAP_COUNT_CHECK)
 	$(VENV)/bin/ruff check jaxserve scheduler pallas_kernels server tests scripts
 	$(PY) -m pytest -q
 

@@ -25,6 +25,19 @@ if _ACCEL_CUDA.is_dir() and str(_ACCEL_CUDA) not in sys.path:
     sys.path.append(str(_ACCEL_CUDA))
 
 
+def pytest_report_header(config) -> str | None:
+    """The whole suite in one process loads ~1,000 XLA:CPU executables of ~120 memory maps each:
+    under Linux's default vm.max_map_count (65530) XLA crashes late in the run (the Makefile
+    raises the limit where it may)."""
+    try:
+        limit = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+    if limit < 262144:
+        return f"WARNING: vm.max_map_count is {limit}; a full run may crash XLA (raise it to 262144)"
+    return f"vm.max_map_count: {limit}"
+
+
 @pytest.fixture(scope="module")
 def no_persistent_cache_writes():
     """For modules that compile for compile-only TPU/GPU devices: their executables cannot be

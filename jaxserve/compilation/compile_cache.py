@@ -73,9 +73,9 @@ _cache_dir: str | None = None
 
 def host_cpu_key() -> str:
     """A short key of the host CPU's model and feature flags. XLA:CPU compiles for the host
-    CPU, and JAX's cache key does not say which: an executable cached on one machine and
-    read on another (a home directory shared between machines) crashed the process inside
-    `deserialize_executable`. Entries live in a subdirectory per key."""
+    CPU, and JAX's cache key does not say which: an executable cached on one machine must
+    not be loaded on another with other CPU features (a home directory shared between
+    machines). Entries live in a subdirectory per key."""
     from pallas_kernels._native_cpu import cpu_features
 
     model = platform.processor()
