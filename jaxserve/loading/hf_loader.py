@@ -114,14 +114,7 @@ class _SafetensorsIndex:
         return np.asarray(h.get_tensor(name))
 
     def get(self, name: str) -> np.ndarray:
-        """A floating-point tensor as f32 (integer or 8-bit float storage is refused: reading it
-        as floats without its scale would load garbage)."""
-        arr = self.raw(name)
-        if arr.dtype.kind not in "fV" or arr.dtype.itemsize < 2:  # V: ml_dtypes (bfloat16, float8_*)
-            raise CheckpointError(
-                f"safetensors checkpoint {self.path}: tensor {name!r} is stored as {arr.dtype}, "
-                "not as floating point, and no scale jaxserve reads is stored beside it")
-        return arr.astype(np.float32, copy=False)
+        return _float_tensor(self.raw(name), name, f"safetensors checkpoint {self.path}")
 
 
 class TensorMapping:
@@ -142,10 +135,16 @@ class TensorMapping:
         return np.asarray(self._tensors[name])
 
     def get(self, name: str) -> np.ndarray:
-        arr = self.raw(name)
-        if arr.dtype.kind not in "fV" or arr.dtype.itemsize < 2:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is {arr.dtype}, not floating point")
-        return arr.astype(np.float32, copy=False)
+        return _float_tensor(self.raw(name), name, self.path)
+
+
+def _float_tensor(arr: np.ndarray, name: str, where: str) -> np.ndarray:
+    """A floating-point tensor as f32 (integer or 8-bit float storage is refused: reading it
+    as floats without its scale would load garbage)."""
+    if arr.dtype.kind not in "fV" or arr.dtype.itemsize < 2:  # V: ml_dtypes (bfloat16, float8_*)
+        raise CheckpointError(f"{where}: tensor {name!r} is stored as {arr.dtype}, not as floating point, "
+                              "and no scale jaxserve reads is stored beside it")
+    return arr.astype(np.float32, copy=False)
 
 
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}

@@ -326,7 +326,7 @@ class _LayerWeights(dict):
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
                                     precision=self._precision)
-        return tiled_matmul(x, self[name], self._row_tile) if self._row_tile else x @ self[name]
+        return tiled_matmul(x, self[name], self._row_tile)
 
 
 def tiled_matmul(x: jax.Array, w: jax.Array, row_tile: int, transposed: bool = False) -> jax.Array:
