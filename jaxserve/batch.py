@@ -23,6 +23,7 @@ class SequenceSpan:
     start: int
     block_table: np.ndarray  # [<= max_pages_per_seq] int32
     num_rows: int = 1
+    lora_slot: int = 0  # the LoRA adapter's device slot (1..max_loras; 0: the base model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class StepArrays:
     num_tokens: int  # real tokens
     num_reqs: int  # real sequences
     num_rows: int = 0  # real logits rows (num_reqs, plus one per speculative draft)
+    lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA slot (0: the base model)
 
 
 class BatchBuilder:
@@ -54,13 +56,14 @@ class BatchBuilder:
         self._tables = np.zeros((max_reqs, max_pages_per_seq), np.int32)
         self._num_seqs = np.zeros(1, np.int32)
         self._logits_idx = np.zeros(max_reqs, np.int32)
+        self._lora_slots = np.zeros(max_tokens, np.int32)
 
     def build(self, spans: list[SequenceSpan], num_tokens_bucket: int, num_reqs_bucket: int) -> StepArrays:
         T, R, S = num_tokens_bucket, num_reqs_bucket, self.page_size
         n_reqs = len(spans)
         if n_reqs > R:
             raise ValueError(f"{n_reqs} sequences do not fit the request bucket {R}")
-        tok, pos, slots = self._token_ids[:T], self._positions[:T], self._slots[:T]
+        tok, pos, slots, lora = self._token_ids[:T], self._positions[:T], self._slots[:T], self._lora_slots[:T]
         cu, kv, tables, lidx = self._cu[: R + 1], self._kv_lens[:R], self._tables[:R], self._logits_idx[:R]
         t = row = 0
         for i, sp in enumerate(spans):
@@ -68,6 +71,7 @@ class BatchBuilder:
             if t + n > T:
                 raise ValueError(f"{t + n} tokens do not fit the token bucket {T}")
             tok[t : t + n] = sp.token_ids
+            lora[t : t + n] = sp.lora_slot
             p = np.arange(sp.start, sp.start + n, dtype=np.int32)
             pos[t : t + n] = p
             width = len(sp.block_table)
@@ -82,6 +86,7 @@ class BatchBuilder:
             row += sp.num_rows
             t += n
         tok[t:] = 0
+        lora[t:] = 0
         pos[t:] = 0
         slots[t:] = np.arange(T - t, dtype=np.int32) % S  # null page
         cu[n_reqs:] = t
@@ -89,4 +94,4 @@ class BatchBuilder:
         tables[n_reqs:] = 0
         lidx[row:] = 0
         self._num_seqs[0] = n_reqs
-        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row)
+        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row, lora_slots=lora)

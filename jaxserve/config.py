@@ -97,6 +97,11 @@ class EngineConfig:
     # SpeculativeConfig. None: off. docs/speculative_decoding.md.
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
+    # LoRA adapters (vLLM's spelling): `max_loras` device slots of rank up to `max_lora_rank`;
+    # adapters are loaded at run time (docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # A request's tokens and logprobs bitwise the same whatever shares its batch (dense
     # matmuls in fixed row tiles; verified on CPU; costs speed). docs/scoring_and_rl.md.
     batch_invariant: bool = False
@@ -153,6 +158,13 @@ class EngineConfig:
                 raise ValueError("coordinator (HOST:PORT) is required when num_processes > 1")
             if self.preemption_mode == "swap":
                 raise ValueError("preemption_mode 'swap' is not supported across hosts; use 'recompute'")
+        if self.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if self.num_processes > 1:
+                raise ValueError("enable_lora: not supported across hosts yet (num_processes > 1)")
         if self.max_token_buckets < 1:
             raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
         if self.warmup_threads < 0:
@@ -238,6 +250,7 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def resolve(self, model_config: Any, kv_model_config: Any | None = None,

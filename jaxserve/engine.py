@@ -32,6 +32,8 @@ from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
 from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
 from jaxserve.loading import LoadedModel, load_model
 from jaxserve.loading.loader import resolve_dtype
+from jaxserve.lora.registry import LoRARegistry
+from jaxserve.lora.request import LoRARequest
 from jaxserve.output_processor import OutputProcessor, child_ids
 from jaxserve.outputs import OutputKind, RequestOutput
 from jaxserve.parallel import build_mesh, tp_model_config
@@ -104,6 +106,10 @@ class Engine:
         self.structured: StructuredOutputManager | None = (
             make_manager(self.tokenizer, mc.vocab_size, self.eos_token_id)
             if config.structured_outputs and self.tokenizer is not None else None)
+        # LoRA adapters known on the host (None: enable_lora is off); the runner holds the slots.
+        self.lora_registry = (LoRARegistry(mc, config.max_lora_rank, resolve_dtype(self.dtype))
+                              if config.enable_lora else None)
+        self.lora_stats: dict[str, list[int]] = {}  # adapter name -> [requests, output tokens]
         self.runner = self._make_runner()
         self.kernels = self._choose_kernels()
         self.attention = self.kernels.attention
@@ -191,6 +197,7 @@ class Engine:
             kv_cache_dtype=self.resolved.kv_cache_dtype,
             structured=self.structured, expert_parallel=config.enable_expert_parallel,
             matmul_precision=self.resolved.quantized_matmul_precision, row_tile=self.resolved.row_tile,
+            lora=(config.max_loras, config.max_lora_rank, self.lora_registry) if config.enable_lora else None,
         )
 
     @property
@@ -249,6 +256,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Processes a prompt (text or ids) with `input_processor` and queues it; returns its
         id. Raises ValueError (an InputError naming the field) on bad input. The batch API's
@@ -259,7 +267,8 @@ class Engine:
         if prompt_token_ids is None:
             prompt_token_ids = self.input_processor.encode(prompt or "")
         request = self.input_processor.process(prompt_token_ids, params, prompt=prompt)
-        return self.add_request(request, request_id=request_id, arrival_time=arrival_time, output_kind=output_kind)
+        return self.add_request(request, request_id=request_id, arrival_time=arrival_time, output_kind=output_kind,
+                                lora_request=lora_request)
 
     def add_request(
         self,
@@ -268,9 +277,11 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queues a processed request (`InputProcessor.process`); returns its id. Raises
-        DuplicateRequestId when the id is still in flight.
+        DuplicateRequestId when the id is still in flight; `lora_request` names the adapter
+        (loaded here the first time its id is seen; a bad adapter is a ValueError naming it).
 
         An `n > 1` request becomes `n` sequences, each with its own seed from `request.seeds`;
         all but the first wait for the first to compute the shared prompt. `output_kind` DELTA
@@ -280,6 +291,7 @@ class Engine:
         seq_ids = child_ids(rid, params.n)
         if rid in self.outputs or any(self.scheduler.get_request(c) is not None for c in seq_ids):
             raise DuplicateRequestId(f"request_id {rid!r} is a duplicate: a request with this id is still in flight")
+        lora_id = self._lora_load_id(lora_request)
         now = time.monotonic() if arrival_time is None else arrival_time
         grammar = request.grammar
         ids = list(request.prompt_token_ids)
@@ -287,9 +299,53 @@ class Engine:
         for i, cid in enumerate(seq_ids):
             seq_params = params if params.seed == request.seeds[i] else dataclasses.replace(params, seed=request.seeds[i])
             req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now,
-                          grammar=grammar)
+                          grammar=grammar, lora_id=lora_id)
             self.scheduler.add_request(req, share_prompt_with=seq_ids[0] if i else None)
+        if lora_request is not None:
+            self.lora_stats.setdefault(lora_request.lora_name, [0, 0])[0] += 1
         return rid
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _lora_load_id(self, lora: LoRARequest | None) -> int:
+        if lora is None:
+            return 0
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if self.lora_registry is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine runs without LoRA (enable_lora=False)")
+        return self.lora_registry.resolve(lora)
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Registers an adapter (read and checked now; written into a device slot when a
+        request first uses it). A name or id already loaded is a ValueError."""
+        if self.lora_registry is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine runs without LoRA (enable_lora=False)")
+        self.lora_registry.load(lora)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets an adapter. Refused (ValueError) while a request in flight uses it; an
+        unknown name is a KeyError."""
+        if self.lora_registry is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (enable_lora=False)")
+        load_id = self.lora_registry.load_id(name)
+        if not load_id:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        users = self.scheduler.num_requests_with_lora(load_id)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s) in flight")
+        self.lora_registry.unload(name)
+        self.runner.drop_lora(load_id)
+        self.lora_stats.pop(name, None)
+
+    def _count_lora_tokens(self, so: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        for sr in so.scheduled:
+            req = self.scheduler.get_request(sr.request_id)
+            name = self.lora_registry.name_of(req.lora_id) if req is not None and req.lora_id else None
+            if name is not None:
+                self.lora_stats.setdefault(name, [0, 0])[1] += len(sampled.get(sr.request_id, ()))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora_registry.loaded() if self.lora_registry is not None else []
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request (all its n sequences) and frees its KV blocks; False if unknown."""
@@ -447,6 +503,8 @@ class Engine:
             failed += self.outputs.fail([seq_id], why, param="structured_outputs")
         if ro.spec_decode is not None:
             self.spec_decode.merge(ro.spec_decode)
+        if self.lora_registry is not None:
+            self._count_lora_tokens(so, ro.sampled_token_ids)
         updates = self.scheduler.update_from_output(so, ro.sampled_token_ids)
         processed = self.outputs.process(updates, ro.logprobs, ro.prompt_logprobs)
         for seq_id, stop_str in processed.stopped_by_string:

@@ -38,6 +38,7 @@ class CachedRequestState:
     bias_values_row: np.ndarray | None = None  # [MAX_LOGIT_BIAS] f32
     matcher: Matcher | None = None  # structured output: the grammar state after the outputs
     num_prompt_logprobs: int = 0  # prompt positions scored so far (params.prompt_logprobs set)
+    lora_id: int = 0  # the LoRA adapter's load id (0: the base model)
 
     @property
     def uses_penalties(self) -> bool:
@@ -74,7 +75,8 @@ class InputBatch:
         stops += list(p.stop_token_ids)
         row = np.full(STOP_ID_WIDTH, -1, np.int32)
         row[: len(stops)] = stops
-        st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFFFFFFFFFF, row)
+        st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFFFFFFFFFF, row,
+                                lora_id=nr.lora_id)
         if p.logit_bias:
             st.bias_ids_row = np.full(MAX_LOGIT_BIAS, -1, np.int32)
             st.bias_values_row = np.zeros(MAX_LOGIT_BIAS, np.float32)

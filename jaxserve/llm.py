@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.input_processor import apply_chat_template
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from scheduler import SamplingParams
 
@@ -51,6 +52,17 @@ class LLM:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and registers an adapter ahead of its first request (optional: `generate`
+        loads an adapter it has not seen)."""
+        self.engine.load_lora(lora_request)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -60,10 +72,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; returns outputs in input order.
 
         A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`).
+        `lora_request`: one adapter for every prompt, or a list matching them (None: the base
+        model).
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -78,10 +93,16 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(self._add(prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                ids.append(self._add(prompt, params, lora))
             return self._run(ids, use_tqdm)
         except BaseException:
             for rid in ids:
@@ -95,6 +116,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
         proc = self.engine.input_processor
@@ -103,17 +125,18 @@ class LLM:
         for c in convs:
             proc.check_messages(list(c))
             prompts.append({"prompt_token_ids": apply_chat_template(proc.tokenizer, list(c), add_generation_prompt)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None) -> str:
         rid = f"llm-{self._counter}"
         self._counter += 1
         if isinstance(prompt, str):
-            return self.engine.add_prompt(prompt, params, request_id=rid)
+            return self.engine.add_prompt(prompt, params, request_id=rid, lora_request=lora)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return self.engine.add_prompt(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid)
+            return self.engine.add_prompt(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid,
+                                          lora_request=lora)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.engine.add_prompt(prompt["prompt"], params, request_id=rid)
+            return self.engine.add_prompt(prompt["prompt"], params, request_id=rid, lora_request=lora)
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -45,6 +45,8 @@ from jaxserve.compilation.step_programs import (
 )
 from jaxserve.input_batch import InputBatch
 from jaxserve.loading import LoadedModel
+from jaxserve.lora.ops import LoRABatch
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.models.fused import fuse_projections
 from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.metadata import AttentionMetadata
@@ -97,11 +99,14 @@ class ModelRunner:
         expert_parallel: bool = False,
         matmul_precision: str = "highest",
         row_tile: int = 0,
+        lora: tuple[int, int, Any] | None = None,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
         before it runs; `structured` the `StructuredOutputManager` filling token bitmasks;
-        `kv_cache_dtype` a quantized page dtype (int8 / float8; pages then carry f32 scales)."""
+        `kv_cache_dtype` a quantized page dtype (int8 / float8; pages then carry f32 scales);
+        `lora` (max_loras, max_lora_rank, LoRARegistry): the adapter slots and where their
+        weights come from."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv_layout = kv_layout
@@ -124,6 +129,12 @@ class ModelRunner:
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype
         self.kv_cache = self._new_kv_cache()
+        self.lora: LoRASlots | None = None
+        self.lora_registry = None
+        if lora is not None:
+            max_loras, max_rank, self.lora_registry = lora
+            self.lora = LoRASlots(self.config, loaded.config, max_loras, max_rank, self.dtype, self.mesh,
+                                  parallel.MODEL_AXIS)
         self.attention_backend = attention_backend
         # Host-side swap pool, as the swap gather returns pages: [L, H, S, ...] per array (K, V
         # and, for a quantized cache, their scales [L, H, S, Hkv]); pages keep their dtype.
@@ -238,7 +249,9 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput.empty(StepTiming(device_s))
         cfg = self.steps
-        spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table, 1 + sr.num_draft_tokens)
+        lora_slots = self._lora_slots(so)
+        spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table, 1 + sr.num_draft_tokens,
+                              lora_slots.get(sr.request_id, 0))
                  for sr in so.scheduled]
         T = pick(cfg.token_buckets, so.num_scheduled_tokens)
         arrays = self.builder.build(spans, T, cfg.max_num_seqs)
@@ -269,6 +282,24 @@ class ModelRunner:
         if self._traffic_log is not None:
             self._traffic_log.write(f"{so.num_scheduled_tokens}\n")
         return result
+
+    def _lora_slots(self, so: SchedulerOutput) -> dict[str, int]:
+        """The device slot of each scheduled request's adapter, writing missing adapters into
+        slots first (request id -> slot; base-model requests are absent)."""
+        if self.lora is None:
+            return {}
+        states = self.input_batch.requests
+        ids = {sr.request_id: states[sr.request_id].lora_id for sr in so.scheduled
+               if sr.request_id in states and states[sr.request_id].lora_id}
+        if not ids:
+            return {}
+        slots = self.lora.assign(ids.values(), self.lora_registry.adapter)
+        return {rid: slots[i] for rid, i in ids.items()}
+
+    def drop_lora(self, load_id: int) -> None:
+        """An adapter was unloaded: its slot is free."""
+        if self.lora is not None:
+            self.lora.drop(load_id)
 
     def _prompt_logprobs(self, so: SchedulerOutput, h_all: jax.Array, T: int) -> dict:
         """Prompt logprobs of this step's prefill positions, for the requests that asked."""
@@ -404,12 +435,16 @@ class ModelRunner:
         """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]
         and every token's, before the final norm [T, E] (read only for prompt logprobs)."""
         tok, pos, md, lidx = self.device_inputs(arrays)
+        lora = None
+        if self.lora is not None:
+            slots = arrays.lora_slots if arrays.lora_slots is not None else np.zeros(tok.shape[0], np.int32)
+            lora = LoRABatch(self.lora.weights, self._put(slots))
         exe = self.executables.get(ShapeKey("backbone", tok.shape[0]))
         if exe is not None:
-            h_last, h_all, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx)
+            h_last, h_all, self.kv_cache = exe(self.state, self.kv_cache, tok, pos, md, lidx, lora)
         else:
             h_last, h_all, self.kv_cache = backbone_jit(self.graphdef, self.attention_backend, self.mesh,
-                                                         self.state, self.kv_cache, tok, pos, md, lidx)
+                                                         self.state, self.kv_cache, tok, pos, md, lidx, lora)
         return h_last, h_all
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
@@ -469,7 +504,8 @@ class ModelRunner:
             graphdef=self.graphdef, state=abstract(self.state), kv_cache=abstract(self.kv_cache), mesh=self.mesh,
             input_sharding=self.input_sharding, index_sharding=None, hidden_size=self.config.hidden_size,
             vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
-            max_pages_per_seq=self.max_pages_per_seq)
+            max_pages_per_seq=self.max_pages_per_seq,
+            lora=abstract(self.lora.weights) if self.lora is not None else None)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""

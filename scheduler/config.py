@@ -31,6 +31,9 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     long_prefill_token_threshold: int = 0
     policy: Policy = "fcfs"
+    # Distinct LoRA adapters the running requests may use at once (the device slots; 0: no
+    # adapters). A waiting request whose adapter would exceed it waits, others go ahead.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -53,6 +56,8 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")

@@ -171,6 +171,7 @@ class KVCacheManager:
             self.block_size,
             request.cache_salt,
             max_blocks=max_hit_blocks,
+            lora_id=request.lora_id,
         )
         hits: list[KVBlock] = []
         get = self.pool.cached.get
@@ -212,6 +213,7 @@ class KVCacheManager:
             self.block_size,
             request.cache_salt,
             max_blocks=num_full,
+            lora_id=request.lora_id,
         )
         cache_block = self.pool.cache_block
         blocks = st.blocks

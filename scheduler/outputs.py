@@ -28,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     grammar: GrammarHandle | None = None  # compiled (the scheduler waited for it) or None
+    lora_id: int = 0  # the LoRA adapter's load id (0: the base model)
 
 
 @dataclass(slots=True)

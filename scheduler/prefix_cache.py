@@ -41,11 +41,18 @@ def hash_block(
     return h.digest()
 
 
-def extra_keys_for_block(block_index: int, cache_salt: str | None) -> tuple | None:
-    """Extra keys of a block: the salt goes into the first block only (the chain carries it)."""
-    if block_index == 0 and cache_salt is not None:
-        return ("salt", cache_salt)
-    return None
+def extra_keys_for_block(block_index: int, cache_salt: str | None, lora_id: int = 0) -> tuple | None:
+    """Extra keys of a block: the salt and the LoRA adapter go into the first block only (the
+    chain carries them), so K/V computed under one adapter is never reused under another or
+    the base model."""
+    if block_index != 0:
+        return None
+    keys: tuple = ()
+    if cache_salt is not None:
+        keys += ("salt", cache_salt)
+    if lora_id:
+        keys += ("lora", lora_id)
+    return keys or None
 
 
 def extend_block_hashes(
@@ -54,6 +61,7 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: str | None = None,
     max_blocks: int | None = None,
+    lora_id: int = 0,
 ) -> list[bytes]:
     """Append the hashes of full blocks of ``token_ids`` not yet in ``block_hashes``.
 
@@ -68,7 +76,7 @@ def extend_block_hashes(
     while i < num_full:
         start = i * block_size
         parent = hash_block(
-            parent, token_ids[start : start + block_size], extra_keys_for_block(i, cache_salt)
+            parent, token_ids[start : start + block_size], extra_keys_for_block(i, cache_salt, lora_id)
         )
         block_hashes.append(parent)
         i += 1

@@ -272,6 +272,7 @@ class Request:
         "stop_reason",
         "block_hashes",
         "grammar",
+        "lora_id",
         "_stop_ids",
         "__weakref__",
     )
@@ -285,6 +286,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int | None = None,
         grammar: GrammarHandle | None = None,
+        lora_id: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -309,6 +311,8 @@ class Request:
         # The compiled grammar of a structured-output request (None: unconstrained); the
         # scheduler holds the request back until it is ready.
         self.grammar = grammar
+        # The LoRA adapter the request runs under (a load id, never reused; 0: the base model).
+        self.lora_id = int(lora_id)
         self._stop_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property

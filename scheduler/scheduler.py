@@ -212,6 +212,10 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
 
+    def num_requests_with_lora(self, lora_id: int) -> int:
+        """Unfinished sequences that run under the LoRA adapter `lora_id`."""
+        return sum(1 for r in self._requests.values() if r.lora_id == lora_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._pending_updates)
 
@@ -320,6 +324,8 @@ class Scheduler:
         swapped, running = self.swapped, self.running
         while swapped and plan.budget > 0 and len(running) < self.config.max_num_seqs:
             req = swapped.peek()
+            if not self._lora_fits(req):
+                return
             n = self._span_len(req, plan.budget)
             res = self.kv.swap_in(req, n)
             if res is None and not running:
@@ -347,13 +353,33 @@ class Scheduler:
             return True
         return _priority_key(req) >= _priority_key(self.swapped.peek())
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether the request's LoRA adapter can run beside the running requests' adapters:
+        it is the base model, one of theirs, or a slot is still free."""
+        if not req.lora_id:
+            return True
+        active = {r.lora_id for r in self.running if r.lora_id}
+        return req.lora_id in active or len(active) < self.config.max_loras
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Phase 3: new requests and those preempted by recompute, with prefix-cache hits."""
+        """Phase 3: new requests and those preempted by recompute, with prefix-cache hits.
+        Requests whose LoRA adapter finds no free slot are passed over and keep their place."""
+        passed: list[Request] = []
+        try:
+            self._admit_waiting(plan, passed)
+        finally:
+            for req in reversed(passed):
+                self.waiting.push_front(req)
+
+    def _admit_waiting(self, plan: _StepPlan, passed: list[Request]) -> None:
         kv, waiting, running = self.kv, self.waiting, self.running
         while waiting and plan.budget > 0 and len(running) < self.config.max_num_seqs:
             req = waiting.peek()
             if self._admission_blocked_by_swapped(req):
                 return
+            if not self._lora_fits(req):
+                passed.append(waiting.pop())
+                continue
             hits = kv.get_computed_blocks(req)
             num_hit = hits.num_tokens
             n = self._clamp(req.num_tokens - num_hit, plan.budget)
@@ -379,7 +405,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 plan.new_requests.append(NewRequestData(
                     req.request_id, list(req.prompt_token_ids), req.sampling_params, req.eos_token_id,
-                    req.grammar))
+                    req.grammar, req.lora_id))
             req.num_computed_tokens = num_hit
             req.status = _RUNNING
             running.append(req)

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, Sharding
 import pallas_kernels
 from jaxserve import parallel
 from jaxserve.compilation.compile_plan import ShapeKey
+from jaxserve.lora.ops import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.sampler import SamplingTensors, sample, token_logprobs
 
@@ -58,6 +59,7 @@ class StepPrograms:
     vocab_size: int
     attention_backend: str
     max_pages_per_seq: int
+    lora: dict[str, jax.ShapeDtypeStruct] | None = None  # the LoRA slots (`LoRABatch.weights`); None: off
 
     @property
     def dtype(self) -> Any:
@@ -78,9 +80,10 @@ class StepPrograms:
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
             )
+            lora = LoRABatch(self.lora, i32(T)) if self.lora is not None else None
             return backbone_jit.lower(
                 self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache,
-                i32(T), i32(T), md, i32(max_reqs),
+                i32(T), i32(T), md, i32(max_reqs), lora,
             ).compile()
         if key.kind == "logits":
             h = sds((max_reqs, self.hidden_size), self.dtype, rep)
@@ -106,7 +109,8 @@ class StepPrograms:
 
 
 # ---------------------------------------------------------------------- pure step functions
-def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices):
+def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices,
+              lora=None):
     model = nnx.merge(graphdef, state)
     attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend,
                                      batch_invariant=model.row_tile > 0)
@@ -117,7 +121,7 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
         if model.config.is_moe:
             extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
     h_last, h_all, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
-                                    attention_fn=attention_fn, kv_update_fn=kv_update_fn, **extra)
+                                    attention_fn=attention_fn, kv_update_fn=kv_update_fn, lora=lora, **extra)
     if mesh is not None:  # the heads receive replicated hidden states, as their warmup assumed
         h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
         h_all = jax.lax.with_sharding_constraint(h_all, parallel.replicated(mesh))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.lora.ops import LoRABatch, lora_delta, num_slots
 from jaxserve.models import moe
 from jaxserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
 from jaxserve.models.fused import split_gate_up, split_qkv
@@ -169,10 +170,12 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: AttentionFn,
         kv_update_fn: KVUpdateFn,
         moe_fn: MoEFn = single_device_moe,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
         """Returns the final-normed hidden states of rows `logits_indices` ([R, E]), every
         token's hidden state before the final norm ([T, E], for prompt logprobs; the layers
-        made it anyway, so it costs one output buffer) and the cache."""
+        made it anyway, so it costs one output buffer) and the cache. `lora`: the adapter
+        slots and each token's slot (none: the base model, no LoRA work traced)."""
         cfg = self.config
         k_cache, v_cache = kv_cache[:2]
         L, P, S, *row = k_cache.shape
@@ -200,15 +203,19 @@ class LlamaForCausalLM(nnx.Module):
         if local_rope is not None and uniform:  # every layer global, or every layer local
             rope, local_rope = (local_rope if windows[0] else rope), None
 
+        lora_weights = lora.weights if lora is not None else {}
+        onehot = lora.onehot(num_slots(lora_weights), dtype) if lora is not None else None  # [T, N]
+
         def layer(carry, xs):
             h, pool = carry
-            lp, per = xs
+            lp, per, lora_lp = xs
             window = per["window"] if not uniform else (windows[0] or None)
             cos_sin = rope
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
-            lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile)
+            lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile,
+                               lora_lp, onehot)
             attn, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
             if cfg.sandwich_norms:
@@ -220,7 +227,7 @@ class LlamaForCausalLM(nnx.Module):
                 y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
             return (h + y, pool), None
 
-        (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer))
+        (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer, lora_weights))
 
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
@@ -244,6 +251,7 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.attention_bias:
             qkv = qkv + lp["qkv_bias"]
         q, k, v = split_qkv(qkv, cfg, self.shards)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q, k, v = (lp.plus_lora(y, x, name) for y, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         q = q.reshape(T, Hq, D)
         k = k.reshape(T, Hkv, D)
         v = v.reshape(T, Hkv, D)
@@ -258,7 +266,8 @@ class LlamaForCausalLM(nnx.Module):
             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,
             soft_cap=cfg.attn_logit_softcap, **_scales(pool),
         )  # [T, Hq, D]
-        return lp.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), pool
+        attn = attn.reshape(T, Hq * D).astype(h.dtype)
+        return lp.plus_lora(lp.matmul(attn, "o_proj"), attn, "o_proj"), pool
 
     def _mlp(self, x, lp, moe_fn):
         """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E]."""
@@ -270,7 +279,9 @@ class LlamaForCausalLM(nnx.Module):
                 scales = {"gate_up_scale": lp["expert_gate_up_scale"], "down_scale": lp["expert_down_scale"]}
             return moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **scales)
         gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
-        return lp.matmul(ACTIVATIONS[cfg.hidden_act](gate) * up, "down_proj")
+        gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")
+        act = ACTIVATIONS[cfg.hidden_act](gate) * up
+        return lp.plus_lora(lp.matmul(act, "down_proj"), act, "down_proj")
 
     def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
         """The embedding rows of `token_ids` [T] -> [T, E] in `dtype` (dequantized rows when the
@@ -312,21 +323,37 @@ _DENSE_QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 class _LayerWeights(dict):
     """One layer's weights inside the scan: the sliced ones as a dict, plus `matmul(x, name)`
-    that runs a quantized projection from the stacked weights by layer index."""
+    that runs a quantized projection from the stacked weights by layer index, and
+    `plus_lora(y, x, name)` that adds the adapters' delta of a target to its output."""
 
     def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array, precision: str,
-                 row_tile: int = 0):
+                 row_tile: int = 0, lora: dict[str, jax.Array] | None = None, onehot: jax.Array | None = None):
         super().__init__(sliced)
         self._stacked = stacked
         self._layer = layer
         self._precision = precision
         self._row_tile = row_tile
+        self._lora = lora or {}  # "<target>.a" [in, N, r], "<target>.b" [N, r, out]
+        self._onehot = onehot  # [T, N]
+
+    def plus_lora(self, y: jax.Array, x: jax.Array, target: str) -> jax.Array:
+        """y [T, out] + the LoRA delta of `target` on its input x [T, in] (y itself when no
+        adapter slots target it)."""
+        a = self._lora.get(f"{target}.a")
+        if a is None:
+            return y
+        matmul = functools.partial(_plain_or_tiled, row_tile=self._row_tile)
+        return y + lora_delta(x, a, self._lora[f"{target}.b"], self._onehot, matmul).astype(y.dtype)
 
     def matmul(self, x: jax.Array, name: str) -> jax.Array:
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
                                     precision=self._precision)
         return tiled_matmul(x, self[name], self._row_tile)
+
+
+def _plain_or_tiled(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
+    return tiled_matmul(x, w, row_tile)
 
 
 def tiled_matmul(x: jax.Array, w: jax.Array, row_tile: int, transposed: bool = False) -> jax.Array:
