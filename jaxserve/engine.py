@@ -277,7 +277,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Queues a processed request (`InputProcessor.process`); returns its id. Raises
         DuplicateRequestId when the id is still in flight; `lora_request` names the adapter
@@ -302,17 +302,26 @@ class Engine:
                           grammar=grammar, lora_id=lora_id)
             self.scheduler.add_request(req, share_prompt_with=seq_ids[0] if i else None)
         if lora_request is not None:
-            self.lora_stats.setdefault(lora_request.lora_name, [0, 0])[0] += 1
+            name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+            self.lora_stats.setdefault(name, [0, 0])[0] += 1
         return rid
 
     # ------------------------------------------------------------------ LoRA adapters
-    def _lora_load_id(self, lora: LoRARequest | None) -> int:
+    def _lora_load_id(self, lora: LoRARequest | str | None) -> int:
+        """The load id of a request's adapter: a LoRARequest (loaded if its id is new) or the
+        name of an adapter already loaded (the servers' way)."""
         if lora is None:
             return 0
-        if not isinstance(lora, LoRARequest):
+        if not isinstance(lora, LoRARequest | str):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        name = lora if isinstance(lora, str) else lora.lora_name
         if self.lora_registry is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine runs without LoRA (enable_lora=False)")
+            raise ValueError(f"LoRA adapter {name!r}: this engine runs without LoRA (enable_lora=False)")
+        if isinstance(lora, str):
+            load_id = self.lora_registry.load_id(lora)
+            if not load_id:
+                raise ValueError(f"LoRA adapter {lora!r} is not loaded")
+            return load_id
         return self.lora_registry.resolve(lora)
 
     def load_lora(self, lora: LoRARequest) -> None:
@@ -346,6 +355,18 @@ class Engine:
 
     def list_loras(self) -> list[LoRARequest]:
         return self.lora_registry.loaded() if self.lora_registry is not None else []
+
+    def lora_activity(self) -> dict[str, Any] | None:
+        """Adapters of the running and the waiting requests (names), the slots and the
+        adapter loads into them, and the per-adapter counts (None: LoRA is off)."""
+        if self.lora_registry is None:
+            return None
+        name = self.lora_registry.name_of
+        s = self.scheduler
+        return {"running": sorted({name(r.lora_id) or "" for r in s.running if r.lora_id}),
+                "waiting": sorted({name(r.lora_id) or "" for r in s.waiting if r.lora_id}),
+                "max_loras": self.config.max_loras, "num_loads": self.runner.lora.num_loads,
+                "stats": {k: tuple(v) for k, v in self.lora_stats.items()}}
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request (all its n sequences) and frees its KV blocks; False if unknown."""

@@ -22,6 +22,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="port of the OpenAI-compatible HTTP API on --host (0: off)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model names the HTTP API accepts and lists (default: the model's path or name)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to load at start, selected by `model: NAME` "
+                        "(needs --enable-lora)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the model's")
     s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=d.tool_call_parser,
@@ -135,8 +138,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-queued-tokens must be >= 1")
     if ns.http_port < 0:
         raise ValueError("--http-port must be >= 0 (0: off)")
+    lora_modules = []
+    for item in ns.lora_modules or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: NAME=PATH expected, got {item!r}")
+        lora_modules.append((name, path))
+    if lora_modules and not cfg.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     opts = ServerOptions(
         http_port=ns.http_port or -1, served_model_name=tuple(ns.served_model_name or ()),
+        lora_modules=tuple(lora_modules),
         chat_template=_read_chat_template(ns.chat_template),
         tool_call_parser=ns.tool_call_parser,
         host=ns.host, port=ns.port, metrics_host=ns.metrics_host, metrics_port=ns.metrics_port,

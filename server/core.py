@@ -98,6 +98,8 @@ class ServingCore:
         t1 = time.perf_counter()
         logger.info("model loaded in %.1f s", t1 - t0)
         o = self.options
+        if o.lora_modules:
+            await asyncio.to_thread(self._load_lora_modules, o.lora_modules)
         if o.warmup:
             report = await asyncio.to_thread(self.engine.warmup)
             logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, report.summary())
@@ -265,6 +267,60 @@ class ServingCore:
     def is_sleeping(self) -> bool:
         return bool(getattr(self.engine, "sleep_level", 0))
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def _load_lora_modules(self, modules: Sequence[tuple[str, str]]) -> None:
+        """--lora-modules: before serving, so a bad adapter stops the start with its reason."""
+        from jaxserve.lora import LoRARequest
+
+        for i, (name, path) in enumerate(modules):
+            self.engine.load_lora(LoRARequest(name, i + 1, path))
+            logger.info("LoRA adapter %r loaded from %s", name, path)
+
+    def lora_names(self) -> list[str]:
+        """The loaded adapters' names, in load order (none when LoRA is off)."""
+        registry = getattr(self.engine, "lora_registry", None)
+        return [lr.lora_name for lr in registry.loaded()] if registry is not None else []
+
+    def check_lora(self, tenant: Tenant, name: str) -> None:
+        """The tenant may run requests under adapter `name` (NOT_FOUND otherwise, as vLLM
+        answers for a model it does not serve; an adapter a tenant may not use is not shown
+        to exist)."""
+        if name not in self.lora_names() or not tenant.may_use_lora(name):
+            raise ServeError(ErrorKind.NOT_FOUND, f"the model {name!r} does not exist", "model", "model_not_found")
+
+    async def load_lora(self, tenant: Tenant, name: Any, path: Any) -> None:
+        """Admin only: reads and registers an adapter (vLLM's /v1/load_lora_adapter)."""
+        self._require_admin(tenant, "load_lora_adapter")
+        if getattr(self.engine, "lora_registry", None) is None:
+            raise invalid("lora_name: this server runs without LoRA (start it with --enable-lora)", "lora_name")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise invalid(f"{field}: a non-empty string is required", field)
+        if name in self.served_model_names:
+            raise invalid(f"lora_name: {name!r} is the base model's name", "lora_name")
+        from jaxserve.lora import LoRARequest
+
+        def load(engine) -> None:
+            next_id = 1 + max((lr.lora_int_id for lr in engine.list_loras()), default=0)
+            engine.load_lora(LoRARequest(name, next_id, path))
+
+        try:
+            await self.loop_runner.call(load)
+        except ValueError as e:
+            raise invalid(str(e), "lora_path" if "already loaded" not in str(e) else "lora_name") from None
+
+    async def unload_lora(self, tenant: Tenant, name: Any) -> None:
+        """Admin only: forgets an adapter (refused while a request uses it)."""
+        self._require_admin(tenant, "unload_lora_adapter")
+        if not isinstance(name, str) or not name:
+            raise invalid("lora_name: a non-empty string is required", "lora_name")
+        try:
+            await self.loop_runner.call(lambda engine: engine.unload_lora(name))
+        except KeyError as e:
+            raise ServeError(ErrorKind.NOT_FOUND, str(e.args[0]), "lora_name", "lora_not_found") from None
+        except ValueError as e:
+            raise invalid(str(e), "lora_name") from None
+
     def _require_admin(self, tenant: Tenant, what: str) -> None:
         if self.auth.required and not tenant.admin:
             raise ServeError(ErrorKind.UNAUTHENTICATED, f"{what}: needs an admin key", code="admin_only")
@@ -346,6 +402,8 @@ class ServingCore:
         if len(req.request_id) > MAX_REQUEST_ID_CHARS:
             raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters", "request_id")
         params = self._tenant_params(req.params, tenant)
+        if req.lora_name is not None:
+            self.check_lora(tenant, req.lora_name)
         try:  # caps first: no tokenizing a request that can never run
             self.processor.check_params(params, req.field_names)
         except InputError as e:
@@ -382,10 +440,14 @@ class ServingCore:
                          structured_param=req.structured_param)
         self._enter(gen)
         try:
-            await self.loop_runner.add_request(key, request, buffer, arrival_time=time.monotonic(), ticket=gen.ticket)
+            await self.loop_runner.add_request(key, request, buffer, arrival_time=time.monotonic(), ticket=gen.ticket,
+                                               lora_name=req.lora_name)
         except DuplicateRequestId as e:
             gen.close()
             raise invalid(str(e).replace(repr(key), repr(req.request_id)), "request_id") from e
+        except ValueError as e:  # the adapter was unloaded since it was checked
+            gen.close()
+            raise ServeError(ErrorKind.NOT_FOUND, str(e), "model", "model_not_found") from e
         except EngineDead as e:
             gen.close()
             raise ServeError(ErrorKind.UNAVAILABLE, str(e), code="engine_stopped") from e

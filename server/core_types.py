@@ -33,6 +33,7 @@ class GenerateInput:
     fill_max_tokens: bool = False  # max_tokens: the room left within max_model_len
     structured_param: str | None = None  # the client's field holding the grammar spec
     field_names: Mapping[str, str] | None = None  # the client's names where they differ (top_logprobs)
+    lora_name: str | None = None  # a loaded LoRA adapter (OpenAI: the request's `model`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,7 @@ class EngineSnapshot:
     step_host_s: float
     step_device_s: float
     spec_decode: SpecDecodeCounts | None = None  # cumulative; None: speculative decoding is off
+    lora: dict[str, Any] | None = None  # `Engine.lora_activity()`; None: LoRA is off
 
 
 @dataclasses.dataclass
@@ -156,8 +157,10 @@ class EngineLoop:
         *,
         arrival_time: float | None = None,
         ticket: object = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Queues a processed request (`EngineRequest`) whose outputs (deltas) go to `buffer`.
+        """Queues a processed request (`EngineRequest`) whose outputs (deltas) go to `buffer`;
+        `lora_name` is a loaded adapter's (ValueError when it is not, or no longer, loaded).
 
         Raises DuplicateRequestId when the id is in flight. `ticket` (any object) lets the
         caller abort exactly this request later, even if it gives up before the admission
@@ -166,7 +169,7 @@ class EngineLoop:
 
         def add(engine: Any) -> None:
             engine.add_request(request, request_id=request_id, arrival_time=arrival_time,
-                               output_kind=OutputKind.DELTA)
+                               output_kind=OutputKind.DELTA, **({"lora_request": lora_name} if lora_name else {}))
             self._streams[request_id] = _Stream(buffer, ticket)
 
         await self.call(add)
@@ -346,6 +349,7 @@ class EngineLoop:
             prompt_tokens=self._prompt_tokens, num_finished=self._num_finished,
             step_host_s=ls.host_s, step_device_s=ls.device_s,
             spec_decode=self._spec_copy(),
+            lora=self.engine.lora_activity() if getattr(self.engine, "lora_registry", None) is not None else None,
         )
 
     def _spec_copy(self) -> SpecDecodeCounts | None:

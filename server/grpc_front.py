@@ -156,7 +156,8 @@ class GrpcFront(pb_grpc.JaxServeServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             self._check_size(request)
-            req = GenerateInput(rid, prompt_from_proto(request), sampling_params_from_proto(request.sampling_params))
+            req = GenerateInput(rid, prompt_from_proto(request), sampling_params_from_proto(request.sampling_params),
+                                lora_name=request.lora_name or None)
         except ValueError as e:
             await _abort(context, invalid(str(e)))
         try:
@@ -217,3 +218,23 @@ class GrpcFront(pb_grpc.JaxServeServicer):
         except ServeError as e:
             await _abort(context, e)
         return pb.UpdateWeightsResponse(weights_version=version)
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context):
+        tenant = await self._caller(context)
+        try:
+            await self.core.load_lora(tenant, request.lora_name, request.lora_path)
+        except ServeError as e:
+            await _abort(context, e)
+        return pb.LoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context):
+        tenant = await self._caller(context)
+        try:
+            await self.core.unload_lora(tenant, request.lora_name)
+        except ServeError as e:
+            await _abort(context, e)
+        return pb.LoRAAdapterResponse()
+
+    async def ListLoRAAdapters(self, request: pb.ListLoRAAdaptersRequest, context):
+        tenant = await self._caller(context)
+        return pb.ListLoRAAdaptersResponse(lora_names=[n for n in self.core.lora_names() if tenant.may_use_lora(n)])

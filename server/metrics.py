@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -178,6 +179,8 @@ class _SnapshotCollector:
         yield CounterMetricFamily(P + "prefix_cache_hits", "Prefix-cache hits (tokens).",
                                   value=st.prefix_cache_hits)
         yield CounterMetricFamily(P + "engine_steps", "Engine steps run.", value=snap.num_steps)
+        if snap.lora is not None:
+            yield from _lora_metrics(snap.lora)
         spec = snap.spec_decode
         if spec is not None:  # vLLM's names
             yield CounterMetricFamily(P + "spec_decode_num_drafts", "Sequences that carried speculative drafts.",
@@ -191,6 +194,25 @@ class _SnapshotCollector:
             for i, n in enumerate(spec.accepted_per_position):
                 per.add_metric([str(i)], n)
             yield per
+
+
+def _lora_metrics(lora: dict[str, Any]):
+    """vLLM's `lora_requests_info` gauge (the adapters running and waiting as labels, the
+    scrape's wall time as the value), per-adapter counts and the adapter loads into slots."""
+    info = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(lora["running"]), ",".join(lora["waiting"]), str(lora["max_loras"])], time.time())
+    yield info
+    requests = CounterMetricFamily(P + "lora_requests", "Requests admitted, by LoRA adapter.", labels=["lora_name"])
+    tokens = CounterMetricFamily(P + "lora_generation_tokens", "Tokens generated, by LoRA adapter.",
+                                 labels=["lora_name"])
+    for name, (n_req, n_tok) in sorted(lora["stats"].items()):
+        requests.add_metric([name], n_req)
+        tokens.add_metric([name], n_tok)
+    yield requests
+    yield tokens
+    yield CounterMetricFamily(P + "lora_slot_loads", "LoRA adapters written into a device slot (slot misses).",
+                              value=lora["num_loads"])
 
 
 # jax.monitoring listeners are process-wide: install one and fan out to live servers.

@@ -18,6 +18,7 @@ class ServerOptions:
     metrics_port: int = 8001  # 0: pick a free port; -1: no metrics endpoint
     http_port: int = 8000  # the OpenAI-compatible HTTP API (same host); 0: pick a free port; -1: off
     served_model_name: tuple[str, ...] = ()  # names clients may give as `model`; the first is shown
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) LoRA adapters loaded at start
     chat_template: str | None = None  # a Jinja chat template that replaces the model's
     tool_call_parser: str = "hermes"  # the model's own tool-call format, for tool_choice "auto"
     api_key: str | None = None  # one key (tenant "default"); or `tenants` for several

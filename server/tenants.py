@@ -15,13 +15,14 @@ The keys file:
 
     # name   key                       options
     alice    3f1c...e9                 max_requests=32 max_tokens=200000 priority=0:10
-    batch    9a0b...77                 priority=5:100
+    batch    9a0b...77                 priority=5:100 loras=sql-lora,chat-lora
     ops      c2d4...01                 admin
 
 `max_requests`: requests in flight (queued or running); `max_tokens`: their work, prompt +
 n x max_tokens each; `priority=LO:HI`: the range a client's priority is clamped to (lower
 runs first under `--policy priority`); `admin`: may read server-wide engine state
-(GetServerInfo's scheduler figures and engine config).
+(GetServerInfo's scheduler figures and engine config, adapter loading); `loras=A,B`: the only
+LoRA adapters the tenant may select (by default any loaded adapter; `loras=` none).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Tenant:
     max_tokens: int | None = None  # work in flight (prompt + n x max_tokens per request)
     priority_range: tuple[int, int] | None = None  # None: the server's --priority-range
     admin: bool = False
+    loras: frozenset[str] | None = None  # the LoRA adapters it may use; None: any
+
+    def may_use_lora(self, name: str) -> bool:
+        return self.loras is None or name in self.loras
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -94,15 +99,18 @@ def _parse_option(tenant: dict[str, Any], opt: str, where: str) -> None:
         return
     key, sep, value = opt.partition("=")
     if not sep:
-        raise ValueError(f"{where}: unknown option {opt!r} (max_requests=N, max_tokens=N, priority=LO:HI, admin)")
+        raise ValueError(f"{where}: unknown option {opt!r} (max_requests=N, max_tokens=N, priority=LO:HI, "
+                         "loras=A,B, admin)")
     if key in ("max_requests", "max_tokens"):
         if not re.fullmatch(r"\d+", value):
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
         tenant[key] = int(value)
     elif key == "priority":
         tenant["priority_range"] = parse_priority_range(value, f"{where}: priority")
+    elif key == "loras":
+        tenant["loras"] = frozenset(n for n in value.split(",") if n)
     else:
-        raise ValueError(f"{where}: unknown option {key!r} (max_requests, max_tokens, priority, admin)")
+        raise ValueError(f"{where}: unknown option {key!r} (max_requests, max_tokens, priority, loras, admin)")
 
 
 def parse_api_keys(lines: Iterable[str], source: str = "api keys") -> list[tuple[Tenant, str]]:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -81,7 +81,9 @@ class OpenAIFront:
                 ("/v1/models", "GET", self.models), ("/health", "GET", self.health),
                 ("/metrics", "GET", self.metrics_text), ("/tokenize", "POST", self.tokenize),
                 ("/detokenize", "POST", self.detokenize), ("/version", "GET", self.version),
-                ("/v1/update_weights", "POST", self.update_weights), ("/sleep", "POST", self.sleep),
+                ("/v1/update_weights", "POST", self.update_weights),
+                ("/v1/load_lora_adapter", "POST", self.load_lora_adapter),
+                ("/v1/unload_lora_adapter", "POST", self.unload_lora_adapter), ("/sleep", "POST", self.sleep),
                 ("/wake_up", "POST", self.wake_up), ("/is_sleeping", "GET", self.is_sleeping)):
             app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
 
@@ -140,9 +142,13 @@ class OpenAIFront:
 
     def _check_model(self, name: str | None) -> None:
         names = self.core.served_model_names
-        if name and name not in names:
+        if name and name not in names and name not in self.core.lora_names():
             raise ServeError(ErrorKind.NOT_FOUND, f"the model {name!r} does not exist; this server serves "
                              f"{names[0]!r}", "model", "model_not_found")
+
+    def _lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` selects (None: the base model)."""
+        return model if model and model not in self.core.served_model_names else None
 
     @property
     def token_text(self) -> TokenText:
@@ -177,7 +183,8 @@ class OpenAIFront:
                           else PromptInput(token_ids=p))
                 gen = await self.core.generate(tenant, GenerateInput(
                     rid if len(prompts) == 1 else f"{rid}-{i}", prompt, params,
-                    fill_max_tokens=req.max_tokens is None, structured_param=req.structured_param))
+                    fill_max_tokens=req.max_tokens is None, structured_param=req.structured_param,
+                    lora_name=self._lora_of(req.model)))
                 stack.push_async_callback(gen.__aexit__)
                 gens.append(gen)
             created, model = int(time.time()), req.model or self.core.served_model_names[0]
@@ -215,7 +222,8 @@ class OpenAIFront:
         rid = self._request_id(request, req.request_id, "chatcmpl")
         gen = await self.core.generate(tenant, GenerateInput(rid, prompt, params, fill_max_tokens=limit is None,
                                                       structured_param=structured_param,
-                                                      field_names={"logprobs": "top_logprobs"}))
+                                                      field_names={"logprobs": "top_logprobs"},
+                                                      lora_name=self._lora_of(req.model)))
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(gen.__aexit__)
             created, model = int(time.time()), req.model or self.core.served_model_names[0]
@@ -309,15 +317,46 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ the rest
     async def models(self, request: Request) -> Response:
-        self._tenant(request)
+        """The base model's names, then the LoRA adapters the caller may use (`parent`: the
+        base model, `root`: the adapter's path, as vLLM lists them)."""
+        tenant = self._tenant(request)
         info = self.core.model_info()
         created = int(self.core.started_wall)
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-                 "root": self.core.model_name, "parent": None,
-                 "max_model_len": info.max_model_len if info is not None else None,
+        base = self.core.served_model_names[0]
+        extra = {"max_model_len": info.max_model_len if info is not None else None,
                  "vocab_size": info.vocab_size if info is not None else None}
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                 "root": self.core.model_name, "parent": None, **extra}
                 for name in self.core.served_model_names]
+        registry = getattr(self.core.engine, "lora_registry", None)
+        for lr in registry.loaded() if registry is not None else ():
+            if tenant.may_use_lora(lr.lora_name):
+                data.append({"id": lr.lora_name, "object": "model", "created": created, "owned_by": "jaxserve",
+                             "root": lr.lora_path, "parent": base, **extra})
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Admin only, vLLM's: {"lora_name", "lora_path"}."""
+        tenant = self._tenant(request)
+        body = await self._json_object(request)
+        await self.core.load_lora(tenant, body.get("lora_name"), body.get("lora_path"))
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Admin only, vLLM's: {"lora_name"}; refused (400) while a request uses it."""
+        tenant = self._tenant(request)
+        body = await self._json_object(request)
+        await self.core.unload_lora(tenant, body.get("lora_name"))
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+    async def _json_object(self, request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise invalid("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise invalid("the body must be a JSON object")
+        return body
 
     async def health(self, request: Request) -> Response:
         err = self.core.serving_error()

@@ -65,6 +65,21 @@ class JaxServeStub:
                 request_serializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/LoadLoRAAdapter',
+                request_serializer=server_dot_proto_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/UnloadLoRAAdapter',
+                request_serializer=server_dot_proto_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/ListLoRAAdapters',
+                request_serializer=server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -111,6 +126,26 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Admin only: LoRA adapters loaded and unloaded at run time (no recompile; needs
+        --enable-lora). Unloading an adapter a request in flight uses is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +178,21 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=server_dot_proto_dot_jaxserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=server_dot_proto_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +357,87 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/UpdateWeights',
             server_dot_proto_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
             server_dot_proto_dot_jaxserve__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/LoadLoRAAdapter',
+            server_dot_proto_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/UnloadLoRAAdapter',
+            server_dot_proto_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            server_dot_proto_dot_jaxserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/ListLoRAAdapters',
+            server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            server_dot_proto_dot_jaxserve__pb2.ListLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
