@@ -131,24 +131,63 @@ def hand_back_idle(engine) -> None:
     engine.reset_prefix_cache()
 
 
+# Random PEFT adapters of the embedded model (made with peft on a copy of transformers' model)
+# and peft's greedy continuations: the embedded server loads "sql-lora" at start.
+LORA_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+LORA_MAX_NEW = 8
+
+
+@pytest.fixture(scope="session")
+def smollm_adapters(hf_smollm, smollm, tmp_path_factory):
+    """{name: (path, [(tokens, logprobs [N, V]) per LORA_PROMPTS])}, plus "base"."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    import torch
+    from hf_reference import hf_greedy
+
+    out = {}
+    ids = [smollm.tokenizer(p)["input_ids"] for p in LORA_PROMPTS]
+    for seed, (name, r, targets) in enumerate((("sql-lora", 8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                                               ("chat-lora", 4, ["gate_proj", "up_proj", "down_proj"]))):
+        torch.manual_seed(seed)
+        pm = peft.get_peft_model(copy.deepcopy(hf_smollm), peft.LoraConfig(
+            r=r, lora_alpha=r, target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(3.0)
+        path = tmp_path_factory.mktemp(name)
+        pm.save_pretrained(path)
+        pm.eval()
+        out[name] = (str(path), [hf_greedy(pm, x, LORA_MAX_NEW) for x in ids])
+        if "base" not in out:
+            with pm.disable_adapter():
+                out["base"] = (None, [hf_greedy(pm, x, LORA_MAX_NEW) for x in ids])
+    return out
+
+
 # The embedded model behind a real server (gRPC, HTTP and metrics ports), shared by the gRPC
 # and the OpenAI HTTP tests so that the model is loaded and warmed up once.
 EMBEDDED_SERVER_KEY = "test-key-123"
 
 
 @pytest.fixture(scope="session")
-def embedded_server(tmp_path_factory):
-    """It records its request trace (`--record-request-trace`) to `s.request_trace`."""
+def embedded_server(tmp_path_factory, smollm_adapters):
+    """It records its request trace (`--record-request-trace`) to `s.request_trace`, and
+    serves LoRA adapters (two slots; "sql-lora" loaded at start)."""
     from server_harness import ServerThread
 
     from jaxserve.config import EngineConfig
     from server.app import ServerOptions
 
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512,
+                       enable_lora=True, max_loras=2, max_lora_rank=8)
     trace = str(tmp_path_factory.mktemp("trace") / "requests.jsonl")
     s = ServerThread(cfg, ServerOptions(host="127.0.0.1", port=0, metrics_port=0, http_port=0,
                                         api_key=EMBEDDED_SERVER_KEY, max_queued_requests=24, log_interval=0,
-                                        request_trace=trace))
+                                        request_trace=trace,
+                                        lora_modules=(("sql-lora", smollm_adapters["sql-lora"][0]),)))
     s.request_trace = trace
     yield s
     s.close()

@@ -32,7 +32,7 @@ class ServerThread:
         self.thread.join(10)
 
 
-def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
+def batch_generate(srv: ServerThread, prompts, params: SamplingParams, lora_request=None):
     """The batch API (`LLM.generate`) on the server's own engine, run on the engine thread so
     nothing steps the engine concurrently (and no new shape is compiled)."""
     from jaxserve.llm import LLM
@@ -40,7 +40,7 @@ def batch_generate(srv: ServerThread, prompts, params: SamplingParams):
     def run(engine):
         llm = LLM.__new__(LLM)
         llm.engine, llm._counter = engine, 0
-        return llm.generate(prompts, params, use_tqdm=False)
+        return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
     return asyncio.run_coroutine_threadsafe(srv.server.loop_runner.call(run), srv.loop).result(120)
 

@@ -11,6 +11,7 @@ import socket
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from conftest import EMBEDDED_SERVER_KEY as KEY
@@ -531,3 +532,81 @@ def test_the_request_trace_replays_what_was_served(srv, base):
     assert post(base, "/v1/completions", {"prompt": [1, 10**6], "max_tokens": 3}).status_code == 400  # not admitted
     last = load_trace(srv.request_trace)[-1]
     assert last.prompt_token_ids == tuple(ids) and last.max_tokens == 3 and last.arrival_s > 0
+
+
+# ---------------------------------------------------------------------------- LoRA adapters
+def _top5(lps, vocab: int) -> np.ndarray:
+    """Our sampled tokens' top-5 logprobs as a [N, V] array (-inf elsewhere), for the near-tie rule."""
+    out = np.full((len(lps), vocab), -np.inf)
+    for i, lp in enumerate(lps):
+        for tok, v in lp.top:
+            out[i, tok] = v
+    return out
+
+
+def test_lora_adapters_match_peft_and_mix_with_the_base_model(srv, smollm_adapters):
+    """Base, "sql-lora" (loaded at start) and "chat-lora" (loaded over HTTP) in one batch on
+    the server's own engine: peft's greedy tokens (near ties aside), nothing compiled."""
+    from conftest import LORA_MAX_NEW, LORA_PROMPTS
+    from hf_reference import assert_greedy_match
+
+    from jaxserve.lora import LoRARequest
+
+    r = post(f"http://127.0.0.1:{srv.server.http_port}", "/v1/load_lora_adapter",
+             {"lora_name": "chat-lora", "lora_path": smollm_adapters["chat-lora"][0]})
+    assert r.status_code == 200, r.text
+    loaded = {lr.lora_name: lr for lr in srv.server.engine.list_loras()}
+    names = ["base", "sql-lora", "chat-lora"]
+    prompts = [p for _ in names for p in LORA_PROMPTS]
+    loras = [loaded.get(n) for n in names for _ in LORA_PROMPTS]
+    assert isinstance(loras[-1], LoRARequest)
+    outs = batch_generate(srv, prompts, SamplingParams(max_tokens=LORA_MAX_NEW, temperature=0, logprobs=5,
+                                                       ignore_eos=True), lora_request=loras)
+    vocab = srv.server.engine.model_config.vocab_size
+    for k, out in enumerate(outs):
+        name, i = names[k // len(LORA_PROMPTS)], k % len(LORA_PROMPTS)
+        toks, logp = smollm_adapters[name][1][i]
+        c = out.outputs[0]
+        assert_greedy_match(list(c.token_ids), _top5(c.logprobs, vocab), toks, logp)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(outs)  # every adapter changes the text
+    assert srv.server.metrics.num_compilations_after_warmup == 0
+
+
+def test_lora_over_http_models_routes_errors_and_metrics(srv, client, model, base, smollm_adapters):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == model and "sql-lora" in ids
+    listed = {m["id"]: m for m in httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()["data"]}
+    assert listed["sql-lora"]["parent"] == model and listed[model]["parent"] is None
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sql = next(lr for lr in srv.server.engine.list_loras() if lr.lora_name == "sql-lora")
+    want = batch_generate(srv, [PROMPTS[0]], params, lora_request=sql)[0].outputs[0].text
+    got = client.completions.create(model="sql-lora", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert got.choices[0].text == want and got.model == "sql-lora"
+    chat = client.chat.completions.create(model="sql-lora", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.model == "sql-lora"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-lora", prompt="x", max_tokens=2)
+    # load: a bad path names lora_path; a name already loaded names lora_name; a wrong key is 401
+    r = post(base, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/no/such/adapter"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path" and "'bad'" in r.json()["error"]["message"]
+    r = post(base, "/v1/load_lora_adapter", {"lora_name": "sql-lora", "lora_path": smollm_adapters["sql-lora"][0]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"}, key="wrong").status_code == 401
+    # unload: refused while a stream uses it, then done; unknown names are 404
+    stream = client.completions.create(model="sql-lora", prompt=PROMPTS[1], max_tokens=200, temperature=0,
+                                       stream=True)
+    next(iter(stream))
+    r = post(base, "/v1/unload_lora_adapter", {"lora_name": "sql-lora"})
+    assert r.status_code == 400 and "in use" in r.json()["error"]["message"]
+    stream.close()
+    wait_until(lambda: idle(srv))
+    metrics = httpx.get(f"http://127.0.0.1:{srv.server.metrics_port}/metrics").text
+    assert "jaxserve:lora_requests_info{" in metrics and 'jaxserve:lora_requests_total{lora_name="sql-lora"}' in metrics
+    assert post(base, "/v1/unload_lora_adapter", {"lora_name": "sql-lora"}).status_code == 200
+    assert post(base, "/v1/unload_lora_adapter", {"lora_name": "sql-lora"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql-lora", prompt="x", max_tokens=2)
+    r = post(base, "/v1/load_lora_adapter", {"lora_name": "sql-lora", "lora_path": smollm_adapters["sql-lora"][0]})
+    assert r.status_code == 200  # back, under a new id: same text
+    assert client.completions.create(model="sql-lora", prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0).choices[0].text == want

@@ -555,3 +555,26 @@ def test_sigterm_drains_in_flight_and_exits_0(tmp_path):
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def test_lora_over_grpc(srv, stub):
+    """lora_name selects a loaded adapter (the same tokens as the batch API under it); an
+    unknown one is NOT_FOUND; the adapters are listed, loaded and unloaded by RPC."""
+    names = list(stub.ListLoRAAdapters(pb.ListLoRAAdaptersRequest(), metadata=AUTH).lora_names)
+    lora = next(lr for lr in srv.server.engine.list_loras() if lr.lora_name == names[0])
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = batch_generate(srv, ["Hello"], SamplingParams(**kw), lora_request=lora)[0].outputs[0].token_ids
+    base = batch_generate(srv, ["Hello"], SamplingParams(**kw))[0].outputs[0].token_ids
+    _, _, ids, _ = generate(stub, pb.GenerateRequest(text="Hello", sampling_params=sp(**kw), lora_name=names[0]))
+    assert ids == list(want) and ids != list(base)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, pb.GenerateRequest(text="Hello", sampling_params=sp(**kw), lora_name="nope"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=names[0]), metadata=AUTH)
+    assert names[0] not in stub.ListLoRAAdapters(pb.ListLoRAAdaptersRequest(), metadata=AUTH).lora_names
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=names[0]), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=names[0], lora_path=lora.lora_path), metadata=AUTH)
+    _, _, again, _ = generate(stub, pb.GenerateRequest(text="Hello", sampling_params=sp(**kw), lora_name=names[0]))
+    assert again == ids
