@@ -276,10 +276,15 @@ class ServingCore:
             self.engine.load_lora(LoRARequest(name, i + 1, path))
             logger.info("LoRA adapter %r loaded from %s", name, path)
 
-    def lora_names(self) -> list[str]:
-        """The loaded adapters' names, in load order (none when LoRA is off)."""
+    def lora_adapters(self, tenant: Tenant | None = None) -> list[Any]:
+        """The loaded adapters (`LoRARequest`s) in load order, those `tenant` may use when
+        given (none when LoRA is off)."""
         registry = getattr(self.engine, "lora_registry", None)
-        return [lr.lora_name for lr in registry.loaded()] if registry is not None else []
+        loaded = registry.loaded() if registry is not None else []
+        return [lr for lr in loaded if tenant is None or tenant.may_use_lora(lr.lora_name)]
+
+    def lora_names(self) -> list[str]:
+        return [lr.lora_name for lr in self.lora_adapters()]
 
     def check_lora(self, tenant: Tenant, name: str) -> None:
         """The tenant may run requests under adapter `name` (NOT_FOUND otherwise, as vLLM

@@ -237,4 +237,4 @@ class GrpcFront(pb_grpc.JaxServeServicer):
 
     async def ListLoRAAdapters(self, request: pb.ListLoRAAdaptersRequest, context):
         tenant = await self._caller(context)
-        return pb.ListLoRAAdaptersResponse(lora_names=[n for n in self.core.lora_names() if tenant.may_use_lora(n)])
+        return pb.ListLoRAAdaptersResponse(lora_names=[lr.lora_name for lr in self.core.lora_adapters(tenant)])

@@ -233,3 +233,32 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_passes_over_the_rest():
     out = s.schedule()
     assert "b1" in [sr.request_id for sr in out.scheduled]
     assert np.all([nr.lora_id == 2 for nr in out.new_requests])
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+def test_lora_step_compiles_for_tpu_and_gpu_and_the_plan_counts_the_slots():
+    """Llama-3.1-8B with max_loras=8, max_lora_rank=16 on compile-only devices: the backbone
+    compiles, the plan adds the slots (bf16, every target, all layers) to the params, and
+    the delta adds no per-token copy of adapter weights to the temporaries."""
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
+    from jaxserve.loading import load_model_config
+
+    cfg = load_model_config(str(pathlib.Path(__file__).parent / "data" / "llama3_8b_config.json"))
+    E, Q, KV, I, L = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.num_layers  # noqa: E741
+    slots = 2 * L * 8 * 16 * ((E + Q) * 2 + (E + KV) * 2 + (E + I) * 3)  # bf16 A and B of 7 targets
+
+    def plan(target, lora, **kw):
+        config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 64), max_model_len=8192,
+                              dtype="bfloat16", enable_lora=lora, max_loras=8, max_lora_rank=16,
+                              compilation_cache_dir=None, **kw)
+        return compile_for_target(cfg, config, Target.parse(target), shapes=["backbone[T=64]"])
+
+    tpu = plan("tpu:v5e-1", True, quantization="int8")
+    assert tpu.all_compiled and tpu.fits, tpu.verdict()
+    assert tpu.lora_bytes == slots and tpu.fingerprint["lora"] == [8, 16]
+    gpu, plain = plan("gpu:h200", True), plan("gpu:h200", False)
+    assert gpu.all_compiled and gpu.fits, gpu.verdict()
+    assert gpu.params_bytes - plain.params_bytes == slots == gpu.lora_bytes
+    # [64 tokens, 4096, 8 x 16] of one target's A gathered per token would be 64 MiB
+    assert gpu.temp_bytes - plain.temp_bytes < 8 * 2**20

@@ -39,6 +39,7 @@ from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.kernel_choice import choose_kernels
 from jaxserve.loading.loader import resolve_dtype
+from jaxserve.lora.slots import slot_shapes, slot_specs
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
 from jaxserve.models.llama import (
@@ -86,6 +87,7 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "max_logprobs": config.max_logprobs,
+        "lora": [config.max_loras, config.max_lora_rank] if config.enable_lora else None,
         "shapes": [k.name for k in plan.shapes()],
     }
 
@@ -138,10 +140,15 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         scales = sds(kv_scales_pool_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout),
                      jnp.float32, scales_sharding)
         kv_cache += (scales, scales)
+    lora = None
+    if config.enable_lora:  # the adapter slots, sharded like the projections they adapt
+        lora_specs = slot_specs(c, parallel.MODEL_AXIS)
+        lora = {k: sds(shape, dtype, place(lora_specs[k] if tp > 1 else P()))
+                for k, shape in slot_shapes(c, config.max_loras, config.max_lora_rank).items()}
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
-        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq)
+        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora)
     return programs, resolved
 
 
@@ -193,6 +200,7 @@ class CompileReport:
     versions: dict[str, str]
     wall_seconds: float
     experts: tuple[str, str] | None = None  # MoE: the grouped matmul the target runs, and why
+    lora_bytes: int = 0  # per device, the LoRA adapter slots (counted in params_bytes too)
 
     @property
     def temp_bytes(self) -> int:
@@ -259,6 +267,7 @@ class CompileReport:
             "hbm_per_device": {
                 "capacity_bytes": self.capacity_bytes,
                 "params_bytes": self.params_bytes,
+                "lora_bytes": self.lora_bytes,
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "kv_bytes_per_page": self.kv_bytes_per_page,
                 "temp_bytes": self.temp_bytes,
@@ -288,7 +297,8 @@ class CompileReport:
                          f"{_gb(s.hbm_bytes):>11} {_gb(s.temp_bytes):>10} {copies:>9} {weights:>8}")
         cap = _gb(self.capacity_bytes) if self.capacity_bytes is not None else "host memory"
         lines += [
-            f"HBM per device: params {_gb(self.params_bytes)} + KV cache {_gb(self.kv_cache_bytes)} "
+            f"HBM per device: params {_gb(self.params_bytes)}"
+            + (f" (LoRA slots {_gb(self.lora_bytes)})" if self.lora_bytes else "") + " + KV cache {_gb(self.kv_cache_bytes)} "
             f"({self.num_pages} pages x {_gb(self.kv_bytes_per_page)}) + temporaries {_gb(self.temp_bytes)} = "
             f"{_gb(self.total_bytes)} of {cap}",
             self.verdict(),
@@ -413,7 +423,8 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
     kv_bytes = per_device_bytes(programs.kv_cache)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
-        params_bytes=per_device_bytes(programs.state), kv_cache_bytes=kv_bytes,
+        params_bytes=per_device_bytes(programs.state) + per_device_bytes(programs.lora or {}),
+        lora_bytes=per_device_bytes(programs.lora or {}), kv_cache_bytes=kv_bytes,
         kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=kernels.attention,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
         shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,

@@ -328,11 +328,9 @@ class OpenAIFront:
         data = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
                  "root": self.core.model_name, "parent": None, **extra}
                 for name in self.core.served_model_names]
-        registry = getattr(self.core.engine, "lora_registry", None)
-        for lr in registry.loaded() if registry is not None else ():
-            if tenant.may_use_lora(lr.lora_name):
-                data.append({"id": lr.lora_name, "object": "model", "created": created, "owned_by": "jaxserve",
-                             "root": lr.lora_path, "parent": base, **extra})
+        for lr in self.core.lora_adapters(tenant):
+            data.append({"id": lr.lora_name, "object": "model", "created": created, "owned_by": "jaxserve",
+                         "root": lr.lora_path, "parent": base, **extra})
         return JSONResponse({"object": "list", "data": data})
 
     async def load_lora_adapter(self, request: Request) -> Response:
