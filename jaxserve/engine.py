@@ -218,12 +218,14 @@ class Engine:
             self.platform, self.runner.config, num_devices=config.tensor_parallel_size,
             expert_parallel=config.enable_expert_parallel, attention_backend=config.attention_backend,
             dtype=self.runner.dtype, kv_cache_dtype=self.runner.kv_dtype, device_kind=jax.devices()[0].device_kind,
-            weights_dtype=storage_dtype(held) if held is not None else None)
+            weights_dtype=storage_dtype(held) if held is not None else None, lora=config.enable_lora)
         impl, why = choice.attention
         (logger.warning if impl == "reference" and self.platform != "cpu" and config.attention_backend != "reference"
          else logger.info)("attention on %s: %s (%s)", self.platform, impl, why)
         if choice.experts is not None:
             logger.info("experts on %s: %s (%s)", self.platform, *choice.experts)
+        if choice.lora is not None:
+            logger.info("LoRA on %s: %s (%s)", self.platform, *choice.lora)
         if choice.quantized_matmul is not None:
             slow = choice.quantized_matmul.startswith("reference") and self.platform == "cpu"
             (logger.warning if slow else logger.info)("%s weights on %s: %s", held, self.platform,

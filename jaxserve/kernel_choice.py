@@ -26,6 +26,7 @@ class KernelChoice:
     attention: tuple[str, str]  # ("pallas" | "native" | "reference", why)
     experts: tuple[str, str] | None = None  # MoE grouped matmuls ("pallas" | "cpu" | "xla", why); None: dense
     quantized_matmul: str | None = None  # "native: ..." | "reference: ..."; None: float weights
+    lora: tuple[str, str] | None = None  # the LoRA delta's products (what, why); None: LoRA off
 
 
 def prepare_native_kernels(platform: str, quantized_weights: bool = False) -> dict[str, tuple[bool, str]]:
@@ -46,13 +47,14 @@ def prepare_native_kernels(platform: str, quantized_weights: bool = False) -> di
 
 def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_parallel: bool = False,
                    attention_backend: str = "auto", dtype: Any, kv_cache_dtype: Any = None,
-                   device_kind: str | None = None, weights_dtype: Any = None) -> KernelChoice:
+                   device_kind: str | None = None, weights_dtype: Any = None, lora: bool = False) -> KernelChoice:
     """The kernels of a program for `platform`. `rank` is the model config each rank computes
     with (`parallel.tp_model_config`: KV heads already replicated up to `num_devices`), so one
     device holds `1 / num_devices` of its heads (and of its experts' width unless
     `expert_parallel`). `dtype` is the model's, `kv_cache_dtype` the pages' when quantized,
     `device_kind` (e.g. "TPU v5 lite") where a chip generation matters, `weights_dtype` the
-    storage dtype of quantized weights (None: float weights)."""
+    storage dtype of quantized weights (None: float weights); `lora` whether the step applies
+    LoRA adapters."""
     if attention_backend == "reference":
         attention = ("reference", "attention_backend='reference'")
     else:
@@ -66,4 +68,9 @@ def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_par
         down = grouped_matmul_implementation(platform, width, rank.hidden_size, dtype, weights_dtype)
         experts = gate_up if gate_up[0] != "pallas" else down
     quantized = quantized_matmul_implementation(platform, weights_dtype) if weights_dtype is not None else None
-    return KernelChoice(attention, experts, quantized)
+    return KernelChoice(attention, experts, quantized, _LORA if lora else None)
+
+
+# One formulation everywhere (jaxserve/lora/ops.py): the compiled step on TPU v5e and H200
+# (compile-only) adds no per-token copy of adapter weights (tests/test_lora.py).
+_LORA = ("xla", "every slot's low-rank product as two dense dots, masked per token; XLA's dots on every platform")

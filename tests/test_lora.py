@@ -180,7 +180,7 @@ def test_bad_adapters_are_refused_by_name_and_change_nothing(tiny, tmp_path):
         plain.add_prompt(None, GREEDY, prompt_token_ids=[1, 2], lora_request=ok)
 
 
-_TP_CHILD = textwrap.dedent("""
+_TP_CHILD = textwrap.dedent(r"""
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
@@ -202,13 +202,24 @@ _TP_CHILD = textwrap.dedent("""
         for o in e.step():
             if o.finished:
                 done[ids[o.request_id]] = list(o.outputs[0].token_ids)
+    # the collectives of the step with and without the adapters
+    import dataclasses, re
+    from jaxserve.compilation.compile_plan import ShapeKey
+    programs = e.runner.programs()
+    collectives = []
+    for p in (programs, dataclasses.replace(programs, lora=None)):
+        hlo = p.lower(ShapeKey("backbone", 16), 8).as_text()
+        collectives.append(len(re.findall(r" (?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(",
+                                          hlo)))
+    done["collectives"] = collectives
     print(json.dumps(done))
 """)
 
 
 def test_tensor_parallel_adapters_match_peft(tiny):
     """TP=4 over 2 KV heads (replicated twice, and the adapters' k/v columns with them): B
-    split with the output columns of q/k/v/gate/up, A with the input rows of o/down."""
+    split with the output columns of q/k/v/gate/up, A with the input rows of o/down; the
+    o/down partial products join the layer's own all-reduce (no extra collective)."""
     base, adapters, refs = tiny
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parents[1]),
                                                           os.environ.get("PYTHONPATH", "")])}
@@ -216,6 +227,8 @@ def test_tensor_parallel_adapters_match_peft(tiny):
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     done = json.loads(res.stdout.strip().splitlines()[-1])
+    with_lora, without = done.pop("collectives")
+    assert with_lora == without > 0
     assert done == {f"{name}/{i}": refs[name][i] for name in ("base", "A", "B") for i in range(len(PROMPTS))}
 
 

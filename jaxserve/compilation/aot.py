@@ -419,7 +419,8 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
     kernels = choose_kernels(
         target.platform, rank, num_devices=target.num_devices, expert_parallel=config.enable_expert_parallel,
         attention_backend=config.attention_backend, dtype=programs.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
-        device_kind=device.device_kind, weights_dtype=storage_dtype(config.quantization) if config.quantization else None)
+        device_kind=device.device_kind, weights_dtype=storage_dtype(config.quantization) if config.quantization else None,
+        lora=config.enable_lora)
     kv_bytes = per_device_bytes(programs.kv_cache)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
