@@ -258,7 +258,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Processes a prompt (text or ids) with `input_processor` and queues it; returns its
         id. Raises ValueError (an InputError naming the field) on bad input. The batch API's
