@@ -100,7 +100,13 @@ class ServingCore:
         o = self.options
         if o.lora_modules:
             await asyncio.to_thread(self._load_lora_modules, o.lora_modules)
-        if o.warmup:
+        warmup = o.warmup
+        if not warmup and self.engine_config.num_processes > 1:
+            # The followers always warm up, and every process must run the same programs in
+            # the same order; a leader that did not would mismatch their collectives.
+            logger.warning("--no-warmup is ignored across hosts: the leader warms up in step with its followers")
+            warmup = True
+        if warmup:
             report = await asyncio.to_thread(self.engine.warmup)
             logger.info("warmup done in %.1f s: %s", time.perf_counter() - t1, report.summary())
             if o.require_warm_cache and report.num_misses:

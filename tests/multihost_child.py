@@ -4,8 +4,9 @@
 MODE "generate": the leader generates and prints JSON tokens; followers run the leader's steps.
 MODE "update": the same, then the leader updates the weights to SECOND_MODEL (after a path
 that does not exist, which every process must refuse) and generates again.
-MODE "watch": everyone warms up and prints READY; the leader then polls its health and prints
-UNHEALTHY when a peer is lost.
+MODE "watch": everyone prints READY once the engine is built (the peer monitor runs from then
+on; nothing is compiled); the leader then polls its health and prints UNHEALTHY when a peer is
+lost.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def main() -> None:
     engine = Engine(EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
                                  max_model_len=128, compilation_cache_dir=None, strict_compile_guard=True,
                                  max_logprobs=0, structured_outputs=False, **dist))
-    engine.warmup()
+    if mode != "watch":
+        engine.warmup()
     if mode == "watch":
         print("READY", flush=True)
         t0 = time.time()
