@@ -243,3 +243,23 @@ def test_concurrent_streams_per_connection_are_capped():
     assert state["most"] == 2
     assert all(getattr(r, "model", None) == "slow" or r.code() == grpc.StatusCode.UNAVAILABLE for r in results)
     assert any(getattr(r, "model", None) == "slow" for r in results)
+
+
+def test_lora_allow_lists():
+    """`loras=a,b` limits a tenant to those adapters (others are not found for it); without
+    the option any loaded adapter; `loras=` none."""
+    import types
+
+    from server.core import ServingCore
+    from server.errors import ErrorKind, ServeError
+
+    (alice, _), (bob, _), (carol, _) = parse_api_keys(
+        ["alice k1 loras=sql-lora,chat-lora", "bob k2", "carol k3 loras="], "keys.txt")
+    assert alice.loras == {"sql-lora", "chat-lora"} and bob.loras is None and carol.loras == frozenset()
+    core = types.SimpleNamespace(lora_names=lambda: ["sql-lora", "chat-lora", "math-lora"])
+    ServingCore.check_lora(core, alice, "chat-lora")
+    ServingCore.check_lora(core, bob, "math-lora")
+    for tenant, name in ((alice, "math-lora"), (carol, "sql-lora"), (bob, "unloaded")):
+        with pytest.raises(ServeError) as e:
+            ServingCore.check_lora(core, tenant, name)
+        assert e.value.kind == ErrorKind.NOT_FOUND and e.value.param == "model"
