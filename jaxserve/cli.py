@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
 import sys
 import time
 
@@ -93,8 +94,16 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     model_config = load_model_config(ns.model_config or cfg.model)
     shapes = [s for s in ns.shapes.split(";") if s] if ns.shapes else None
-    report = compile_for_target(model_config, cfg, target, shapes=shapes, out_dir=ns.out,
-                                workers=cfg.warmup_threads, progress=not ns.quiet)
+    if ns.child_protocol:
+        compile_for_target(model_config, cfg, target, shapes=shapes, out_dir=ns.out, workers=cfg.warmup_threads,
+                           on_start=_report_start, on_result=_report_result)
+        return 0
+    spec = cfg.speculative_config
+    if ns.isolate and (spec is None or spec.method != "draft_model"):
+        report = _compile_isolated(ns, model_config, cfg, target, shapes)
+    else:
+        report = compile_for_target(model_config, cfg, target, shapes=shapes, out_dir=ns.out,
+                                    workers=cfg.warmup_threads, progress=not ns.quiet)
     print(report.table())
     if ns.manifest:
         with open(ns.manifest, "w") as f:
@@ -103,6 +112,63 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     if ns.out:
         print(f"executables and manifest: {ns.out}")
     return 0 if report.fits else 4
+
+
+def _report_start(name: str) -> None:
+    from jaxserve.compilation.isolate import START
+
+    print(START + name, flush=True)
+
+
+def _report_result(result) -> None:
+    from jaxserve.compilation.isolate import RESULT
+
+    print(RESULT + json.dumps(dataclasses.asdict(result)), flush=True)
+
+
+def _compile_isolated(ns: argparse.Namespace, model_config, cfg, target, shapes):
+    """The plan's shapes compiled in child processes (`compilation/isolate.py`), then the
+    HBM plan here, with every shape's result (a crash included) in it."""
+    from jaxserve.compilation.aot import MANIFEST, ShapeResult, compile_for_target
+    from jaxserve.compilation.isolate import compile_isolated
+    from jaxserve.parallel import tp_model_config
+
+    config = cfg.with_platform_defaults(target.platform)
+    rank = tp_model_config(model_config, target.num_devices, config.enable_expert_parallel)
+    names = shapes or [k.name for k in config.resolve(model_config, rank, platform=target.platform).plan.shapes()]
+    base = _without(ns.argv, ("--shapes", "--manifest"))
+    workers = cfg.warmup_threads or max(1, os.cpu_count() or 1)
+
+    def child(todo, n):
+        return [sys.executable, "-m", "jaxserve.cli", *base, "--no-isolate", "--child-protocol",
+                "--shapes", ";".join(todo), "--warmup-threads", str(n)]
+
+    def show(r: dict) -> None:
+        if not ns.quiet:
+            print(f"  {r['name']}: {'compiled' if r['compiled'] else 'FAILED'} in {r['seconds']:.1f} s", flush=True)
+
+    t0 = time.perf_counter()
+    results = compile_isolated(names, child, workers, show)
+    report = compile_for_target(model_config, cfg, target, shapes=[])  # the HBM plan, nothing compiled
+    report = dataclasses.replace(report, shapes=tuple(ShapeResult(**r) for r in results),
+                                 wall_seconds=time.perf_counter() - t0)
+    if ns.out:
+        with open(os.path.join(ns.out, MANIFEST), "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return report
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without `flags` and their values (`--flag VALUE` or `--flag=VALUE`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--shapes", default=None, help="compile only these planned shapes (names as printed, "
                    "';'-separated); the verdict then covers only their temporaries")
     k.add_argument("--quiet", action="store_true")
+    k.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile in a child process, so a compiler crash costs its shape (reported with the "
+                        "compiler's message), not the plan")
+    k.add_argument("--child-protocol", action="store_true", help=argparse.SUPPRESS)  # the isolated child
     add_engine_args(k)
     k.set_defaults(func=cmd_compile)
 
@@ -166,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # what an isolated compile hands its child
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

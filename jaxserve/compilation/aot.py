@@ -21,6 +21,7 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -326,15 +327,18 @@ def _gb(n: int | None) -> str:
 # ---------------------------------------------------------------------- compiling
 def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: Target, *,
                        shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
-                       progress: bool = False) -> CompileReport:
-    """Compiles the planned shapes (all, or those named in `shapes`) for `target`. With a
-    draft model (`speculative_config={"model": ...}`) its programs are compiled too and its
-    params and KV pages are counted in the same HBM table (n-gram drafts need no programs
-    beyond the plan's: they are more tokens and logits rows of the same buckets)."""
+                       progress: bool = False, on_start: Callable[[str], None] | None = None,
+                       on_result: Callable[[ShapeResult], None] | None = None) -> CompileReport:
+    """Compiles the planned shapes (all, or those named in `shapes`; `[]`: none, the HBM plan
+    alone) for `target`. With a draft model (`speculative_config={"model": ...}`) its programs
+    are compiled too and its params and KV pages are counted in the same HBM table (n-gram
+    drafts need no programs beyond the plan's: they are more tokens and logits rows of the same
+    buckets). `on_start(name)` / `on_result(result)` are called as each shape starts and ends
+    (from the compile threads)."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return _compile_plan(model_config, config, target, shapes=shapes, out_dir=out_dir, workers=workers,
-                             progress=progress)
+                             progress=progress, on_start=on_start, on_result=on_result)
     if out_dir is not None:
         raise ValueError("jaxserve compile --out: a draft model's executables are not serialized yet (the engine "
                          "compiles or loads them from the persistent cache at warmup)")
@@ -361,12 +365,15 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
 
 def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Target, *,
                   shapes: list[str] | None = None, out_dir: str | None = None, workers: int = 0,
-                  progress: bool = False) -> CompileReport:
+                  progress: bool = False, on_start: Callable[[str], None] | None = None,
+                  on_result: Callable[[ShapeResult], None] | None = None) -> CompileReport:
     t_start = time.perf_counter()
     config = config.with_platform_defaults(target.platform)
     programs, resolved = abstract_programs(model_config, config, target)
     keys = resolved.plan.shapes()
-    if shapes:
+    if shapes is not None and not shapes:
+        keys = []
+    elif shapes:
         known = {k.name: k for k in keys}
         unknown = [s for s in shapes if s not in known]
         if unknown:
@@ -383,6 +390,14 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         os.makedirs(os.path.join(out_dir, "executables"), exist_ok=True)
 
     def one(key: ShapeKey) -> ShapeResult:
+        if on_start is not None:
+            on_start(key.name)
+        result = compile_one(key)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    def compile_one(key: ShapeKey) -> ShapeResult:
         t0 = time.perf_counter()
         try:
             with jax.default_device(device):  # Pallas reads the chip generation from it
@@ -409,6 +424,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
                            file=file, experts=experts)
 
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
+    workers = max(1, min(workers, len(keys)))
     results = []
     with no_cache_writes(not target.attached), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for r in pool.map(one, keys):
