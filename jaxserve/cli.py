@@ -115,15 +115,15 @@ def cmd_compile(ns: argparse.Namespace) -> int:
 
 
 def _report_start(name: str) -> None:
-    from jaxserve.compilation.isolate import START
+    from jaxserve.compilation.isolate import START, report_line
 
-    print(START + name, flush=True)
+    report_line(START + name)
 
 
 def _report_result(result) -> None:
-    from jaxserve.compilation.isolate import RESULT
+    from jaxserve.compilation.isolate import RESULT, report_line
 
-    print(RESULT + json.dumps(dataclasses.asdict(result)), flush=True)
+    report_line(RESULT + json.dumps(dataclasses.asdict(result)))
 
 
 def _compile_isolated(ns: argparse.Namespace, model_config, cfg, target, shapes):

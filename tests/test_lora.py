@@ -270,6 +270,8 @@ def test_lora_step_compiles_for_tpu_and_gpu_and_the_plan_counts_the_slots():
     tpu = plan("tpu:v5e-1", True, quantization="int8")
     assert tpu.all_compiled and tpu.fits, tpu.verdict()
     assert tpu.lora_bytes == slots and tpu.fingerprint["lora"] == [8, 16]
+    table = tpu.table()
+    assert "(LoRA slots 0.625 GiB) + KV cache 1.000 GiB (512 pages" in table and "{" not in table
     gpu, plain = plan("gpu:h200", True), plan("gpu:h200", False)
     assert gpu.all_compiled and gpu.fits, gpu.verdict()
     assert gpu.params_bytes - plain.params_bytes == slots == gpu.lora_bytes

@@ -299,9 +299,9 @@ class CompileReport:
         cap = _gb(self.capacity_bytes) if self.capacity_bytes is not None else "host memory"
         lines += [
             f"HBM per device: params {_gb(self.params_bytes)}"
-            + (f" (LoRA slots {_gb(self.lora_bytes)})" if self.lora_bytes else "") + " + KV cache {_gb(self.kv_cache_bytes)} "
-            f"({self.num_pages} pages x {_gb(self.kv_bytes_per_page)}) + temporaries {_gb(self.temp_bytes)} = "
-            f"{_gb(self.total_bytes)} of {cap}",
+            + (f" (LoRA slots {_gb(self.lora_bytes)})" if self.lora_bytes else "")
+            + f" + KV cache {_gb(self.kv_cache_bytes)} ({self.num_pages} pages x {_gb(self.kv_bytes_per_page)})"
+            f" + temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} of {cap}",
             self.verdict(),
         ]
         copying = [s.name for s in self.shapes if s.cache_copies]

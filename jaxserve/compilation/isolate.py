@@ -21,9 +21,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 START, RESULT = "JAXSERVE-COMPILE-START ", "JAXSERVE-COMPILE-RESULT "
+
+_STDOUT_LOCK = threading.Lock()
+
+
+def report_line(line: str) -> None:
+    """One protocol line from the child, whole: the compile threads report concurrently, and a
+    print writes the text and its newline apart."""
+    with _STDOUT_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
 
 # (shapes, workers) -> the child's command line (it prints START / RESULT lines on stdout)
 ChildCommand = Callable[[Sequence[str], int], list[str]]
@@ -85,6 +97,9 @@ def compile_isolated(shapes: Sequence[str], child: ChildCommand, workers: int,
         if not run.started:  # it died before compiling anything: not a shape's fault
             raise RuntimeError(f"the compile child exited with status {run.returncode} before compiling any "
                                f"shape:\n{_tail(run.stderr, 20)}")
+        if not suspects and not run.results:  # it ended without finishing its shapes, none in flight
+            raise RuntimeError(f"the compile child exited with status {run.returncode} leaving "
+                               f"{len(remaining)} shapes:\n{_tail(run.stderr, 20)}")
         if len(suspects) == 1:
             record(crashed(suspects[0], run))
         for name in suspects if len(suspects) > 1 else ():
