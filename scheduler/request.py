@@ -273,6 +273,7 @@ class Request:
         "block_hashes",
         "grammar",
         "lora_id",
+        "num_lora_passes",
         "_stop_ids",
         "__weakref__",
     )
@@ -313,6 +314,7 @@ class Request:
         self.grammar = grammar
         # The LoRA adapter the request runs under (a load id, never reused; 0: the base model).
         self.lora_id = int(lora_id)
+        self.num_lora_passes = 0  # steps it was passed over for want of an adapter slot
         self._stop_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property

@@ -65,6 +65,11 @@ class _StepPlan:
     preempted: list[str] = field(default_factory=list)
 
 
+# Steps a waiting request may be passed over for want of a LoRA slot before the adapters that
+# hold the slots stop admitting new requests (so one of them drains and frees its slot).
+LORA_STARVATION_STEPS = 32
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -373,11 +378,19 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan, passed: list[Request]) -> None:
         kv, waiting, running = self.kv, self.waiting, self.running
+        starving = False  # a request ahead has waited LORA_STARVATION_STEPS for an adapter slot
         while waiting and plan.budget > 0 and len(running) < self.config.max_num_seqs:
             req = waiting.peek()
             if self._admission_blocked_by_swapped(req):
                 return
             if not self._lora_fits(req):
+                req.num_lora_passes += 1
+                starving = starving or req.num_lora_passes > LORA_STARVATION_STEPS
+                passed.append(waiting.pop())
+                continue
+            if starving and req.lora_id:
+                # Hold back the adapters already running: their requests drain, a slot frees
+                # and the starving adapter gets it (base-model requests hold no slot).
                 passed.append(waiting.pop())
                 continue
             hits = kv.get_computed_blocks(req)

@@ -277,3 +277,26 @@ def test_lora_step_compiles_for_tpu_and_gpu_and_the_plan_counts_the_slots():
     assert gpu.params_bytes - plain.params_bytes == slots == gpu.lora_bytes
     # [64 tokens, 4096, 8 x 16] of one target's A gathered per token would be 64 MiB
     assert gpu.temp_bytes - plain.temp_bytes < 8 * 2**20
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_starved():
+    """One slot, adapter 1 busy with a new request every step: after LORA_STARVATION_STEPS
+    passes, adapter 1 stops admitting, its running requests drain, and adapter 2 runs."""
+    from scheduler import Request, Scheduler, SchedulerConfig
+    from scheduler.scheduler import LORA_STARVATION_STEPS
+
+    s = Scheduler(SchedulerConfig(block_size=4, num_blocks=256, max_model_len=64, max_num_seqs=8,
+                                  max_num_batched_tokens=64, max_loras=1))
+    s.add_request(Request("a0", [1, 2, 3], SamplingParams(max_tokens=4), lora_id=1))
+    s.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=4), lora_id=2))
+    for step in range(3 * LORA_STARVATION_STEPS):
+        s.add_request(Request(f"a{step + 1}", [1, 2, 3], SamplingParams(max_tokens=4), lora_id=1))
+        s.add_request(Request(f"base{step}", [4, 5], SamplingParams(max_tokens=1)))
+        out = s.schedule()
+        if "b" in [sr.request_id for sr in out.scheduled]:
+            break
+        s.update_from_output(out, {sr.request_id: [7] for sr in out.scheduled if sr.samples})
+    else:
+        raise AssertionError("adapter 2 never got the slot")
+    assert LORA_STARVATION_STEPS < step < LORA_STARVATION_STEPS + 8  # a's running requests drained
+    assert {s.get_request(sr.request_id).lora_id for sr in out.scheduled} <= {0, 2}
