@@ -47,10 +47,6 @@ def slot_specs(cfg: ModelConfig, axis: str) -> dict[str, P]:
     return specs
 
 
-def slots_nbytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any) -> int:
-    return sum(int(np.prod(s)) for s in slot_shapes(cfg, max_loras, max_rank).values()) * np.dtype(dtype).itemsize
-
-
 def _write_slot(weights: dict[str, jax.Array], slot: jax.Array, new: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Slot `slot` (0-based) of every target := `new` ("<t>.a" [L, in, r], "<t>.b" [L, r, out])."""
     out = {}
@@ -123,10 +119,6 @@ class LoRASlots:
         slot = self._lru.pop(load_id, None)
         if slot is not None:
             self._holder[slot] = 0
-
-    def slot_of(self, load_id: int) -> int | None:
-        slot = self._lru.get(load_id)
-        return None if slot is None else slot + 1
 
     def _write_adapter(self, slot: int, new: dict[str, np.ndarray]) -> None:
         self.weights = self._write(self.weights, jnp.int32(slot), new)
