@@ -326,12 +326,13 @@ class Engine:
             return load_id
         return self.lora_registry.resolve(lora)
 
-    def load_lora(self, lora: LoRARequest) -> None:
-        """Registers an adapter (read and checked now; written into a device slot when a
-        request first uses it). A name or id already loaded is a ValueError."""
+    def load_lora(self, lora: LoRARequest, adapter: Any = None) -> None:
+        """Registers an adapter (read and checked now, unless `adapter` is what
+        `lora_registry.read` returned for it; written into a device slot when a request first
+        uses it). A name or id already loaded is a ValueError."""
         if self.lora_registry is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine runs without LoRA (enable_lora=False)")
-        self.lora_registry.load(lora)
+        self.lora_registry.load(lora, adapter)
 
     def unload_lora(self, name: str) -> None:
         """Forgets an adapter. Refused (ValueError) while a request in flight uses it; an

@@ -311,14 +311,19 @@ class ServingCore:
             raise invalid(f"lora_name: {name!r} is the base model's name", "lora_name")
         from jaxserve.lora import LoRARequest
 
+        try:  # read off the engine thread: a large adapter must not stall the steps
+            adapter = await asyncio.to_thread(self.engine.lora_registry.read, name, path)
+        except ValueError as e:
+            raise invalid(str(e), "lora_path" if "already loaded" not in str(e) else "lora_name") from None
+
         def load(engine) -> None:
             next_id = 1 + max((lr.lora_int_id for lr in engine.list_loras()), default=0)
-            engine.load_lora(LoRARequest(name, next_id, path))
+            engine.load_lora(LoRARequest(name, next_id, path), adapter)
 
         try:
             await self.loop_runner.call(load)
-        except ValueError as e:
-            raise invalid(str(e), "lora_path" if "already loaded" not in str(e) else "lora_name") from None
+        except ValueError as e:  # loaded meanwhile under the same name
+            raise invalid(str(e), "lora_name") from None
 
     async def unload_lora(self, tenant: Tenant, name: Any) -> None:
         """Admin only: forgets an adapter (refused while a request uses it)."""

@@ -46,13 +46,23 @@ class LoRARegistry:
             return entry.load_id
         return self.load(lora)
 
-    def load(self, lora: LoRARequest) -> int:
-        """Reads the adapter and registers it; a name or id already known is an error."""
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """Reads and checks an adapter without registering it (any thread: a server reads off
+        its engine thread, then `load`s what it read)."""
+        with self._lock:
+            if any(e.request.lora_name == name for e in self._by_int_id.values()):
+                raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+        if not path:
+            raise ValueError(f"LoRA adapter {name!r}: lora_path is required to load it")
+        return load_adapter(name, path, self._config, self._max_rank, self._dtype)
+
+    def load(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> int:
+        """Registers the adapter (read now unless `adapter`, from `read`, is given); a name or id
+        already known is an error."""
         with self._lock:
             self._check_new(lora)
-        if not lora.lora_path:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: lora_path is required to load it")
-        adapter = load_adapter(lora.lora_name, lora.lora_path, self._config, self._max_rank, self._dtype)
+        if adapter is None:
+            adapter = self.read(lora.lora_name, lora.lora_path)
         with self._lock:
             self._check_new(lora)  # another thread may have loaded it meanwhile
             entry = _Entry(lora, self._next_load_id, adapter)
