@@ -114,7 +114,9 @@ class Scheduler:
         if n > self.config.max_model_len or not self.kv.can_ever_fit(n):
             self._end_capacity(request)
             return
-        if request.grammar is not None and not request.grammar.ready():
+        if request.grammar is not None:
+            # Even a grammar already compiled goes through the grammar queue: one that already
+            # failed must end there with its error, never reach the runner.
             self._awaiting_grammar[rid] = (request, share_prompt_with)
             return
         self._enqueue(request, share_prompt_with)

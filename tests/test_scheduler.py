@@ -369,3 +369,33 @@ def test_swapped_out_blocks_are_reused_within_the_same_step():
     assert {r.request_id: (r.output_token_ids, r.finish_reason) for r in live} == expected(
         reqs, cfg.max_model_len
     )
+
+
+class _FailedGrammar:
+    """A grammar handle whose compile has already failed when the request is added."""
+
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def error(self) -> str:
+        return "structured_outputs.regex: invalid regex"
+
+    def new_matcher(self):
+        raise AssertionError("a failed grammar reached the runner")
+
+
+def test_a_grammar_that_failed_before_the_request_was_added_ends_it_with_the_error():
+    """The compile can fail before add_request (an invalid regex fails at once): the request
+    must end with its error at the next schedule, never be scheduled (its step would fail and
+    take the other requests with it)."""
+    from scheduler import Request, Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(block_size=4, num_blocks=32, max_model_len=64, max_num_seqs=4,
+                                  max_num_batched_tokens=32))
+    s.add_request(Request("bad", [1, 2, 3], SamplingParams(max_tokens=2), grammar=_FailedGrammar()))
+    s.add_request(Request("good", [4, 5], SamplingParams(max_tokens=2)))
+    out = s.schedule()
+    assert [sr.request_id for sr in out.scheduled] == ["good"] and not out.new_requests[1:]
+    assert s.take_grammar_errors() == [("bad", "structured_outputs.regex: invalid regex")]
+    assert s.get_request("bad") is None
