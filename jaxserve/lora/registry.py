@@ -50,8 +50,7 @@ class LoRARegistry:
         """Reads and checks an adapter without registering it (any thread: a server reads off
         its engine thread, then `load`s what it read)."""
         with self._lock:
-            if any(e.request.lora_name == name for e in self._by_int_id.values()):
-                raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+            self._check_name_free(name)
         if not path:
             raise ValueError(f"LoRA adapter {name!r}: lora_path is required to load it")
         return load_adapter(name, path, self._config, self._max_rank, self._dtype)
@@ -75,26 +74,30 @@ class LoRARegistry:
         if lora.lora_int_id in self._by_int_id:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} is already "
                              f"adapter {self._by_int_id[lora.lora_int_id].request.lora_name!r}")
-        if any(e.request.lora_name == lora.lora_name for e in self._by_int_id.values()):
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} is already loaded (unload it first)")
+        self._check_name_free(lora.lora_name)
+
+    def _check_name_free(self, name: str) -> None:
+        if self._named(name) is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first)")
+
+    def _named(self, name: str) -> _Entry | None:
+        """The entry of adapter `name` (the caller holds the lock)."""
+        return next((e for e in self._by_int_id.values() if e.request.lora_name == name), None)
 
     def unload(self, name: str) -> int:
         """Forgets the adapter `name`; returns its load id. Unknown names raise KeyError."""
         with self._lock:
-            for int_id, entry in self._by_int_id.items():
-                if entry.request.lora_name == name:
-                    del self._by_int_id[int_id]
-                    del self._by_load_id[entry.load_id]
-                    return entry.load_id
-        raise KeyError(f"LoRA adapter {name!r} is not loaded")
-
-    def by_name(self, name: str) -> LoRARequest | None:
-        with self._lock:
-            return next((e.request for e in self._by_int_id.values() if e.request.lora_name == name), None)
+            entry = self._named(name)
+            if entry is None:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded")
+            del self._by_int_id[entry.request.lora_int_id]
+            del self._by_load_id[entry.load_id]
+            return entry.load_id
 
     def load_id(self, name: str) -> int:
         with self._lock:
-            return next((e.load_id for e in self._by_int_id.values() if e.request.lora_name == name), 0)
+            entry = self._named(name)
+            return entry.load_id if entry is not None else 0
 
     def adapter(self, load_id: int) -> LoRAAdapter:
         with self._lock:
