@@ -423,8 +423,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, weights,
                            file=file, experts=experts)
 
-    workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
-    workers = max(1, min(workers, len(keys)))
+    workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
     results = []
     with no_cache_writes(not target.attached), concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for r in pool.map(one, keys):
