@@ -114,6 +114,9 @@ class EngineConfig:
     record_traffic_log: str | None = None  # append each step's token count to this file
     compilation_cache_dir: str | None = "default"  # None: no persistent cache
     compiled_dir: str | None = None  # load `jaxserve compile --out` executables instead of compiling
+    # Keep the step executables beside the persistent cache and load them (tracing nothing)
+    # when the next start has the same model, settings, software and devices.
+    reuse_executables: bool = True
     strict_compile_guard: bool = False  # raise on any compilation after warmup
     warmup_threads: int = 0  # 0: one per CPU core
 

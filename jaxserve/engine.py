@@ -614,21 +614,43 @@ class Engine:
                            directory=self.config.compiled_dir)
         return manifest
 
+    def _executable_store(self):
+        """Where this server's executables are kept for the next start (None: not kept: no
+        persistent cache, `reuse_executables` off, `compiled_dir` given, or several processes)."""
+        config = self.config
+        if (self.cache_dir is None or not config.reuse_executables or config.compiled_dir
+                or self.distributed is not None):
+            return None
+        from jaxserve.compilation.aot import program_fingerprint
+        from jaxserve.compilation.executable_store import ExecutableStore, Identity
+
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+        fingerprint = program_fingerprint(self.model_config, config, self.resolved, config.tensor_parallel_size)
+        kernels = dataclasses.asdict(self.kernels)
+        return ExecutableStore(self.cache_dir, Identity.of(self.platform, len(devices), devices[0].device_kind,
+                                                            fingerprint, kernels))
+
     def warmup(self, *, progress: bool = False) -> WarmupReport:
         """Compiles every shape of the compile plan ahead of time (from the persistent cache
         when it is warm; loaded instead from `compiled_dir` when set), installs the
         executables and arms the compile guard."""
         if self.structured is not None:
             self.structured.prepare_in_background()
+        store = self._executable_store()
         if self._compiled is not None:
             from jaxserve.compilation.aot import load_compiled
 
             report = load_compiled(self.config.compiled_dir, self._compiled, self.runner, self.plan.shapes())
-        else:
+        elif store is None or (report := store.load(self.runner, self.plan.shapes())) is None:
             report = compile_ahead(
                 self.runner, self.plan, max_reqs=self.config.max_num_seqs,
                 tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
                 progress=progress, cache_enabled=self.cache_dir is not None)
+            if store is not None:
+                t0 = time.perf_counter()
+                if store.save(self.runner, self.plan.shapes()):
+                    logger.info("executables saved for the next start in %.1f s (%s)", time.perf_counter() - t0,
+                                store.path)
         if hasattr(self.proposer, "warmup"):  # a draft model: its own shapes, before the guard is armed
             draft = self.proposer.warmup(workers=self.config.warmup_threads, cache_enabled=self.cache_dir is not None)
             report = dataclasses.replace(report, records=report.records + draft.records,

@@ -87,15 +87,23 @@ def test_derived_buckets_are_optimal_on_small_case():
 
 
 _CHILD = textwrap.dedent("""
-    import json, random, sys, time
+    import json, logging, random, sys, time
+    import jax
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
     from scheduler import SamplingParams
+    logging.basicConfig(level=logging.INFO)
     cache, page, budget, workload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, num_pages=64, page_size=page,
                                  max_model_len=256, compilation_cache_dir=cache, strict_compile_guard=True,
                                  structured_outputs=False))
+    events = {"/jax/core/compile/jaxpr_trace_duration": "traces",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowerings"}
+    counts = dict.fromkeys(events.values(), 0)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda e, d, **kw: counts.__setitem__(events[e], counts[events[e]] + 1) if e in events else None)
     rep = engine.warmup()
+    during_warmup = dict(counts)
     done = aborted = 0
     if workload:
         rng = random.Random(3)
@@ -111,6 +119,7 @@ _CHILD = textwrap.dedent("""
         while engine.has_unfinished_requests():
             done += sum(o.finished for o in engine.step())
     print(json.dumps({"shapes": rep.num_shapes, "hits": rep.num_hits, "misses": rep.num_misses,
+                      "loaded": sum(r.cache == "loaded" for r in rep.records), **during_warmup,
                       "seconds": rep.wall_seconds, "compiles_after_warmup": engine.compiles_after_warmup,
                       "finished": done, "aborted": aborted}))
 """)
@@ -120,19 +129,34 @@ def _run_child(cache, page=16, budget=32, workload=False):
     res = subprocess.run([sys.executable, "-c", _CHILD, str(cache), str(page), str(budget), "1" if workload else "0"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "log": res.stderr}
 
 
-def test_persistent_cache_across_processes(tmp_path):
+def test_restarts_reuse_executables_and_fall_back_to_the_persistent_cache(tmp_path):
+    """A restart with the same settings loads the saved executables and traces nothing; a
+    damaged entry falls back to the persistent cache (every shape a hit); other settings
+    compile, and the log names what differs."""
     cache = tmp_path / "xla"
     cold = _run_child(cache)
-    assert cold["misses"] == cold["shapes"] and cold["hits"] == 0
+    assert cold["misses"] == cold["shapes"] and cold["hits"] == 0 and cold["traces"] >= cold["shapes"]
+    assert "executables saved for the next start" in cold["log"]
     warm = _run_child(cache, workload=True)
     print(f"startup compile: cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s "
           f"({warm['seconds'] / cold['seconds']:.0%}) for {cold['shapes']} shapes")
-    assert warm["hits"] == warm["shapes"] and warm["misses"] == 0
-    assert warm["seconds"] < cold["seconds"]
+    assert warm["loaded"] == warm["shapes"] == cold["shapes"] and warm["hits"] == warm["misses"] == 0
+    assert warm["traces"] == 0 and warm["lowerings"] == 0
     assert warm["compiles_after_warmup"] == 0 and warm["finished"] + warm["aborted"] == 50
+
+    [entry] = (cache / next(p.name for p in cache.iterdir()) / "executables").iterdir()
+    victim = next((entry / "executables").iterdir())
+    victim.write_bytes(victim.read_bytes()[:100])  # a truncated file
+    damaged = _run_child(cache)
+    assert "are not usable" in damaged["log"] and victim.name in damaged["log"]
+    assert damaged["hits"] == damaged["shapes"] and damaged["misses"] == 0 and damaged["loaded"] == 0
+
+    other = _run_child(cache, budget=48)
+    assert "the last saved entry differs: max_num_batched_tokens 32 (compiled) vs 48 (here)" in other["log"]
+    assert other["loaded"] == 0 and other["traces"] >= other["shapes"]
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):

@@ -89,6 +89,8 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "max_logprobs": config.max_logprobs,
         "lora": [config.max_loras, config.max_lora_rank] if config.enable_lora else None,
+        "row_tile": resolved.row_tile,
+        "num_speculative_tokens": spec.num_speculative_tokens if (spec := config.speculative_config) else None,
         "shapes": [k.name for k in plan.shapes()],
     }
 
@@ -542,6 +544,17 @@ def check_manifest(manifest: dict[str, Any], *, platform: str, num_devices: int,
                    fingerprint: dict[str, Any], directory: str) -> None:
     """Raises CompiledMismatchError naming every difference between what the executables
     were compiled for and what this process would run."""
+    problems = manifest_differences(manifest, platform=platform, num_devices=num_devices, device_kind=device_kind,
+                                    fingerprint=fingerprint)
+    if problems:
+        raise CompiledMismatchError(f"the executables in {directory} do not match this server: " + "; ".join(problems)
+                                    + ". Recompile with `jaxserve compile --out` and the same flags.")
+
+
+def manifest_differences(manifest: dict[str, Any], *, platform: str, num_devices: int, device_kind: str,
+                         fingerprint: dict[str, Any]) -> list[str]:
+    """Each difference between what a manifest's executables were compiled for and what this
+    process would run, in words (empty: they load here)."""
     problems = []
     theirs_v = manifest.get("versions", {})
     for k, v in software_versions(platform).items():
@@ -555,16 +568,14 @@ def check_manifest(manifest: dict[str, Any], *, platform: str, num_devices: int,
     for k in sorted(set(theirs) | set(fingerprint)):
         if theirs.get(k) != fingerprint.get(k):
             if k in ("model", "shapes"):
-                problems.append(f"the {k} differs")
+                problems.append("the model differs" if k == "model" else "the planned shapes differ")
             else:
                 problems.append(f"{k} {theirs.get(k)!r} (compiled) vs {fingerprint.get(k)!r} (here)")
     files = {s["name"] for s in manifest.get("shapes", []) if s.get("file")}
     missing = [name for name in fingerprint.get("shapes", []) if name not in files]
     if missing:
         problems.append(f"{len(missing)} planned shapes have no executable (first: {missing[0]})")
-    if problems:
-        raise CompiledMismatchError(f"the executables in {directory} do not match this server: " + "; ".join(problems)
-                                    + ". Recompile with `jaxserve compile --out` and the same flags.")
+    return problems
 
 
 def read_manifest(directory: str) -> dict[str, Any]:

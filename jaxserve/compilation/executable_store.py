@@ -1,0 +1,141 @@
+"""Executables kept beside the persistent compilation cache, so that a restart traces nothing.
+
+JAX's persistent cache is keyed by the lowered program: a warm start still traces and lowers
+every planned shape to find its key (~160 ms a shape on a CPU host) before it loads anything.
+So after warmup the engine also serializes its step executables into
+`<cache dir>/executables/<digest of the identity>/`, with the manifest `jaxserve compile
+--out` writes. A later start whose identity is equal (software versions, device kind and
+count, model config, engine settings, the kernels chosen, XLA's flags) deserializes them
+instead: nothing is traced, lowered or compiled. A start that finds no entry for its identity
+compiles as before and logs what differs from the entry saved last, so an operator can see
+why a restart was slow. At most `MAX_ENTRIES` identities are kept (the oldest go).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+from jaxserve.compilation.aot import (
+    MANIFEST,
+    CompiledMismatchError,
+    _serialize,
+    load_compiled,
+    manifest_differences,
+    read_manifest,
+)
+from jaxserve.compilation.compile_plan import ShapeKey
+from jaxserve.compilation.targets import software_versions
+from jaxserve.compilation.warmup import WarmupReport
+
+logger = logging.getLogger(__name__)
+
+STORE_DIR = "executables"
+MAX_ENTRIES = 4
+# Environment that changes what XLA emits for the same program.
+_COMPILER_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What a set of executables was built for; equal identities load each other's."""
+
+    platform: str
+    num_devices: int
+    device_kind: str
+    program: dict[str, Any]  # `aot.program_fingerprint` + kernels + compiler environment
+    versions: dict[str, str]
+
+    @classmethod
+    def of(cls, platform: str, num_devices: int, device_kind: str, fingerprint: dict[str, Any],
+           kernels: dict[str, Any]) -> Identity:
+        env = {k: os.environ.get(k, "") for k in _COMPILER_ENV}
+        # As a manifest reads it back (tuples become lists), so equal settings compare equal.
+        program = json.loads(json.dumps({**fingerprint, "kernels": kernels, "compiler_env": env}, default=str))
+        return cls(platform, num_devices, device_kind, program, software_versions(platform))
+
+    def digest(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    def differences(self, manifest: dict[str, Any]) -> list[str]:
+        return manifest_differences(manifest, platform=self.platform, num_devices=self.num_devices,
+                                    device_kind=self.device_kind, fingerprint=self.program)
+
+
+class ExecutableStore:
+    """One server identity's entry under `<cache_dir>/executables/`."""
+
+    def __init__(self, cache_dir: str, identity: Identity):
+        self.root = os.path.join(cache_dir, STORE_DIR)
+        self.identity = identity
+        self.path = os.path.join(self.root, identity.digest())
+
+    def load(self, runner: Any, keys: list[ShapeKey]) -> WarmupReport | None:
+        """Installs the saved executable of every key in `runner`; None (logged, nothing
+        raised) when there is no usable entry and the caller must compile."""
+        if not os.path.isfile(os.path.join(self.path, MANIFEST)):
+            logger.info("no saved executables for this server: compiling (%s)", self._why_none())
+            return None
+        try:
+            manifest = read_manifest(self.path)
+            problems = self.identity.differences(manifest)
+            if problems:  # a digest collision or a hand-edited entry
+                raise CompiledMismatchError("; ".join(problems))
+            return load_compiled(self.path, manifest, runner, keys)
+        except (CompiledMismatchError, OSError, ValueError) as e:
+            logger.warning("the saved executables in %s are not usable (%s): compiling", self.path, e)
+            return None
+
+    def save(self, runner: Any, keys: list[ShapeKey]) -> bool:
+        """Serializes the runner's executable of every key into this identity's entry
+        (written aside, then renamed into place: a reader never sees half an entry). A
+        failure (a full disk, a read-only cache) is logged; serving goes on."""
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "executables"))
+            shapes = [{"name": k.name, "file": _serialize(tmp, k, runner.executables[k])} for k in keys]
+            manifest = {**dataclasses.asdict(self.identity), "target": f"{self.identity.platform} (serving)",
+                        "shapes": shapes}
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(tmp, self.path)
+        except Exception as e:  # noqa: BLE001 - saving is an optimisation; serving does not depend on it
+            shutil.rmtree(tmp, ignore_errors=True)
+            logger.warning("could not save the executables to %s (%s: %s); the next start compiles again",
+                           self.path, type(e).__name__, e)
+            return False
+        self._prune()
+        return True
+
+    def _entries(self) -> list[str]:
+        """Complete entries (those with a manifest), newest first."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        paths = [os.path.join(self.root, n) for n in names if ".tmp-" not in n]
+        found = [(os.path.getmtime(m), p) for p in paths if os.path.isfile(m := os.path.join(p, MANIFEST))]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def _why_none(self) -> str:
+        """What differs from the entry saved last (or that none was saved yet)."""
+        entries = [p for p in self._entries() if p != self.path]
+        if not entries:
+            return f"none saved yet under {self.root}"
+        try:
+            problems = self.identity.differences(read_manifest(entries[0]))
+        except (OSError, ValueError) as e:
+            return f"the last saved entry {entries[0]} is unreadable: {e}"
+        return "the last saved entry differs: " + ("; ".join(problems) or "in settings not named in its manifest")
+
+    def _prune(self) -> None:
+        for old in self._entries()[MAX_ENTRIES:]:
+            shutil.rmtree(old, ignore_errors=True)
