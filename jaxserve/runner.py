@@ -117,7 +117,7 @@ class ModelRunner:
         self.row_tile = row_tile  # batch-invariant mode's matmul row tile (0: off)
         if self.mesh is None:
             self.config = loaded.config
-            params = jax.tree.map(jnp.asarray, self._serving_params(loaded.params, loaded.config))
+            params = jax.tree.map(host_to_device, self._serving_params(loaded.params, loaded.config))
             self.input_sharding = None
         else:  # tensor parallel: KV heads replicated up to tp when fewer, params sharded
             self.config = parallel.tp_model_config(loaded.config, self.mesh.shape[parallel.MODEL_AXIS],
@@ -513,6 +513,15 @@ class ModelRunner:
 
     def install(self, key: ShapeKey, executable: Any) -> None:
         self.executables[key] = executable
+
+
+def host_to_device(x: Any) -> jax.Array:
+    """A host array on the default device. On a CPU backend a read-only host array (the
+    loader's: `loading.params.freeze_params`) that is 64-byte aligned becomes the device
+    array's memory instead of being copied, so the weights are held once."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable and jax.default_backend() == "cpu":
+        return jax.device_put(x, may_alias=True)
+    return jnp.asarray(x)
 
 
 def _chunks(pairs: list[tuple[int, int]]):

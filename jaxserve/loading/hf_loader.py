@@ -7,7 +7,6 @@ import json
 import os
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
@@ -16,7 +15,9 @@ from jaxserve.loading.hf_quant import (
     hf_checkpoint_quantization,
     read_linear,
 )
+from jaxserve.loading.host_copy import copy_into
 from jaxserve.loading.params import TRANSPOSED, QuantizedTensor, assemble_params
+from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import MOE_WEIGHTS
 
@@ -79,42 +80,62 @@ def hf_quantization(path: str) -> CheckpointQuantization | None:
 
 
 class _SafetensorsIndex:
-    """Finds each tensor in whichever shard holds it; reads one tensor at a time."""
+    """Finds each tensor in whichever shard holds it (the shards `model.safetensors.index.json`
+    lists, else every `*.safetensors` file)."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise ModelFileNotFoundError(f"no *.safetensors files in {path}")
-        self._handles = []
-        self._where: dict[str, Any] = {}
-        self._file_of: dict[int, str] = {}
-        for fname in files:
-            try:
-                h = safe_open(fname, framework="flax")
-            except Exception as e:
-                raise CheckpointError(f"cannot read safetensors file {fname}: {e}") from e
-            self._handles.append(h)
-            self._file_of[id(h)] = fname
-            for key in h.keys():
-                self._where[key] = h
+        self._files = [SafetensorsFile(f) for f in _shard_files(path)]
+        self._where = {name: f for f in self._files for name in f.tensors}
         self.path = path
 
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def _file(self, name: str) -> SafetensorsFile:
+        f = self._where.get(name)
+        if f is None:
+            raise MissingTensorError(f"safetensors checkpoint {self.path} is missing tensor {name!r}")
+        return f
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor in its stored dtype."""
-        h = self._where.get(name)
-        if h is None:
-            raise MissingTensorError(f"safetensors checkpoint {self.path} is missing tensor {name!r}")
-        if h.get_slice(name).get_dtype() in _FP8_DTYPES:  # safetensors' numpy/flax readers lack them
-            return _read_fp8(self._file_of[id(h)], name)
-        return np.asarray(h.get_tensor(name))
+        return self._file(name).read(name)
 
     def get(self, name: str) -> np.ndarray:
         return _float_tensor(self.raw(name), name, f"safetensors checkpoint {self.path}")
+
+    def fill(self, name: str, out: np.ndarray, transpose: bool) -> None:
+        """Reads float tensor `name` into `out` (transposed from [out, in] when `transpose`),
+        cast to out's dtype: straight into `out` when nothing changes, else through this
+        thread's scratch buffer."""
+        f = self._file(name)
+        info = f.info(name)
+        _check_float(info.dtype, name, f"safetensors checkpoint {self.path}")
+        _check_shape(info.shape, out.shape[::-1] if transpose else out.shape, name, f.path)
+        if not transpose and info.dtype == out.dtype and out.flags.c_contiguous:
+            f.read(name, out)
+            return
+        staged = f.read(name, scratch(info.nbytes).view(info.dtype).reshape(info.shape))
+        copy_into(staged, out, transpose)
+
+
+def _shard_files(path: str) -> list[str]:
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index_file} is not a safetensors index ({type(e).__name__}: {e})") from None
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise ModelFileNotFoundError(f"{path}: model.safetensors.index.json lists shards that are missing: "
+                                         + ", ".join(missing))
+        return [os.path.join(path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelFileNotFoundError(f"no *.safetensors files in {path}")
+    return files
 
 
 class TensorMapping:
@@ -137,31 +158,30 @@ class TensorMapping:
     def get(self, name: str) -> np.ndarray:
         return _float_tensor(self.raw(name), name, self.path)
 
+    def fill(self, name: str, out: np.ndarray, transpose: bool) -> None:
+        arr = self.raw(name)
+        _check_float(arr.dtype, name, self.path)
+        _check_shape(arr.shape, out.shape[::-1] if transpose else out.shape, name, self.path)
+        copy_into(arr, out, transpose)
+
+
+def _check_float(dtype: np.dtype, name: str, where: str) -> None:
+    """Integer or 8-bit float storage is refused: reading it as floats without its scale
+    would load garbage."""
+    if dtype.kind not in "fV" or dtype.itemsize < 2:  # V: ml_dtypes (bfloat16, float8_*)
+        raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype}, not as floating point, "
+                              "and no scale jaxserve reads is stored beside it")
+
+
+def _check_shape(shape: tuple[int, ...], expected: tuple[int, ...], name: str, where: str) -> None:
+    if tuple(shape) != tuple(expected):
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
+
 
 def _float_tensor(arr: np.ndarray, name: str, where: str) -> np.ndarray:
-    """A floating-point tensor as f32 (integer or 8-bit float storage is refused: reading it
-    as floats without its scale would load garbage)."""
-    if arr.dtype.kind not in "fV" or arr.dtype.itemsize < 2:  # V: ml_dtypes (bfloat16, float8_*)
-        raise CheckpointError(f"{where}: tensor {name!r} is stored as {arr.dtype}, not as floating point, "
-                              "and no scale jaxserve reads is stored beside it")
+    """A floating-point tensor as f32 (see `_check_float`)."""
+    _check_float(arr.dtype, name, where)
     return arr.astype(np.float32, copy=False)
-
-
-_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-
-
-def _read_fp8(fname: str, name: str) -> np.ndarray:
-    """An 8-bit float tensor read from the safetensors layout itself (an 8-byte little-endian
-    header length, a JSON header of dtype / shape / data_offsets, then the data)."""
-    with open(fname, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(n))[name]
-    begin, end = info["data_offsets"]
-    shape = tuple(info["shape"])
-    data = np.memmap(fname, dtype=np.uint8, mode="r", offset=8 + n + begin, shape=(end - begin,))
-    if data.size != int(np.prod(shape)):
-        raise CheckpointError(f"safetensors file {fname}: tensor {name!r} is truncated")
-    return np.array(data).view(_FP8_DTYPES[info["dtype"]]).reshape(shape)
 
 
 # Where the decoder sits: causal-LM checkpoints, then the language model of a multimodal one
@@ -175,28 +195,58 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | 
     checkpoint's own method (`hf_quantization`), which `quantization` must equal when set.
     `index`: tensors from elsewhere than `path`'s safetensors (`TensorMapping`)."""
     index = _SafetensorsIndex(path) if index is None else index
-    return assemble_params(cfg, hf_tensor_getter(index, cfg, published), dtype, quantization, quantize_lm_head)
+    get, fill = hf_tensor_getter(index, cfg, published), hf_tensor_filler(index, cfg)
+    return assemble_params(cfg, get, dtype, quantization, quantize_lm_head, fill=fill)
+
+
+def _hf_names(index: Any, cfg: ModelConfig) -> tuple[Any, str]:
+    """(`key(name, layer)`: the HF name of our tensor `name` of `layer`, None for the global
+    ones; the decoder's prefix)."""
+    names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
+    decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
+                         _DECODER_PREFIXES[0])
+
+    def key(name: str, layer: int | None) -> str:
+        if layer is not None:
+            return f"{decoder}layers.{layer}.{names[name]}"
+        return head + _GLOBAL_NAMES[name] if name == "lm_head" else decoder + _GLOBAL_NAMES[name][len("model."):]
+
+    return key, decoder
 
 
 def hf_tensor_getter(index: Any, cfg: ModelConfig, published: str | None = None) -> Any:
     """`get(name, layer)` for `assemble_params`: our tensor `name` (of `layer`, None for the
     global ones) read from `index` under its HF name, transposed where we store it so."""
-    names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
-    decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
-                         _DECODER_PREFIXES[0])
+    key_of, decoder = _hf_names(index, cfg)
 
     def get(name: str, layer: int | None) -> np.ndarray | QuantizedTensor:
         if layer is not None and name in MOE_WEIGHTS:
             return _expert_tensor(index, cfg, name, f"{decoder}layers.{layer}.", published)
-        if layer is not None:
-            key = f"{decoder}layers.{layer}.{names[name]}"
-        else:
-            key = head + _GLOBAL_NAMES[name] if name == "lm_head" else decoder + _GLOBAL_NAMES[name][len("model."):]
+        key = key_of(name, layer)
         if name in TRANSPOSED:
             return _transposed(read_linear(index, key.removesuffix(".weight"), published))
         return index.get(key)
 
     return get
+
+
+def hf_tensor_filler(index: Any, cfg: ModelConfig) -> Any:
+    """`fill(name, layer, out) -> bool` for `assemble_params`: writes a float tensor straight
+    into its place in the params (transposed and cast in one pass); False where the tensor
+    needs `get` (routed experts, a tensor stored quantized)."""
+    key_of, _ = _hf_names(index, cfg)
+
+    def fill(name: str, layer: int | None, out: np.ndarray) -> bool:
+        if layer is not None and name in MOE_WEIGHTS:
+            return False
+        key = key_of(name, layer)
+        module = key.removesuffix(".weight")
+        if index.has(module + ".weight_scale") or index.has(module + ".weight_packed"):
+            return False
+        index.fill(key, out, transpose=name in TRANSPOSED)
+        return True
+
+    return fill
 
 
 def _transposed(t: np.ndarray | QuantizedTensor) -> np.ndarray | QuantizedTensor:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxserve.loading import checkpoint, gguf_loader, hf_loader, tokenizer
 from jaxserve.loading.errors import ModelFileNotFoundError
-from jaxserve.loading.params import quantize_loaded_params, quantized_param_shapes
+from jaxserve.loading.params import freeze_params, quantize_loaded_params, quantized_param_shapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization import check_quantization
 
@@ -91,6 +91,14 @@ def resolve_quantization(requested: str | None, published: str | None, what: str
 
 def load_model(path: str | None = None, dtype: str = "float32", quantization: str | None = None,
                quantize_lm_head: bool = False) -> LoadedModel:
+    """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model); see
+    `_load_model`. The params' host arrays are read-only (`params.freeze_params`)."""
+    loaded = _load_model(path, dtype, quantization, quantize_lm_head)
+    freeze_params(loaded.params)
+    return loaded
+
+
+def _load_model(path: str | None, dtype: str, quantization: str | None, quantize_lm_head: bool) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model).
 
     `quantization` (vLLM's meaning): None serves a pre-quantized checkpoint in its own scheme

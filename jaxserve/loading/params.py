@@ -9,13 +9,18 @@ method is asked for, one layer's tensor at a time, so the model is never held tw
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxserve.loading.errors import CheckpointError
+from jaxserve.loading.host_copy import aligned_empty, copy_into
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.fused import FUSED_GROUPS
 from jaxserve.models.llama import expected_param_shapes
 from jaxserve.quantization import (
     QUANTIZED_LAYER_WEIGHTS,
@@ -56,6 +61,10 @@ class QuantizedTensor(NamedTuple):
 # getter(name, layer) -> array in jaxserve's layout ([in, out] for projections) or a
 # QuantizedTensor in that layout, or raises
 TensorGetter = Callable[[str, int | None], "np.ndarray | QuantizedTensor"]
+# filler(name, layer, out) -> True when it wrote the float tensor into `out` (jaxserve's
+# layout, out's dtype), False when the getter must be used instead; or raises. Called from
+# several threads at once.
+TensorFiller = Callable[[str, int | None, np.ndarray], bool]
 
 
 def quantized_head_name(cfg: ModelConfig) -> str:
@@ -64,58 +73,119 @@ def quantized_head_name(cfg: ModelConfig) -> str:
 
 
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantization: str | None = None,
-                    quantize_lm_head: bool = False) -> dict[str, Any]:
+                    quantize_lm_head: bool = False, fill: TensorFiller | None = None, workers: int = 0
+                    ) -> dict[str, Any]:
     """Builds {"embed", "layers": {...stacked [L, ...]}, "final_norm", ["lm_head"]} as numpy.
 
     With `quantization` ("int8" / "fp8"), the layer projections (and, with `quantize_lm_head`,
     the LM head, or the tied embedding per row) are stored quantized with their `_scale`
     entries: a `QuantizedTensor` from the getter is kept as the checkpoint holds it, a float
     one is quantized per output channel from the getter's f32 values. A published quantized
-    LM head is kept quantized whatever `quantize_lm_head` says. Everything else is cast to
+    LM head is kept quantized whatever `quantize_lm_head` says. Everything else is in
     `dtype`; scales are f32.
+
+    Float tensors go straight into their place when `fill` can write them (else through
+    `get`), every tensor a job on `workers` threads (0: one per core, at most 8). The float
+    arrays are 64-byte aligned, and q/k/v (and gate/up) are column slices of one buffer, so
+    fusing them later costs no copy (`jaxserve.models.fused`).
     """
     shapes = expected_param_shapes(cfg)
-    out: dict[str, Any] = {"layers": {}}
-    head = quantized_head_name(cfg)
-    for name, shape in shapes.items():
-        if name == "layers":
+    out: dict[str, Any] = {}
+
+    def put_global(name: str, shape: tuple[int, ...]) -> None:
+        out.update(_global_entries(cfg, get, fill, name, shape, dtype, quantization, quantize_lm_head))
+
+    jobs = [functools.partial(put_global, n, s) for n, s in shapes.items() if n != "layers"]
+    layer_shapes = shapes["layers"]
+    floats = {n: s for n, s in layer_shapes.items() if quantization is None or n not in QUANTIZED_LAYER_WEIGHTS}
+    out["layers"] = stacked = float_layer_buffers(floats, dtype)
+    for name, shape in layer_shapes.items():
+        if name in floats:
+            jobs += [functools.partial(_fill_float, get, fill, name, i, stacked[name][i]) for i in range(cfg.num_layers)]
             continue
-        t = get(name, None)
-        axis = -1 if name == "embed" else -2
-        if isinstance(t, QuantizedTensor) and quantization is not None and name == head:
-            _check_method(t, quantization, name)
-            out[name] = _checked(t.values, shape, name)
-            out[scale_name(name)] = _checked(np.asarray(t.scale, np.float32), scale_shape(name, shape), f"{name} scale")
-        elif isinstance(t, QuantizedTensor):
-            out[name] = _checked(t.dequantized(axis), shape, name).astype(dtype)
-        elif quantization is not None and quantize_lm_head and name == head:
-            out[name], out[scale_name(name)] = quantize_weight(_checked(t, shape, name), quantization, axis=axis)
-        else:
-            out[name] = _checked(t, shape, name).astype(dtype)
-    for name, shape in shapes["layers"].items():
-        if quantization is None or name not in QUANTIZED_LAYER_WEIGHTS:
-            stacked = np.empty(shape, dtype=dtype)
-            for i in range(cfg.num_layers):
-                t = get(name, i)
-                if isinstance(t, QuantizedTensor):  # e.g. a router the checkpoint quantized
-                    t = t.dequantized(-2)
-                stacked[i] = _checked(t, shape[1:], f"layer {i} {name}")
-            out["layers"][name] = stacked
-            continue
-        values = np.empty(shape, dtype=storage_dtype(quantization))
-        scales = np.empty(scale_shape(name, shape), dtype=np.float32)
-        for i in range(cfg.num_layers):
-            t = get(name, i)
-            what = f"layer {i} {name}"
-            if isinstance(t, QuantizedTensor):
-                _check_method(t, quantization, what)
-                values[i] = _checked(t.values, shape[1:], what)
-                scales[i] = _checked(np.asarray(t.scale, np.float32), scales.shape[1:], f"{what} scale")
-            else:
-                values[i], scales[i] = quantize_weight(_checked(t, shape[1:], what), quantization)
-        out["layers"][name] = values
-        out["layers"][scale_name(name)] = scales
+        values = stacked[name] = np.empty(shape, dtype=storage_dtype(quantization))
+        scales = stacked[scale_name(name)] = np.empty(scale_shape(name, shape), dtype=np.float32)
+        jobs += [functools.partial(_fill_quantized, get, name, i, values, scales, quantization)
+                 for i in range(cfg.num_layers)]
+    workers = workers or min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(lambda job: job(), jobs):
+            pass
     return out
+
+
+def _global_entries(cfg: ModelConfig, get: TensorGetter, fill: TensorFiller | None, name: str,
+                    shape: tuple[int, ...], dtype: Any, quantization: str | None, quantize_lm_head: bool
+                    ) -> dict[str, np.ndarray]:
+    """{name: array} for a tensor outside the layers, plus its scale where it is quantized."""
+    head = quantized_head_name(cfg)
+    quantize_here = quantization is not None and quantize_lm_head and name == head
+    buf = aligned_empty(shape, dtype) if not quantize_here else None
+    if fill is not None and buf is not None and fill(name, None, buf):
+        return {name: buf}
+    t = get(name, None)
+    axis = -1 if name == "embed" else -2
+    if isinstance(t, QuantizedTensor) and quantization is not None and name == head:
+        _check_method(t, quantization, name)
+        return {name: _checked(t.values, shape, name),
+                scale_name(name): _checked(np.asarray(t.scale, np.float32), scale_shape(name, shape), f"{name} scale")}
+    if quantize_here:
+        values, scale = quantize_weight(_checked(t, shape, name), quantization, axis=axis)
+        return {name: values, scale_name(name): scale}
+    t = t.dequantized(axis) if isinstance(t, QuantizedTensor) else t
+    copy_into(_checked(t, shape, name), buf)
+    return {name: buf}
+
+
+def float_layer_buffers(shapes: dict[str, tuple[int, ...]], dtype: Any) -> dict[str, np.ndarray]:
+    """Aligned uninitialised stacked arrays for the float layer tensors; each group that the
+    model fuses (`FUSED_GROUPS`) as column slices of one buffer."""
+    out: dict[str, np.ndarray] = {}
+    for parts in FUSED_GROUPS:
+        if not all(p in shapes for p in parts):
+            continue
+        lead = shapes[parts[0]][:-1]
+        if any(tuple(shapes[p][:-1]) != tuple(lead) for p in parts):
+            continue
+        base = aligned_empty((*lead, sum(shapes[p][-1] for p in parts)), dtype)
+        start = 0
+        for p in parts:
+            out[p] = base[..., start:start + shapes[p][-1]]
+            start += shapes[p][-1]
+    for name, shape in shapes.items():
+        if name not in out:
+            out[name] = aligned_empty(shape, dtype)
+    return out
+
+
+def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: int, dst: np.ndarray) -> None:
+    if fill is not None and fill(name, layer, dst):
+        return
+    t = get(name, layer)
+    if isinstance(t, QuantizedTensor):  # e.g. a router the checkpoint quantized
+        t = t.dequantized(-2)
+    copy_into(_checked(t, dst.shape, f"layer {layer} {name}"), dst)
+
+
+def _fill_quantized(get: TensorGetter, name: str, layer: int, values: np.ndarray, scales: np.ndarray,
+                    quantization: str) -> None:
+    t = get(name, layer)
+    what = f"layer {layer} {name}"
+    if isinstance(t, QuantizedTensor):
+        _check_method(t, quantization, what)
+        values[layer] = _checked(t.values, values.shape[1:], what)
+        scales[layer] = _checked(np.asarray(t.scale, np.float32), scales.shape[1:], f"{what} scale")
+    else:
+        values[layer], scales[layer] = quantize_weight(_checked(t, values.shape[1:], what), quantization)
+
+
+def freeze_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Marks the host arrays read-only (in place; returns `params`): a CPU runner then shares
+    their memory instead of copying them, and a stray in-place write fails loudly."""
+    for leaf in [*params["layers"].values(), *(v for k, v in params.items() if k != "layers")]:
+        if isinstance(leaf, np.ndarray):
+            leaf.flags.writeable = False
+    return params
 
 
 def quantize_loaded_params(params: dict[str, Any], cfg: ModelConfig, method: str,

@@ -91,8 +91,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Any:
 
 
 def tokenizer_from_hf_dir(path: str) -> Any:
-    from transformers import AutoTokenizer
-
     if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    from transformers import AutoTokenizer  # seconds to import: only when there is a tokenizer
+
     return AutoTokenizer.from_pretrained(path)

@@ -34,13 +34,46 @@ FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP + _SCALES
 # (parts, fused name, the tensor-parallel shards they are interleaved for: "tp" or "experts")
 _FUSIONS = ((QKV, "qkv_proj", "tp"), (QKV_BIAS, "qkv_bias", "tp"), (GATE_UP, "gate_up_proj", "tp"),
             (EXPERT_GATE_UP, "expert_gate_up", "experts"))
+# The groups a loader may place side by side in one buffer (`_side_by_side` then fuses them
+# without a copy when they are not interleaved).
+FUSED_GROUPS = tuple(parts for parts, _, _ in _FUSIONS)
 
 
 def _interleave(parts: list[Any], shards: int) -> Any:
     """[..., w_i] parts -> [..., sum(w_i)], each shard's columns of every part together."""
+    if shards == 1 and (whole := _side_by_side(parts)) is not None:
+        return whole
     lead = parts[0].shape[:-1]
     pieces = [p.reshape(*lead, shards, p.shape[-1] // shards) for p in parts]
     return np.concatenate(pieces, axis=-1).reshape(*lead, -1)
+
+
+def _owner(a: np.ndarray) -> Any:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.base if a.base is not None else a
+
+
+def _side_by_side(parts: list[np.ndarray]) -> np.ndarray | None:
+    """The [..., sum(w_i)] array that `parts` already are consecutive column slices of (as the
+    loader allocates them), as a view; None when they are not laid out so."""
+    first = parts[0]
+    width = sum(p.shape[-1] for p in parts)
+    if first.ndim < 2 or any(p.dtype != first.dtype or p.shape[:-1] != first.shape[:-1] or p.strides != first.strides
+                             for p in parts):
+        return None
+    if first.strides[-1] != first.itemsize or first.strides[-2] != width * first.itemsize:
+        return None
+    if any(_owner(p) is not _owner(first) for p in parts):
+        return None
+    offset = 0
+    for p in parts:
+        if p.ctypes.data != first.ctypes.data + offset * first.itemsize:
+            return None
+        offset += p.shape[-1]
+    whole = np.lib.stride_tricks.as_strided(first, (*first.shape[:-1], width), first.strides,
+                                            writeable=first.flags.writeable)
+    return whole if whole.flags.c_contiguous else None
 
 
 def fuse_projections(layers: dict[str, Any], shards: int = 1, expert_shards: int | None = None) -> dict[str, Any]:
