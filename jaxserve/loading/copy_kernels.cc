@@ -193,3 +193,67 @@ int jaxserve_cast_copy(const void* src, int src_dtype, int64_t rows, int64_t col
   return 0;
 }
 }
+
+// GGUF block formats, dequantized to float32 (ggml's layouts; codes are ggml's type ids).
+// Each block holds 32 values: an f16 scale d (and an f16 minimum m for the _1 formats), for
+// the 5-bit formats 32 high bits qh, then the low bits: byte j holds value j in its low
+// nibble and value j + 16 in its high nibble (Q8_0: one int8 per value).
+namespace {
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+template <int kType>
+void dequantize_blocks(const uint8_t* src, int64_t n_blocks, float* out) {
+  for (int64_t b = 0; b < n_blocks; ++b, out += 32) {
+    if (kType == 8) {  // Q8_0: d, int8[32]
+      const float d = half_at(src);
+      const auto* q = reinterpret_cast<const int8_t*>(src + 2);
+      for (int j = 0; j < 32; ++j) out[j] = d * q[j];
+      src += 34;
+      continue;
+    }
+    const bool has_min = kType == 3 || kType == 7;
+    const bool five_bit = kType == 6 || kType == 7;
+    const float d = half_at(src);
+    const float m = has_min ? half_at(src + 2) : 0.0f;
+    const uint8_t* p = src + (has_min ? 4 : 2);
+    uint32_t qh = 0;
+    if (five_bit) {
+      std::memcpy(&qh, p, 4);
+      p += 4;
+    }
+    const int offset = has_min ? 0 : (five_bit ? 16 : 8);
+    for (int j = 0; j < 16; ++j) {
+      int lo = p[j] & 0x0F, hi = p[j] >> 4;
+      if (five_bit) {
+        lo |= ((qh >> j) << 4) & 0x10;
+        hi |= (qh >> (j + 12)) & 0x10;
+      }
+      out[j] = (lo - offset) * d + m;
+      out[j + 16] = (hi - offset) * d + m;
+    }
+    src = p + 16;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success, -1 for a type without a kernel (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8).
+int jaxserve_dequantize_gguf(int type, const void* blocks, int64_t n_blocks, float* out) {
+  const auto* src = static_cast<const uint8_t*>(blocks);
+  switch (type) {
+    case 2: dequantize_blocks<2>(src, n_blocks, out); return 0;
+    case 3: dequantize_blocks<3>(src, n_blocks, out); return 0;
+    case 6: dequantize_blocks<6>(src, n_blocks, out); return 0;
+    case 7: dequantize_blocks<7>(src, n_blocks, out); return 0;
+    case 8: dequantize_blocks<8>(src, n_blocks, out); return 0;
+    default: return -1;
+  }
+}
+}

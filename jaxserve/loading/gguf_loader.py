@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxserve.loading.errors import CheckpointError, MissingTensorError, ModelFileNotFoundError
 from jaxserve.loading.gguf_reader import read_gguf
+from jaxserve.loading.host_copy import dequantize_gguf
 from jaxserve.loading.params import (
     TRANSPOSED,
     QuantizedTensor,
@@ -53,6 +54,25 @@ _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # values per block; bytes per block (f16 scal
 _FOLD_CHUNK = 1 << 24
 
 
+def _dequantize_whole(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """A tensor's blocks dequantized in one pass: natively for the 32-value block formats
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else by gguf's numpy block code over the whole tensor
+    (gguf's own `dequantize` goes 16 rows at a time: thousands of small numpy calls)."""
+    from gguf.quants import _type_traits, dequantize
+
+    native = dequantize_gguf(int(qtype), data)
+    if native is not None:
+        return native
+    traits = _type_traits.get(qtype)
+    if traits is None:  # F32, F16, BF16: a view or a cast
+        return dequantize(data, qtype)
+    traits.init_grid()
+    raw = data.view(np.uint8).reshape(-1)
+    if raw.size % traits.type_size:
+        raise ValueError(f"{raw.size} bytes is not a whole number of {qtype.name} blocks")
+    return traits.dequantize_blocks(raw.reshape(-1, traits.type_size)).reshape(-1)
+
+
 class GGUFFile:
     """A parsed GGUF file: metadata as plain Python values and lazily dequantized tensors."""
 
@@ -87,13 +107,11 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to f32 in HF layout ([out, in] for matrices)."""
-        from gguf.quants import dequantize
-
         t = self._tensors.get(name)
         if t is None:
             raise MissingTensorError(f"GGUF file {self.path} has no tensor {name!r}")
         try:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = _dequantize_whole(t.data, t.tensor_type)
         except Exception as e:
             raise CheckpointError(f"GGUF file {self.path}: cannot dequantize {name!r} ({e})") from e
         expected = tuple(int(d) for d in reversed(t.shape))

@@ -53,12 +53,32 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
         fn.restype = ctypes.c_int
+    lib.jaxserve_dequantize_gguf.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.jaxserve_dequantize_gguf.restype = ctypes.c_int
     return lib, why
 
 
 def native_available() -> tuple[bool, str]:
     lib, why = _library()
     return lib is not None, why
+
+
+# GGUF block formats with a native kernel: ggml type id -> bytes per block of 32 values.
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+
+
+def dequantize_gguf(type_id: int, raw: np.ndarray) -> np.ndarray | None:
+    """The f32 values of `raw` (a GGUF tensor's bytes in block format `type_id`); None when
+    there is no native kernel for the format (the caller uses numpy)."""
+    lib = _library()[0]
+    size = GGUF_BLOCK_BYTES.get(type_id)
+    if lib is None or size is None or raw.size % size:
+        return None
+    raw = np.ascontiguousarray(raw.reshape(-1).view(np.uint8))
+    out = aligned_empty((raw.size // size * 32,), np.float32)
+    if lib.jaxserve_dequantize_gguf(type_id, raw.ctypes.data, raw.size // size, out.ctypes.data) != 0:
+        return None
+    return out
 
 
 def _rows(a: np.ndarray) -> tuple[int, int, int] | None:
@@ -75,6 +95,8 @@ def copy_into(src: np.ndarray, dst: np.ndarray, transpose: bool = False) -> None
         raise ValueError(f"cannot transpose {src.shape} into {dst.shape}")
     if not transpose and dst.shape != src.shape:
         raise ValueError(f"cannot copy {src.shape} into {dst.shape}")
+    if not transpose and src.ndim == 2 and src.T.flags.c_contiguous and not src.flags.c_contiguous:
+        src, transpose = src.T, True  # a transposed view: copy it as the transpose of its memory
     lib = _library()[0] if src.size >= 4096 else None
     s_code, d_code = _CODES.get(src.dtype), _CODES.get(dst.dtype)
     if lib is not None and s_code is not None and d_code in (0, 1):

@@ -41,6 +41,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        self._fd = -1
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -48,7 +49,7 @@ class SafetensorsFile:
         try:
             self.tensors = self._read_header()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _read_header(self) -> dict[str, TensorInfo]:

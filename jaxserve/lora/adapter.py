@@ -19,9 +19,9 @@ import os
 import re
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from jaxserve.loading.safetensors_file import SafetensorsFile
 from jaxserve.models.config import ModelConfig
 
 # The projections an adapter may target, as PEFT names them in Llama-family checkpoints.
@@ -166,26 +166,16 @@ def _read_tensors(name: str, path: str) -> dict[str, np.ndarray]:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {file}: {e}") from None
 
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-
-
 def _read_safetensors(file: str) -> dict[str, np.ndarray]:
-    """Every tensor of a small safetensors file as f32, read from the layout itself (an 8-byte
-    little-endian header length, a JSON header, the data): no framework reader, which would
-    compile a device program per tensor shape while the engine serves."""
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"tensor {key!r} has dtype {info['dtype']}, not a float")
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end > len(data) or end - begin != int(np.prod(shape)) * np.dtype(_DTYPES[info["dtype"]]).itemsize:
-            raise ValueError(f"tensor {key!r} is truncated")
-        out[key] = np.frombuffer(data[begin:end], _DTYPES[info["dtype"]]).reshape(shape).astype(np.float32)
-    return out
+    """Every tensor of a small safetensors file as f32 (jaxserve's own reader: a framework
+    reader would compile a device program per tensor shape while the engine serves)."""
+    f = SafetensorsFile(file)
+    try:
+        out = {}
+        for key, info in f.tensors.items():
+            if info.dtype.kind not in "fV" or info.dtype.itemsize < 2:
+                raise ValueError(f"tensor {key!r} has dtype {info.dtype}, not a float")
+            out[key] = f.read(key).astype(np.float32)
+        return out
+    finally:
+        f.close()
