@@ -117,6 +117,9 @@ class EngineConfig:
     # Keep the step executables beside the persistent cache and load them (tracing nothing)
     # when the next start has the same model, settings, software and devices.
     reuse_executables: bool = True
+    # Serve as soon as the smallest step shapes are compiled, with steps limited to them, and
+    # compile the rest in the background, raising the limits as they become ready.
+    serve_while_compiling: bool = False
     strict_compile_guard: bool = False  # raise on any compilation after warmup
     warmup_threads: int = 0  # 0: one per CPU core
 
@@ -161,6 +164,9 @@ class EngineConfig:
                 raise ValueError("coordinator (HOST:PORT) is required when num_processes > 1")
             if self.preemption_mode == "swap":
                 raise ValueError("preemption_mode 'swap' is not supported across hosts; use 'recompute'")
+            if self.serve_while_compiling:
+                raise ValueError("serve_while_compiling: not across hosts (every process must compile the "
+                                 "same shapes before the first step)")
         if self.enable_lora:
             for name in ("max_loras", "max_lora_rank"):
                 v = getattr(self, name)

@@ -14,6 +14,7 @@ blocks then recompute) and keeps serving; it reports unhealthy only when it cann
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -25,7 +26,8 @@ import jax
 
 from jaxserve import distributed
 from jaxserve.compilation.compile_cache import UnplannedCompilationError, enable_persistent_cache
-from jaxserve.compilation.warmup import WarmupReport, compile_ahead
+from jaxserve.compilation.compile_plan import CompileTier, ShapeKey
+from jaxserve.compilation.warmup import BackgroundCompile, WarmupReport, compile_ahead
 from jaxserve.config import EngineConfig
 from jaxserve.input_batch import STOP_ID_WIDTH
 from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
@@ -116,6 +118,7 @@ class Engine:
         self._check_batch_invariant(config, mc)
         self.outputs = OutputProcessor(self.tokenizer)
         self.warmup_report: WarmupReport | None = None
+        self._background: BackgroundCompile | None = None  # serve_while_compiling: the later tiers
         self.last_step = StepTiming()
         self.input_processor = self._make_input_processor()
         spec = config.speculative_config
@@ -509,6 +512,8 @@ class Engine:
             time.sleep(0.001)
             return []
         t0 = time.perf_counter()
+        if self._background is not None and (limits := self._background.take_limits()) is not None:
+            self.scheduler.limit_steps(*limits)
         so = self.scheduler.schedule(self._propose_or_stop() if self.proposer is not None else None)
         failed = [out for rid, why in self.scheduler.take_grammar_errors()
                   for out in self.outputs.fail([rid], why, param="structured_outputs")]
@@ -637,20 +642,20 @@ class Engine:
         if self.structured is not None:
             self.structured.prepare_in_background()
         store = self._executable_store()
+        later: list[CompileTier] = []
         if self._compiled is not None:
             from jaxserve.compilation.aot import load_compiled
 
             report = load_compiled(self.config.compiled_dir, self._compiled, self.runner, self.plan.shapes())
         elif store is None or (report := store.load(self.runner, self.plan.shapes())) is None:
-            report = compile_ahead(
-                self.runner, self.plan, max_reqs=self.config.max_num_seqs,
-                tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
-                progress=progress, cache_enabled=self.cache_dir is not None)
-            if store is not None:
-                t0 = time.perf_counter()
-                if store.save(self.runner, self.plan.shapes()):
-                    logger.info("executables saved for the next start in %.1f s (%s)", time.perf_counter() - t0,
-                                store.path)
+            tiers = self.plan.tiers() if self.config.serve_while_compiling else []
+            if len(tiers) > 1:  # serve with the first tier; the rest compiles in the background
+                first, *later = tiers
+                report = self._compile(list(first.shapes), progress)
+                self.scheduler.limit_steps(first.max_tokens, first.max_seqs)
+            else:
+                report = self._compile(None, progress)
+                self._save_executables(store)
         if hasattr(self.proposer, "warmup"):  # a draft model: its own shapes, before the guard is armed
             draft = self.proposer.warmup(workers=self.config.warmup_threads, cache_enabled=self.cache_dir is not None)
             report = dataclasses.replace(report, records=report.records + draft.records,
@@ -658,9 +663,43 @@ class Engine:
         self.warmup_report = report
         if self.channel is not None:  # every process compiles the broadcasts in the same order
             self.channel.prime()
-        self.runner.guard.arm()
         logger.info("warmup: %s", report.summary())
+        if later:
+            logger.info("serving with steps of up to %d tokens and %d sequences while %d more shapes compile",
+                        self.scheduler.step_tokens, self.scheduler.step_seqs, sum(len(t.shapes) for t in later))
+            self._background = BackgroundCompile(lambda tier: self._compile(list(tier.shapes), False), later,
+                                                 functools.partial(self._background_done, report, store))
+            self._background.start()
+        else:
+            self.runner.guard.arm()
         return report
+
+    def _compile(self, keys: list[ShapeKey] | None, progress: bool) -> WarmupReport:
+        """Compiles `keys` (None: the whole plan) into the runner."""
+        return compile_ahead(self.runner, self.plan, keys=keys, max_reqs=self.config.max_num_seqs,
+                             tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
+                             progress=progress, cache_enabled=self.cache_dir is not None)
+
+    def _save_executables(self, store: Any) -> None:
+        t0 = time.perf_counter()
+        if store is not None and store.save(self.runner, self.plan.shapes()):
+            logger.info("executables saved for the next start in %.1f s (%s)", time.perf_counter() - t0, store.path)
+
+    def _background_done(self, first: WarmupReport, store: Any, rest: WarmupReport, error: Exception | None
+                         ) -> None:
+        """On the compile thread, after its last tier: the whole report, the executables
+        saved (when every shape compiled), the compile guard armed."""
+        self.warmup_report = dataclasses.replace(first, records=first.records + rest.records,
+                                                 wall_seconds=first.wall_seconds + rest.wall_seconds)
+        compiled = {r.name for r in self.warmup_report.records}
+        if error is None and all(k.name in compiled for k in self.plan.shapes()):
+            self._save_executables(store)
+        self.runner.guard.arm()
+        logger.info("background compilation done: %s", self.warmup_report.summary())
+
+    @property
+    def compiling_in_background(self) -> bool:
+        return self._background is not None and self._background.running
 
     # ------------------------------------------------------------------ multi-host
     @property
@@ -680,7 +719,10 @@ class Engine:
 
     def close(self) -> None:
         """Leader: ends the followers' loops and waits until they have said goodbye, so the
-        coordination service it hosts outlives them. Everyone: stops heartbeats."""
+        coordination service it hosts outlives them. Everyone: stops heartbeats (and a
+        background compilation: no new tier starts)."""
+        if self._background is not None:
+            self._background.stop(timeout=0)
         if self._monitor is not None:
             if not self.is_leader:
                 self._monitor.say_goodbye()

@@ -73,6 +73,10 @@ LORA_STARVATION_STEPS = 32
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        # The step limits in force: the configured ones, or less while the engine is still
+        # compiling the larger step shapes (`limit_steps`).
+        self.step_tokens = config.max_num_batched_tokens
+        self.step_seqs = config.max_num_seqs
         self.kv = KVCacheManager(config)
         self.waiting = make_queue(config.policy)
         self.swapped = make_queue(config.policy)
@@ -248,6 +252,16 @@ class Scheduler:
                 out.append(DraftCandidate(req.request_id, req.all_token_ids, room))
         return out
 
+    def limit_steps(self, max_tokens: int, max_seqs: int) -> None:
+        """Steps of at most `max_tokens` tokens and `max_seqs` sequences from now on (capped
+        by the configuration). The engine sets them low before it serves, while only its
+        smaller step shapes are compiled, and only raises them as the rest become ready (a
+        lower limit would not evict sequences already running)."""
+        if max_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"step limits must be >= 1, got {max_tokens} tokens, {max_seqs} sequences")
+        self.step_tokens = min(max_tokens, self.config.max_num_batched_tokens)
+        self.step_seqs = min(max_seqs, self.config.max_num_seqs)
+
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """Plan one step within ``max_num_batched_tokens`` and ``max_num_seqs``.
 
@@ -258,7 +272,7 @@ class Scheduler:
         if self._awaiting_grammar:
             self._admit_compiled_grammars()
         finished_ids, self._finished_ids = self._finished_ids, []
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.step_tokens)
         if self.config.policy == "priority":
             self.running.sort(key=_priority_key)
         self._schedule_running(plan)
@@ -272,7 +286,7 @@ class Scheduler:
             sr.block_table = tables[k]
         return SchedulerOutput(
             scheduled=plan.scheduled,
-            num_scheduled_tokens=self.config.max_num_batched_tokens - plan.budget,
+            num_scheduled_tokens=self.step_tokens - plan.budget,
             block_tables=tables,
             new_requests=plan.new_requests,
             swap_out=plan.swap_out,
@@ -329,7 +343,7 @@ class Scheduler:
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         """Phase 2: swapped-out requests come back (they already hold host blocks)."""
         swapped, running = self.swapped, self.running
-        while swapped and plan.budget > 0 and len(running) < self.config.max_num_seqs:
+        while swapped and plan.budget > 0 and len(running) < self.step_seqs:
             req = swapped.peek()
             if not self._lora_fits(req):
                 return
@@ -381,7 +395,7 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan, passed: list[Request]) -> None:
         kv, waiting, running = self.kv, self.waiting, self.running
         starving = False  # a request ahead has waited LORA_STARVATION_STEPS for an adapter slot
-        while waiting and plan.budget > 0 and len(running) < self.config.max_num_seqs:
+        while waiting and plan.budget > 0 and len(running) < self.step_seqs:
             req = waiting.peek()
             if self._admission_blocked_by_swapped(req):
                 return
@@ -429,7 +443,7 @@ class Scheduler:
     def _schedule_drafts(self, plan: _StepPlan, drafts: dict[str, list[int]]) -> None:
         """Extends scheduled decodes with their drafts, in batch order, while budget, rows
         and free blocks last."""
-        rows_left = self.config.max_num_seqs - len(plan.scheduled)
+        rows_left = self.step_seqs - len(plan.scheduled)
         for sr in plan.scheduled:
             if rows_left <= 0 or plan.budget <= 0:
                 return

@@ -185,3 +185,73 @@ def test_the_persistent_cache_is_keyed_by_the_host_cpu(monkeypatch):
     other = host_cpu_key()
     monkeypatch.setattr(native, "cpu_features", lambda: "flags : sse2 avx2 avx512f")
     assert len({here, other, host_cpu_key()}) == 3 and here.startswith("host-")
+
+
+def test_tiers_hold_every_shape_once_in_serving_order():
+    plan = CompilePlan.from_config(EngineConfig(max_num_seqs=64, max_num_batched_tokens=512), swap_enabled=True,
+                                   platform="cpu")
+    tiers = plan.tiers()
+    names = [k.name for t in tiers for k in t.shapes]
+    assert sorted(names) == sorted(k.name for k in plan.shapes()) and len(set(names)) == len(names)
+    assert [t.max_tokens for t in tiers] == list(plan.token_buckets)
+    assert [t.max_seqs for t in tiers] == [min(t, 64) for t in plan.token_buckets]  # one row per token at most
+    for i, tier in enumerate(tiers):
+        sizes = {k.kind: k.size for k in tier.shapes}
+        assert sizes["backbone"] == tier.max_tokens
+        seen = {k.size for t in tiers[:i + 1] for k in t.shapes if k.kind == "head"}
+        assert seen == {r for r in plan.request_buckets if r <= tier.max_seqs}
+    assert any(k.kind == "swap" for k in tiers[0].shapes)
+
+
+def test_serving_while_compiling_steps_within_the_compiled_shapes(smollm):
+    """With `serve_while_compiling` the engine serves after the first tier, every step runs a
+    shape already compiled (steps are limited to it), the tokens are those of the fully
+    compiled engine, and the limits rise when the background compile ends."""
+    import threading
+
+    from jaxserve.engine import Engine
+    from scheduler import SamplingParams
+
+    class Recording(dict):
+        misses: list = []
+
+        def get(self, key, default=None):
+            if key not in self:
+                self.misses.append(key.name)
+            return super().get(key, default)
+
+    engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 16), num_pages=32,
+                                 max_model_len=128, max_logprobs=0, structured_outputs=False,
+                                 compilation_cache_dir=None, serve_while_compiling=True), loaded=smollm)
+    engine.runner.executables = Recording()
+    release = threading.Event()
+    compile_now = engine._compile
+
+    def held(keys, progress):  # the background tiers wait until the test lets them go
+        if threading.current_thread().name.startswith("jaxserve-background"):
+            release.wait(300)
+        return compile_now(keys, progress)
+
+    engine._compile = held
+    engine.warmup()
+    assert engine.compiling_in_background and (engine.scheduler.step_tokens, engine.scheduler.step_seqs) == (8, 4)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 216, 34, 28, 216, 35, 28], [1, 2, 3]]
+
+    def run(tag):
+        for i, p in enumerate(prompts):
+            engine.add_prompt(prompt_token_ids=p, params=SamplingParams(max_tokens=6, temperature=0.0),
+                              request_id=f"{tag}{i}")
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        return [done[f"{tag}{i}"] for i in range(len(prompts))]
+
+    early = run("early")
+    assert engine.compiling_in_background and engine.runner.executables.misses == []
+    release.set()
+    engine._background.thread.join(300)
+    assert not engine.compiling_in_background and len(engine.runner.executables) == len(engine.plan.shapes())
+    late = run("late")
+    assert engine.scheduler.step_tokens == 32 and engine.runner.executables.misses == []
+    assert late == early and all(len(t) == 6 for t in early)
+    assert engine.compiles_after_warmup == 0 and engine.warmup_report.num_shapes == len(engine.plan.shapes())

@@ -71,6 +71,16 @@ class ShapeKey:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileTier:
+    """Shapes that, compiled with the tiers before, let steps reach `max_tokens` tokens and
+    `max_seqs` sequences."""
+
+    max_tokens: int
+    max_seqs: int
+    shapes: tuple[ShapeKey, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CompilePlan:
     token_buckets: tuple[int, ...]
     request_buckets: tuple[int, ...]
@@ -113,6 +123,28 @@ class CompilePlan:
             out += [ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top) for t in self.token_buckets]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
         return out
+
+    def tiers(self) -> list[CompileTier]:
+        """The plan in the order serving needs it. Tier i holds what steps of at most
+        `token_buckets[i]` tokens need beyond the tiers before it: that bucket's backbone and
+        prompt-logprobs programs, and the logits and sampler programs of the request buckets
+        it newly allows (a step samples at most one row per token); tier 0 also the swap
+        copies, the last tier whatever is left. Every planned shape is in exactly one tier."""
+        tiers, given, max_seqs = [], 0, 0
+        for i, t in enumerate(self.token_buckets):
+            last = i == len(self.token_buckets) - 1
+            new = [r for r in self.request_buckets[given:] if last or r <= t]
+            given += len(new)
+            max_seqs = new[-1] if new else max_seqs
+            shapes = [ShapeKey("backbone", t)]
+            if self.prompt_logprobs_top is not None:
+                shapes.append(ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top))
+            shapes += [ShapeKey("logits", r) for r in new]
+            shapes += [ShapeKey("head", r, f) for r in new for f in self.sampler_variants]
+            if i == 0:
+                shapes += [ShapeKey("swap", s) for s in self.swap_sizes]
+            tiers.append(CompileTier(t, max(max_seqs, 1), tuple(shapes)))
+        return tiers
 
     def __len__(self) -> int:
         return (len(self.token_buckets) * (1 + (self.prompt_logprobs_top is not None))

@@ -10,14 +10,19 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from jaxserve.compilation.compile_cache import EVENTS
-from jaxserve.compilation.compile_plan import CompilePlan, ShapeKey, variant_name
+from jaxserve.compilation.compile_plan import CompilePlan, CompileTier, ShapeKey, variant_name
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +81,10 @@ class WarmupReport:
 
 
 def compile_ahead(runner, plan: CompilePlan, *, max_reqs: int, tensors_by_rows: dict[int, Any],
-                  workers: int = 0, progress: bool = True, cache_enabled: bool = True) -> WarmupReport:
-    """Compiles every shape of `plan` and installs the executables in `runner`."""
-    keys = plan.shapes()
+                  workers: int = 0, progress: bool = True, cache_enabled: bool = True,
+                  keys: list[ShapeKey] | None = None) -> WarmupReport:
+    """Compiles every shape of `plan` (or only `keys`) and installs the executables in `runner`."""
+    keys = plan.shapes() if keys is None else keys
     workers = workers or max(1, min(len(keys), os.cpu_count() or 1))
 
     def one(key: ShapeKey) -> ShapeRecord:
@@ -103,3 +109,60 @@ def compile_ahead(runner, plan: CompilePlan, *, max_reqs: int, tensors_by_rows: 
             records.append(rec)
             bar.update(1)
     return WarmupReport(tuple(records), time.perf_counter() - t0)
+
+
+class BackgroundCompile:
+    """Compiles the later tiers of a plan (`CompilePlan.tiers`) on a thread, in order, while
+    the engine already serves with the first: after each tier the step limits it allows are
+    posted for the engine thread to apply (`take_limits`) between steps. `on_done` gets the
+    report of everything it compiled and the error that stopped it, if any (on the thread;
+    also when `stop` ended it early). A compile error stops it: the engine
+    keeps serving within the limits reached, and the error is logged and kept."""
+
+    def __init__(self, compile_tier: Callable[[CompileTier], WarmupReport], tiers: list[CompileTier],
+                 on_done: Callable[[WarmupReport, Exception | None], None]):
+        self._compile_tier = compile_tier
+        self._tiers = tiers
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._limits: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, name="jaxserve-background-compile", daemon=True)
+
+    def start(self) -> BackgroundCompile:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        records: list[ShapeRecord] = []
+        try:
+            for tier in self._tiers:
+                if self._stop.is_set():
+                    return
+                records += self._compile_tier(tier).records
+                with self._lock:
+                    self._limits = (tier.max_tokens, tier.max_seqs)
+                logger.info("compiled steps up to %d tokens, %d sequences", tier.max_tokens, tier.max_seqs)
+        except Exception as e:  # noqa: BLE001 - serving goes on within the limits reached
+            self.error = e
+            logger.error("background compilation stopped (%s: %s); steps stay within the shapes compiled",
+                         type(e).__name__, e)
+        finally:
+            self._on_done(WarmupReport(tuple(records), time.perf_counter() - t0), self.error)
+
+    def take_limits(self) -> tuple[int, int] | None:
+        """The step limits (tokens, sequences) reached since the last call, else None."""
+        with self._lock:
+            limits, self._limits = self._limits, None
+        return limits
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """No new tier starts; waits up to `timeout` for the one compiling."""
+        self._stop.set()
+        self.thread.join(timeout)

@@ -1,0 +1,97 @@
+"""The compile-only deployment matrix: `jaxserve compile` for the models and targets users deploy.
+
+Each case runs `jaxserve compile --target T --model-config C` (compile-only TPU devices from
+libtpu, compile-only GPUs from the CUDA plugin; nothing runs on an accelerator) in its own
+process, which compiles every planned shape in an isolated child, and prints one row per
+case: whether the plan fits, HBM per device used of the capacity, the KV cache the plan
+holds (and the most that would fit), the programs that failed, and the wall seconds.
+
+    .venv/bin/python scripts/plan_matrix.py [--cases 8b-v5e-1,moe-v6e-4] [--shapes 'backbone[T=16]']
+                                            [engine flags, e.g. --max-model-len 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+# name: (model config, target, extra flags)
+CASES = {
+    "8b-v5e-1": ("llama3_8b_config.json", "tpu:v5e-1", []),
+    "8b-v5e-1-int8": ("llama3_8b_config.json", "tpu:v5e-1", ["--quantization", "int8"]),
+    "8b-v6e-1": ("llama3_8b_config.json", "tpu:v6e-1", []),
+    "8b-h100": ("llama3_8b_config.json", "gpu:h100", []),
+    "70b-v5e-8": ("llama3_70b_config.json", "tpu:v5e-8", []),
+    "70b-v6e-8": ("llama3_70b_config.json", "tpu:v6e-8", []),
+    "70b-h100x8": ("llama3_70b_config.json", "gpu:h100x8", []),
+    "qwen3-30b-a3b-v6e-4": ("qwen3_30b_a3b_config.json", "tpu:v6e-4", []),
+    "gemma3-27b-v6e-4": ("gemma3_27b_config.json", "tpu:v6e-4", []),
+}
+
+
+def compile_env() -> dict[str, str]:
+    """JAX on the host CPU with libtpu and the CUDA plugin importable (`make install-test`)."""
+    accel = [str(ROOT / ".venv" / "accel" / d) for d in ("tpu", "cuda")]
+    path = os.pathsep.join([*accel, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def run_case(name: str, flags: list[str], shapes: str | None) -> dict:
+    config, target, extra = CASES[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = os.path.join(tmp, "manifest.json")
+        cmd = [sys.executable, "-m", "jaxserve.cli", "compile", "--target", target, "--model-config",
+               str(DATA / config), "--manifest", manifest, "--quiet", *extra, *flags]
+        if shapes:
+            cmd += ["--shapes", shapes]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, env=compile_env(), timeout=3600)
+        seconds = time.perf_counter() - t0
+        if not os.path.isfile(manifest):
+            return {"name": name, "error": (res.stderr.strip().splitlines() or ["no output"])[-1], "seconds": seconds}
+        with open(manifest) as f:
+            m = json.load(f)
+    page = m["program"]["page_size"]
+    hbm = m["hbm_per_device"]
+    failed = [s["name"] for s in m["shapes"] if not s["compiled"]]
+    return {"name": name, "fits": m["fits"], "total": hbm["total_bytes"], "capacity": hbm["capacity_bytes"],
+            "kv_tokens": m["num_pages"] * page,
+            "max_kv_tokens": m["max_num_pages"] * page if m.get("max_num_pages") else None,
+            "shapes": len(m["shapes"]), "failed": failed, "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from: {', '.join(CASES)}")
+    ap.add_argument("--shapes", default=None, help="compile only these planned shapes (';'-separated)")
+    args, flags = ap.parse_known_args()
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}")
+    print(f"engine flags: {' '.join(flags) or '(defaults)'}; shapes: {args.shapes or 'the whole plan'}")
+    print("| case | fits | HBM per device | KV tokens (most that fit) | programs failed | compile s |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        r = run_case(name, flags, args.shapes)
+        if "error" in r:
+            print(f"| {name} | error: {r['error']} | | | | {r['seconds']:.0f} |", flush=True)
+            continue
+        gib = 2**30
+        used = f"{r['total'] / gib:.2f} / {r['capacity'] / gib:.2f} GiB" if r["capacity"] else f"{r['total'] / gib:.2f} GiB"
+        most = f" ({r['max_kv_tokens']:,})" if r["max_kv_tokens"] else ""
+        failed = f"{len(r['failed'])} of {r['shapes']}" + (f": {', '.join(r['failed'][:3])}" if r["failed"] else "")
+        print(f"| {name} | {'yes' if r['fits'] else 'no'} | {used} | {r['kv_tokens']:,}{most} | {failed} | "
+              f"{r['seconds']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
