@@ -182,6 +182,26 @@ def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
     assert 0 < report.max_num_pages < 2048
 
 
+@pytest.mark.parametrize("target,quantization,fits", [("tpu:v5e-8", None, False), ("tpu:v5e-8", "int8", True),
+                                                     ("tpu:v6e-8", None, True)])
+def test_a_70b_model_on_eight_chips(target, quantization, fits):
+    """A Llama-3-70B shape at TP=8: in bf16 its 16.4 GiB of params per chip overflow a v5e
+    (15.75 GiB) and fit a v6e; int8 weights fit a v5e-8 (the logits program: the plan's
+    params and cache, one small program compiled)."""
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    mc = load_model_config(str(LLAMA_8B.parent / "llama3_70b_config.json"))
+    report = compile_for_target(mc, EngineConfig(**{**STEP_SETTINGS, "quantization": quantization}),
+                                Target.parse(target), shapes=["logits[R=8]"])
+    assert report.shapes[0].compiled, report.shapes[0].error
+    assert report.fits is fits, report.verdict()
+    per_chip = report.params_bytes / 2**30
+    assert (16.0 < per_chip < 16.8) if quantization is None else (8.0 < per_chip < 9.0)
+
+
 def test_the_compile_command_writes_the_manifest_and_fails_when_the_plan_does_not_fit(tmp_path, capsys):
     """In process: only one process at a time may hold libtpu, and this one already does."""
     import json
