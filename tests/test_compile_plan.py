@@ -134,8 +134,7 @@ def _run_child(cache, page=16, budget=32, workload=False):
 
 def test_restarts_reuse_executables_and_fall_back_to_the_persistent_cache(tmp_path):
     """A restart with the same settings loads the saved executables and traces nothing; a
-    damaged entry falls back to the persistent cache (every shape a hit); other settings
-    compile, and the log names what differs."""
+    damaged entry falls back to the persistent cache (every shape a hit)."""
     cache = tmp_path / "xla"
     cold = _run_child(cache)
     assert cold["misses"] == cold["shapes"] and cold["hits"] == 0 and cold["traces"] >= cold["shapes"]
@@ -154,9 +153,26 @@ def test_restarts_reuse_executables_and_fall_back_to_the_persistent_cache(tmp_pa
     assert "are not usable" in damaged["log"] and victim.name in damaged["log"]
     assert damaged["hits"] == damaged["shapes"] and damaged["misses"] == 0 and damaged["loaded"] == 0
 
-    other = _run_child(cache, budget=48)
-    assert "the last saved entry differs: max_num_batched_tokens 32 (compiled) vs 48 (here)" in other["log"]
-    assert other["loaded"] == 0 and other["traces"] >= other["shapes"]
+
+def test_a_start_with_other_settings_names_what_differs_from_the_saved_executables(tmp_path, caplog):
+    """No entry for this identity: `load` returns None (the engine compiles) and the log names
+    the difference from the entry saved last."""
+    import dataclasses
+
+    from jaxserve.compilation.executable_store import ExecutableStore, Identity
+
+    saved = Identity.of("cpu", 1, "cpu", {"max_num_batched_tokens": 32, "shapes": ["backbone[T=32]"]},
+                        {"attention": ["native", "why"]})
+    entry = tmp_path / "executables" / saved.digest()
+    entry.mkdir(parents=True)
+    manifest = {**dataclasses.asdict(saved), "shapes": [{"name": "backbone[T=32]", "file": "x.xla"}]}
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    here = Identity.of("cpu", 1, "cpu", {"max_num_batched_tokens": 48, "shapes": ["backbone[T=48]"]},
+                       {"attention": ["native", "why"]})
+    with caplog.at_level("INFO"):
+        assert ExecutableStore(str(tmp_path), here).load(runner=None, keys=[]) is None
+    assert "the last saved entry differs: max_num_batched_tokens 32 (compiled) vs 48 (here)" in caplog.text
+    assert "1 planned shapes have no executable (first: backbone[T=48])" in caplog.text
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):
