@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import time
 from typing import Any
 
 import jax.numpy as jnp
@@ -93,8 +94,14 @@ def load_model(path: str | None = None, dtype: str = "float32", quantization: st
                quantize_lm_head: bool = False) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model); see
     `_load_model`. The params' host arrays are read-only (`params.freeze_params`)."""
+    t0 = time.perf_counter()
     loaded = _load_model(path, dtype, quantization, quantize_lm_head)
     freeze_params(loaded.params)
+    seconds = time.perf_counter() - t0
+    nbytes = sum(a.nbytes for a in [*loaded.params["layers"].values(),
+                                    *(v for k, v in loaded.params.items() if k != "layers")])
+    log.info("%s: %.2f GB of params loaded in %.2f s (%.2f GB/s)", loaded.path, nbytes / 1e9, seconds,
+             nbytes / 1e9 / max(seconds, 1e-9))
     return loaded
 
 

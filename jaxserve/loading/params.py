@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxserve.loading.errors import CheckpointError
 from jaxserve.loading.host_copy import aligned_empty, copy_into
@@ -91,9 +93,11 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     """
     shapes = expected_param_shapes(cfg)
     out: dict[str, Any] = {}
+    itemsize = np.dtype(dtype).itemsize
 
-    def put_global(name: str, shape: tuple[int, ...]) -> None:
+    def put_global(name: str, shape: tuple[int, ...]) -> int:
         out.update(_global_entries(cfg, get, fill, name, shape, dtype, quantization, quantize_lm_head))
+        return math.prod(shape) * itemsize
 
     jobs = [functools.partial(put_global, n, s) for n, s in shapes.items() if n != "layers"]
     layer_shapes = shapes["layers"]
@@ -108,9 +112,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
         jobs += [functools.partial(_fill_quantized, get, name, i, values, scales, quantization)
                  for i in range(cfg.num_layers)]
     workers = workers or min(8, os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for _ in pool.map(lambda job: job(), jobs):
-            pass
+    total = sum(a.nbytes for n, a in stacked.items() if not n.endswith(SCALE_SUFFIX)) + sum(
+        math.prod(s) * itemsize for n, s in shapes.items() if n != "layers")
+    # A bar on an interactive terminal only (tqdm's `disable=None`); logs get `load_model`'s line.
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
+            total=total, desc="Loading weights", unit="B", unit_scale=True, disable=None, leave=False) as bar:
+        for done in pool.map(lambda job: job(), jobs):
+            bar.update(done)
     return out
 
 
@@ -158,17 +166,20 @@ def float_layer_buffers(shapes: dict[str, tuple[int, ...]], dtype: Any) -> dict[
     return out
 
 
-def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: int, dst: np.ndarray) -> None:
+def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: int, dst: np.ndarray) -> int:
+    """Writes one layer's float tensor into `dst`; returns its bytes."""
     if fill is not None and fill(name, layer, dst):
-        return
+        return dst.nbytes
     t = get(name, layer)
     if isinstance(t, QuantizedTensor):  # e.g. a router the checkpoint quantized
         t = t.dequantized(-2)
     copy_into(_checked(t, dst.shape, f"layer {layer} {name}"), dst)
+    return dst.nbytes
 
 
 def _fill_quantized(get: TensorGetter, name: str, layer: int, values: np.ndarray, scales: np.ndarray,
-                    quantization: str) -> None:
+                    quantization: str) -> int:
+    """Writes one layer's quantized tensor and its scales; returns the values' bytes."""
     t = get(name, layer)
     what = f"layer {layer} {name}"
     if isinstance(t, QuantizedTensor):
@@ -177,6 +188,7 @@ def _fill_quantized(get: TensorGetter, name: str, layer: int, values: np.ndarray
         scales[layer] = _checked(np.asarray(t.scale, np.float32), scales.shape[1:], f"{what} scale")
     else:
         values[layer], scales[layer] = quantize_weight(_checked(t, values.shape[1:], what), quantization)
+    return values[layer].nbytes
 
 
 def freeze_params(params: dict[str, Any]) -> dict[str, Any]:
