@@ -619,7 +619,7 @@ class Engine:
                            directory=self.config.compiled_dir)
         return manifest
 
-    def _executable_store(self):
+    def _executable_store(self) -> Any:
         """Where this server's executables are kept for the next start (None: not kept: no
         persistent cache, `reuse_executables` off, `compiled_dir` given, or several processes)."""
         config = self.config
@@ -636,9 +636,12 @@ class Engine:
                                                             fingerprint, kernels))
 
     def warmup(self, *, progress: bool = False) -> WarmupReport:
-        """Compiles every shape of the compile plan ahead of time (from the persistent cache
-        when it is warm; loaded instead from `compiled_dir` when set), installs the
-        executables and arms the compile guard."""
+        """Makes every shape of the compile plan ready and arms the compile guard: loaded
+        from `compiled_dir` when set, else from the executables a start with the same
+        identity saved (`executable_store`), else compiled (from the persistent cache when it
+        is warm) and saved for the next start. With `serve_while_compiling` it returns once
+        the first tier is compiled, steps limited to it, and compiles the rest on a
+        background thread (the guard is armed when that ends)."""
         if self.structured is not None:
             self.structured.prepare_in_background()
         store = self._executable_store()
