@@ -121,8 +121,14 @@ class ExecutableStore:
             names = os.listdir(self.root)
         except OSError:
             return []
-        paths = [os.path.join(self.root, n) for n in names if ".tmp-" not in n]
-        found = [(os.path.getmtime(m), p) for p in paths if os.path.isfile(m := os.path.join(p, MANIFEST))]
+        found = []
+        for name in names:
+            path = os.path.join(self.root, name)
+            try:
+                if ".tmp-" not in name:
+                    found.append((os.path.getmtime(os.path.join(path, MANIFEST)), path))
+            except OSError:  # no manifest, or removed meanwhile by another server
+                continue
         return [p for _, p in sorted(found, reverse=True)]
 
     def _why_none(self) -> str:

@@ -123,14 +123,10 @@ _scratch = threading.local()
 
 
 def scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable byte buffer of at least `nbytes` (grown, never shrunk), so
-    reading a tensor that is converted afterwards allocates nothing."""
+    """This thread's reusable byte buffer of at least `nbytes` (grown, never shrunk; freed
+    with the thread: the loader's pool threads end with the load), so reading a tensor that
+    is converted afterwards allocates nothing."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < nbytes:
         buf = _scratch.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
     return buf[:nbytes]
-
-
-def release_scratch() -> None:
-    """Frees this thread's scratch buffer (loader threads free theirs when they end)."""
-    _scratch.buf = None
