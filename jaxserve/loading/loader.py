@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.loading import checkpoint, gguf_loader, hf_loader, tokenizer
@@ -98,8 +99,7 @@ def load_model(path: str | None = None, dtype: str = "float32", quantization: st
     loaded = _load_model(path, dtype, quantization, quantize_lm_head)
     freeze_params(loaded.params)
     seconds = time.perf_counter() - t0
-    nbytes = sum(a.nbytes for a in [*loaded.params["layers"].values(),
-                                    *(v for k, v in loaded.params.items() if k != "layers")])
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(loaded.params))
     log.info("%s: %.2f GB of params loaded in %.2f s (%.2f GB/s)", loaded.path, nbytes / 1e9, seconds,
              nbytes / 1e9 / max(seconds, 1e-9))
     return loaded

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -194,7 +195,7 @@ def _fill_quantized(get: TensorGetter, name: str, layer: int, values: np.ndarray
 def freeze_params(params: dict[str, Any]) -> dict[str, Any]:
     """Marks the host arrays read-only (in place; returns `params`): a CPU runner then shares
     their memory instead of copying them, and a stray in-place write fails loudly."""
-    for leaf in [*params["layers"].values(), *(v for k, v in params.items() if k != "layers")]:
+    for leaf in jax.tree.leaves(params):
         if isinstance(leaf, np.ndarray):
             leaf.flags.writeable = False
     return params
