@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jaxserve import distributed
+from jaxserve import distributed, parallel
 from jaxserve.compilation.compile_cache import UnplannedCompilationError, enable_persistent_cache
 from jaxserve.compilation.compile_plan import CompileTier, ShapeKey
 from jaxserve.compilation.warmup import BackgroundCompile, WarmupReport, compile_ahead
@@ -32,8 +32,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.input_batch import STOP_ID_WIDTH
 from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
 from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
-from jaxserve.loading import LoadedModel, load_model
+from jaxserve.loading import LoadedModel, load_model, load_model_config
 from jaxserve.loading.loader import resolve_dtype
+from jaxserve.loading.part import LoadPart
 from jaxserve.lora.registry import LoRARegistry
 from jaxserve.lora.request import LoRARequest
 from jaxserve.output_processor import OutputProcessor, child_ids
@@ -79,7 +80,8 @@ class Engine:
         if self.cache_dir is not None:  # before anything compiles
             self.cache_dir = enable_persistent_cache(self.cache_dir)
         self._check_quantization_target(config)
-        self.model = self._load(config, loaded)
+        self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self.model = self._load(config, loaded, self._load_part(config))
         self.model_config = mc = self.model.config
         if self.model.tokenizer is None:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
@@ -93,7 +95,6 @@ class Engine:
         self.num_host_pages = self.resolved.num_host_pages
         self.plan = self.resolved.plan
         self.scheduler = Scheduler(self.scheduler_config)
-        self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         self._compiled = self._check_compiled() if config.compiled_dir else None  # before the cache exists
         self.channel = None
         self._monitor = None
@@ -166,13 +167,21 @@ class Engine:
             logger.warning("quantization='fp8' on CPU: weights are stored in fp8 and converted in every "
                            "matmul (memory saving, no speed-up; int8 has a native CPU path)")
 
+    def _load_part(self, config: EngineConfig) -> LoadPart | None:
+        """Across hosts, the slices of the checkpoint this process's devices hold (None:
+        everything)."""
+        if self.mesh is None or self.mesh.devices.size == len(parallel.process_ranks(self.mesh)):
+            return None
+        return parallel.process_load_part(load_model_config(config.model), self.mesh.size,
+                                          parallel.process_ranks(self.mesh), config.enable_expert_parallel)
+
     @staticmethod
-    def _load(config: EngineConfig, loaded: LoadedModel | None) -> LoadedModel:
+    def _load(config: EngineConfig, loaded: LoadedModel | None, part: LoadPart | None = None) -> LoadedModel:
         """The model, its weights quantized as `config.quantization` asks (at load, or as the
-        checkpoint was published)."""
+        checkpoint was published); `part`: what this process reads of it (multi-host)."""
         if loaded is None:
             loaded = load_model(config.model, config.resolved_dtype(), quantization=config.quantization,
-                                quantize_lm_head=config.quantize_lm_head)
+                                quantize_lm_head=config.quantize_lm_head, part=part)
         elif config.quantization is not None and params_quantization(loaded.params) is None:
             loaded = dataclasses.replace(loaded, params=quantize_params(
                 loaded.params, config.quantization, config.quantize_lm_head))
@@ -488,7 +497,8 @@ class Engine:
 
         config = self.config
         if not isinstance(source, Mapping):
-            return self._load(dataclasses.replace(config, model=os.fspath(source)), None), None
+            update = dataclasses.replace(config, model=os.fspath(source))
+            return self._load(update, None, self._load_part(update)), None
         dtype = resolve_dtype(self.dtype)
         mask = None
         try:

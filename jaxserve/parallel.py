@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.loading.part import LoadPart, TensorPart, merged
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import experts_forward
 from pallas_kernels.kv_layout import kv_scales_axis_of_heads
@@ -154,8 +155,53 @@ def _scale_spec(weight_spec: P) -> P:
 def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh, expert_parallel: bool = False
                  ) -> dict[str, Any]:
     specs = param_specs(params, cfg, mesh.shape[MODEL_AXIS], expert_parallel)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
+    return jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)), params, specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array placed with `sharding`. Across processes only this process's devices'
+    slices are taken from `x` (its other slices may be unread: `process_load_part`), and no
+    process compares its copy with the others' (`device_put` would gather every tensor)."""
+    if sharding.is_fully_addressable or isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def process_ranks(mesh: Mesh) -> list[int]:
+    """The positions on the model axis of this process's devices."""
+    me = jax.process_index()
+    return [r for r, d in enumerate(mesh.devices.flat) if d.process_index == me]
+
+
+def process_load_part(cfg: ModelConfig, tp: int, ranks: list[int], expert_parallel: bool = False
+                      ) -> LoadPart | None:
+    """What the ranks `ranks` of a `tp`-way split hold of each projection and of the
+    vocabulary, in the loaded (unfused, unexpanded) layout: their query heads, the original
+    KV heads their (possibly replicated) KV heads copy, their MLP columns and vocabulary
+    rows; None when they hold everything. Routed experts, norms and routers are read whole."""
+    if sorted(set(ranks)) == list(range(tp)):
+        return None
+    per_rank = tp_model_config(cfg, tp, expert_parallel).num_kv_heads // tp
+    rep = per_rank * tp // cfg.num_kv_heads
+    D = cfg.head_dim
+
+    def blocks(total: int) -> tuple[tuple[int, int], ...]:
+        w = total // tp
+        return merged((r * w, (r + 1) * w) for r in ranks)
+
+    q = blocks(cfg.q_size)
+    kv = merged((j // rep * D, (j // rep + 1) * D) for r in ranks for j in range(r * per_rank, (r + 1) * per_rank))
+    part = {"q_proj": TensorPart(-1, q), "q_bias": TensorPart(-1, q), "o_proj": TensorPart(-2, q)}
+    part.update({n: TensorPart(-1, kv) for n in ("k_proj", "v_proj", "k_bias", "v_bias")})
+    if not cfg.is_moe:
+        mlp = blocks(cfg.intermediate_size)
+        part.update(gate_proj=TensorPart(-1, mlp), up_proj=TensorPart(-1, mlp), down_proj=TensorPart(-2, mlp))
+    if cfg.vocab_size % tp == 0:
+        vocab = blocks(cfg.vocab_size)
+        part.update(embed=TensorPart(-2, vocab), lm_head=TensorPart(-1, vocab))
+    return part
 
 
 def kv_cache_sharding(mesh: Mesh, layout: str = "heads") -> NamedSharding:

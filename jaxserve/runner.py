@@ -200,7 +200,7 @@ class ModelRunner:
             if not isinstance(old, jax.Array):  # a host constant, or a weight offloaded by sleep
                 placed.append(np.asarray(x))
                 continue
-            placed.append(jax.device_put(x, old.sharding))
+            placed.append(parallel.place(x, old.sharding))
             old.delete()
         self.state = jax.tree_util.tree_unflatten(new_def, placed)
 

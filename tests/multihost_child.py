@@ -12,6 +12,7 @@ lost.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 
@@ -24,6 +25,8 @@ PROMPTS = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("jaxserve.loading.hf_loader").setLevel(logging.INFO)  # what each process read
     model, coordinator, n, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist = dict(coordinator=coordinator, num_processes=n, process_id=pid, tensor_parallel_size=n,
                 heartbeat_timeout_s=2.0) if n > 1 else {}

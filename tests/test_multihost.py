@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,11 @@ def test_two_processes_match_single_process_and_update_weights_together(tiny_mod
     assert result["tokens_after_update"] == _last_json(single.stdout)["tokens"] != single_process_tokens
     assert result["compiles_after_warmup"] == 0
     assert "FOLLOWER DONE" in out_follower and "not applied" in out_follower
+    # Each process read its half of the projections and vocabulary (and the norms), at start
+    # and at the update: the slices its device holds.
+    for out in (out_leader, out_follower):
+        shares = [int(s) for s in re.findall(r"read [\d.]+ GB, (\d+)% of the checkpoint", out)]
+        assert len(shares) == 2 and all(s < 55 for s in shares), out[-3000:]
 
 
 def _wait_for(log, needle: str, timeout: float) -> tuple[bool, str, float]:
@@ -109,7 +115,6 @@ def test_dead_follower_makes_leader_unhealthy(tiny_model, tmp_path):
 def test_grpc_generate_served_by_two_processes(tiny_model, single_process_tokens, tmp_path):
     """`jaxserve serve` as leader + follower: a gRPC Generate streams the single-process
     tokens; SIGTERM drains the leader, which stops the follower; both exit 0."""
-    import re
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
+import math
 import os
 from typing import Any
 
@@ -17,9 +19,12 @@ from jaxserve.loading.hf_quant import (
 )
 from jaxserve.loading.host_copy import copy_into
 from jaxserve.loading.params import TRANSPOSED, QuantizedTensor, assemble_params
+from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import MOE_WEIGHTS
+
+logger = logging.getLogger(__name__)
 
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                  "lm_head": "lm_head.weight"}
@@ -91,6 +96,15 @@ class _SafetensorsIndex:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self._files)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes in every shard."""
+        return sum(t.nbytes for f in self._files for t in f.tensors.values())
+
     def _file(self, name: str) -> SafetensorsFile:
         f = self._where.get(name)
         if f is None:
@@ -104,19 +118,40 @@ class _SafetensorsIndex:
     def get(self, name: str) -> np.ndarray:
         return _float_tensor(self.raw(name), name, f"safetensors checkpoint {self.path}")
 
-    def fill(self, name: str, out: np.ndarray, transpose: bool) -> None:
+    def fill(self, name: str, out: np.ndarray, transpose: bool, part: TensorPart | None = None) -> None:
         """Reads float tensor `name` into `out` (transposed from [out, in] when `transpose`),
         cast to out's dtype: straight into `out` when nothing changes, else through this
-        thread's scratch buffer."""
+        thread's scratch buffer. With `part`, only its ranges are read and written."""
         f = self._file(name)
         info = f.info(name)
         _check_float(info.dtype, name, f"safetensors checkpoint {self.path}")
         _check_shape(info.shape, out.shape[::-1] if transpose else out.shape, name, f.path)
+        if part is not None:
+            self._fill_part(f, name, out, transpose, part)
+            return
         if not transpose and info.dtype == out.dtype and out.flags.c_contiguous:
             f.read(name, out)
             return
         staged = f.read(name, scratch(info.nbytes).view(info.dtype).reshape(info.shape))
         copy_into(staged, out, transpose)
+
+    @staticmethod
+    def _fill_part(f: SafetensorsFile, name: str, out: np.ndarray, transpose: bool, part: TensorPart) -> None:
+        """`fill` of `part`'s ranges: a range of the stored tensor's rows is one read, a
+        range of its columns (an [in]-split of a transposed [out, in] weight) a read per row."""
+        info = f.info(name)
+        axis = part.axis % out.ndim
+        stored_axis = out.ndim - 1 - axis if transpose else axis
+        for start, stop in part.ranges:
+            dst = out[start:stop] if axis == 0 else out[:, start:stop]
+            if stored_axis == 0:
+                shape = (stop - start, *info.shape[1:])
+                buf = scratch(math.prod(shape) * info.dtype.itemsize).view(info.dtype)
+                staged = f.read_rows(name, start, stop, buf)
+            else:
+                buf = scratch(info.shape[0] * (stop - start) * info.dtype.itemsize).view(info.dtype)
+                staged = f.read_columns(name, start, stop, buf)
+            copy_into(staged, dst, transpose)
 
 
 def _shard_files(path: str) -> list[str]:
@@ -158,7 +193,8 @@ class TensorMapping:
     def get(self, name: str) -> np.ndarray:
         return _float_tensor(self.raw(name), name, self.path)
 
-    def fill(self, name: str, out: np.ndarray, transpose: bool) -> None:
+    def fill(self, name: str, out: np.ndarray, transpose: bool, part: TensorPart | None = None) -> None:
+        """Writes the whole tensor (it is in memory already), whatever `part` says."""
         arr = self.raw(name)
         _check_float(arr.dtype, name, self.path)
         _check_shape(arr.shape, out.shape[::-1] if transpose else out.shape, name, self.path)
@@ -190,13 +226,20 @@ _DECODER_PREFIXES = (("model.", ""), ("language_model.model.", "language_model."
 
 
 def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | None = None,
-                   quantize_lm_head: bool = False, published: str | None = None, index: Any = None) -> dict[str, Any]:
+                   quantize_lm_head: bool = False, published: str | None = None, index: Any = None,
+                   part: LoadPart | None = None) -> dict[str, Any]:
     """The params tree; `quantization` as `assemble_params` takes it, `published` the
     checkpoint's own method (`hf_quantization`), which `quantization` must equal when set.
-    `index`: tensors from elsewhere than `path`'s safetensors (`TensorMapping`)."""
+    `index`: tensors from elsewhere than `path`'s safetensors (`TensorMapping`). `part`: the
+    slices this process reads of each float tensor (`loading.part`); the rest stays unwritten."""
     index = _SafetensorsIndex(path) if index is None else index
     get, fill = hf_tensor_getter(index, cfg, published), hf_tensor_filler(index, cfg)
-    return assemble_params(cfg, get, dtype, quantization, quantize_lm_head, fill=fill)
+    params = assemble_params(cfg, get, dtype, quantization, quantize_lm_head, fill=fill, part=part)
+    if part is not None and isinstance(index, _SafetensorsIndex):
+        logger.info("%s: read %.2f GB, %.0f%% of the checkpoint's %.2f GB (the slices this process's devices "
+                    "hold)", path, index.bytes_read / 1e9, 100 * index.bytes_read / max(index.nbytes, 1),
+                    index.nbytes / 1e9)
+    return params
 
 
 def _hf_names(index: Any, cfg: ModelConfig) -> tuple[Any, str]:
@@ -236,14 +279,14 @@ def hf_tensor_filler(index: Any, cfg: ModelConfig) -> Any:
     needs `get` (routed experts, a tensor stored quantized)."""
     key_of, _ = _hf_names(index, cfg)
 
-    def fill(name: str, layer: int | None, out: np.ndarray) -> bool:
+    def fill(name: str, layer: int | None, out: np.ndarray, part: TensorPart | None = None) -> bool:
         if layer is not None and name in MOE_WEIGHTS:
             return False
         key = key_of(name, layer)
         module = key.removesuffix(".weight")
         if index.has(module + ".weight_scale") or index.has(module + ".weight_packed"):
             return False
-        index.fill(key, out, transpose=name in TRANSPOSED)
+        index.fill(key, out, transpose=name in TRANSPOSED, part=part)
         return True
 
     return fill

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxserve.loading import checkpoint, gguf_loader, hf_loader, tokenizer
 from jaxserve.loading.errors import ModelFileNotFoundError
 from jaxserve.loading.params import freeze_params, quantize_loaded_params, quantized_param_shapes
+from jaxserve.loading.part import LoadPart
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization import check_quantization
 
@@ -92,11 +93,13 @@ def resolve_quantization(requested: str | None, published: str | None, what: str
 
 
 def load_model(path: str | None = None, dtype: str = "float32", quantization: str | None = None,
-               quantize_lm_head: bool = False) -> LoadedModel:
+               quantize_lm_head: bool = False, part: LoadPart | None = None) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model); see
-    `_load_model`. The params' host arrays are read-only (`params.freeze_params`)."""
+    `_load_model`. The params' host arrays are read-only (`params.freeze_params`). `part`
+    (a multi-host process's, `parallel.process_load_part`): the float tensors' slices to read
+    from an HF checkpoint, the rest left unwritten; other formats are read whole."""
     t0 = time.perf_counter()
-    loaded = _load_model(path, dtype, quantization, quantize_lm_head)
+    loaded = _load_model(path, dtype, quantization, quantize_lm_head, part)
     freeze_params(loaded.params)
     seconds = time.perf_counter() - t0
     nbytes = sum(a.nbytes for a in jax.tree.leaves(loaded.params))
@@ -105,7 +108,8 @@ def load_model(path: str | None = None, dtype: str = "float32", quantization: st
     return loaded
 
 
-def _load_model(path: str | None, dtype: str, quantization: str | None, quantize_lm_head: bool) -> LoadedModel:
+def _load_model(path: str | None, dtype: str, quantization: str | None, quantize_lm_head: bool,
+                part: LoadPart | None = None) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model).
 
     `quantization` (vLLM's meaning): None serves a pre-quantized checkpoint in its own scheme
@@ -122,6 +126,8 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
     check_quantization(quantization)
     if not os.path.exists(path):
         raise ModelFileNotFoundError(f"model path does not exist: {path}")
+    if part is not None and not hf_loader.is_hf_dir(path):
+        log.info("%s: every process reads the whole checkpoint (slices are read from HF safetensors only)", path)
     if os.path.isfile(path):
         gf = gguf_loader.GGUFFile(path)
         cfg = gguf_loader.gguf_config(gf)
@@ -152,7 +158,7 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
         if published is None:
             _log_quantizing(path, method, quantization)
         params = hf_loader.load_hf_params(path, cfg, np_dtype, method, quantize_lm_head,
-                                          published and published.method)
+                                          published and published.method, part=part)
         return LoadedModel(cfg, params, tokenizer.tokenizer_from_hf_dir(path), name, "hf", path, method)
     raise ModelFileNotFoundError(
         f"{path} is neither a GGUF file, an HF directory (config.json + *.safetensors) "

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.loading.errors import CheckpointError
 from jaxserve.loading.host_copy import aligned_empty, copy_into
+from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import FUSED_GROUPS
 from jaxserve.models.llama import expected_param_shapes
@@ -64,10 +65,10 @@ class QuantizedTensor(NamedTuple):
 # getter(name, layer) -> array in jaxserve's layout ([in, out] for projections) or a
 # QuantizedTensor in that layout, or raises
 TensorGetter = Callable[[str, int | None], "np.ndarray | QuantizedTensor"]
-# filler(name, layer, out) -> True when it wrote the float tensor into `out` (jaxserve's
-# layout, out's dtype), False when the getter must be used instead; or raises. Called from
-# several threads at once.
-TensorFiller = Callable[[str, int | None, np.ndarray], bool]
+# filler(name, layer, out, part) -> True when it wrote the float tensor (only `part`'s slices
+# when given) into `out` (jaxserve's layout, out's dtype), False when the getter must be used
+# instead; or raises. Called from several threads at once.
+TensorFiller = Callable[[str, int | None, np.ndarray, "TensorPart | None"], bool]
 
 
 def quantized_head_name(cfg: ModelConfig) -> str:
@@ -76,8 +77,8 @@ def quantized_head_name(cfg: ModelConfig) -> str:
 
 
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantization: str | None = None,
-                    quantize_lm_head: bool = False, fill: TensorFiller | None = None, workers: int = 0
-                    ) -> dict[str, Any]:
+                    quantize_lm_head: bool = False, fill: TensorFiller | None = None, workers: int = 0,
+                    part: LoadPart | None = None) -> dict[str, Any]:
     """Builds {"embed", "layers": {...stacked [L, ...]}, "final_norm", ["lm_head"]} as numpy.
 
     With `quantization` ("int8" / "fp8"), the layer projections (and, with `quantize_lm_head`,
@@ -90,14 +91,16 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     Float tensors go straight into their place when `fill` can write them (else through
     `get`), every tensor a job on `workers` threads (0: one per core, at most 8). The float
     arrays are 64-byte aligned, and q/k/v (and gate/up) are column slices of one buffer, so
-    fusing them later costs no copy (`jaxserve.models.fused`).
+    fusing them later costs no copy (`jaxserve.models.fused`). With `part` (multi-host), `fill`
+    writes only the slices it names of each float tensor; the rest stays uninitialised.
     """
     shapes = expected_param_shapes(cfg)
     out: dict[str, Any] = {}
     itemsize = np.dtype(dtype).itemsize
 
     def put_global(name: str, shape: tuple[int, ...]) -> int:
-        out.update(_global_entries(cfg, get, fill, name, shape, dtype, quantization, quantize_lm_head))
+        out.update(_global_entries(cfg, get, fill, name, shape, dtype, quantization, quantize_lm_head,
+                                   part.get(name) if part else None))
         return math.prod(shape) * itemsize
 
     jobs = [functools.partial(put_global, n, s) for n, s in shapes.items() if n != "layers"]
@@ -106,7 +109,9 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     out["layers"] = stacked = float_layer_buffers(floats, dtype)
     for name, shape in layer_shapes.items():
         if name in floats:
-            jobs += [functools.partial(_fill_float, get, fill, name, i, stacked[name][i]) for i in range(cfg.num_layers)]
+            tensor_part = part.get(name) if part else None
+            jobs += [functools.partial(_fill_float, get, fill, name, i, stacked[name][i], tensor_part)
+                     for i in range(cfg.num_layers)]
             continue
         values = stacked[name] = np.empty(shape, dtype=storage_dtype(quantization))
         scales = stacked[scale_name(name)] = np.empty(scale_shape(name, shape), dtype=np.float32)
@@ -124,13 +129,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
 
 
 def _global_entries(cfg: ModelConfig, get: TensorGetter, fill: TensorFiller | None, name: str,
-                    shape: tuple[int, ...], dtype: Any, quantization: str | None, quantize_lm_head: bool
-                    ) -> dict[str, np.ndarray]:
+                    shape: tuple[int, ...], dtype: Any, quantization: str | None, quantize_lm_head: bool,
+                    part: TensorPart | None = None) -> dict[str, np.ndarray]:
     """{name: array} for a tensor outside the layers, plus its scale where it is quantized."""
     head = quantized_head_name(cfg)
     quantize_here = quantization is not None and quantize_lm_head and name == head
     buf = aligned_empty(shape, dtype) if not quantize_here else None
-    if fill is not None and buf is not None and fill(name, None, buf):
+    if fill is not None and buf is not None and fill(name, None, buf, part):
         return {name: buf}
     t = get(name, None)
     axis = -1 if name == "embed" else -2
@@ -167,9 +172,10 @@ def float_layer_buffers(shapes: dict[str, tuple[int, ...]], dtype: Any) -> dict[
     return out
 
 
-def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: int, dst: np.ndarray) -> int:
-    """Writes one layer's float tensor into `dst`; returns its bytes."""
-    if fill is not None and fill(name, layer, dst):
+def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: int, dst: np.ndarray,
+                part: TensorPart | None = None) -> int:
+    """Writes one layer's float tensor (or `part` of it) into `dst`; returns its bytes."""
+    if fill is not None and fill(name, layer, dst, part):
         return dst.nbytes
     t = get(name, layer)
     if isinstance(t, QuantizedTensor):  # e.g. a router the checkpoint quantized

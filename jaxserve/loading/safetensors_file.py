@@ -42,6 +42,8 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self._fd = -1
+        self.bytes_read = 0  # by every read so far
+        self._lock = threading.Lock()
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -100,15 +102,51 @@ class SafetensorsFile:
             out = np.empty(info.shape, info.dtype)
         elif out.dtype != info.dtype or out.nbytes != info.nbytes or not out.flags.c_contiguous:
             raise ValueError(f"cannot read {name!r} ({info.dtype}, {info.shape}) into {out.dtype} {out.shape}")
+        self._pread(name, out, info.offset)
+        return out.reshape(info.shape)
+
+    def read_rows(self, name: str, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+        """Rows [start, stop) of the tensor (along its first axis: one contiguous read) into
+        `out` (C-contiguous, the tensor's dtype, `stop - start` rows)."""
+        info = self.tensors[name]
+        row = info.nbytes // max(info.shape[0], 1)
+        self._check_part(name, info, out, (stop - start) * row, start, stop, info.shape[0])
+        self._pread(name, out, info.offset + start * row)
+        return out.reshape(stop - start, *info.shape[1:])
+
+    def read_columns(self, name: str, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+        """Columns [start, stop) of a 2-D tensor into `out` ([rows, stop - start], C-contiguous):
+        one positioned read per row."""
+        info = self.tensors[name]
+        rows, cols = info.shape
+        width = stop - start
+        self._check_part(name, info, out, rows * width * info.dtype.itemsize, start, stop, cols)
+        out = out.reshape(rows, width)
+        item = info.dtype.itemsize
+        for i in range(rows):
+            self._pread(name, out[i], info.offset + (i * cols + start) * item)
+        return out
+
+    def _check_part(self, name: str, info: TensorInfo, out: np.ndarray, nbytes: int, start: int, stop: int,
+                    extent: int) -> None:
+        if not 0 <= start < stop <= extent:
+            raise ValueError(f"{name!r}: range [{start}, {stop}) is outside its {extent}")
+        if out.dtype != info.dtype or out.nbytes != nbytes or not out.flags.c_contiguous:
+            raise ValueError(f"cannot read part of {name!r} ({info.dtype}, {info.shape}) into {out.dtype} "
+                             f"{out.shape}")
+
+    def _pread(self, name: str, out: np.ndarray, offset: int) -> None:
+        """Fills `out` (contiguous) from the file at `offset`."""
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0
-        while done < info.nbytes:
-            got = os.preadv(self._fd, [view[done:]], info.offset + done)
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:
                 raise CheckpointError(f"safetensors file {self.path}: reading tensor {name!r} stopped at byte "
-                                      f"{info.offset + done} (the file changed or shrank while loading)")
+                                      f"{offset + done} (the file changed or shrank while loading)")
             done += got
-        return out.reshape(info.shape)
+        with self._lock:
+            self.bytes_read += done
 
     def close(self) -> None:
         if self._fd >= 0:
