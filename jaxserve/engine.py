@@ -80,7 +80,6 @@ class Engine:
         if self.cache_dir is not None:  # before anything compiles
             self.cache_dir = enable_persistent_cache(self.cache_dir)
         self._check_quantization_target(config)
-        self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         self.model = self._load(config, loaded, self._load_part(config))
         self.model_config = mc = self.model.config
         if self.model.tokenizer is None:
@@ -95,6 +94,7 @@ class Engine:
         self.num_host_pages = self.resolved.num_host_pages
         self.plan = self.resolved.plan
         self.scheduler = Scheduler(self.scheduler_config)
+        self.mesh = build_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         self._compiled = self._check_compiled() if config.compiled_dir else None  # before the cache exists
         self.channel = None
         self._monitor = None
@@ -170,10 +170,11 @@ class Engine:
     def _load_part(self, config: EngineConfig) -> LoadPart | None:
         """Across hosts, the slices of the checkpoint this process's devices hold (None:
         everything)."""
-        if self.mesh is None or self.mesh.devices.size == len(parallel.process_ranks(self.mesh)):
+        if self.distributed is None or config.tensor_parallel_size == 1:
             return None
-        return parallel.process_load_part(load_model_config(config.model), self.mesh.size,
-                                          parallel.process_ranks(self.mesh), config.enable_expert_parallel)
+        mesh = build_mesh(config.tensor_parallel_size)
+        return parallel.process_load_part(load_model_config(config.model), mesh.size, parallel.process_ranks(mesh),
+                                          config.enable_expert_parallel)
 
     @staticmethod
     def _load(config: EngineConfig, loaded: LoadedModel | None, part: LoadPart | None = None) -> LoadedModel:
