@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -173,6 +174,26 @@ def test_a_start_with_other_settings_names_what_differs_from_the_saved_executabl
         assert ExecutableStore(str(tmp_path), here).load(runner=None, keys=[]) is None
     assert "the last saved entry differs: max_num_batched_tokens 32 (compiled) vs 48 (here)" in caplog.text
     assert "1 planned shapes have no executable (first: backbone[T=48])" in caplog.text
+
+
+def test_a_full_disk_while_saving_executables_is_logged_and_leaves_nothing(tmp_path, caplog, monkeypatch):
+    import errno
+    import types
+
+    from jaxserve.compilation import executable_store
+    from jaxserve.compilation.compile_plan import ShapeKey
+
+    def no_space(directory, key, exe):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(executable_store, "_serialize", no_space)
+    identity = executable_store.Identity.of("cpu", 1, "cpu", {"shapes": ["backbone[T=8]"]}, {})
+    store = executable_store.ExecutableStore(str(tmp_path), identity)
+    key = ShapeKey("backbone", 8)
+    with caplog.at_level("WARNING"):
+        assert store.save(types.SimpleNamespace(executables={key: object()}), [key]) is False
+    assert "could not save the executables" in caplog.text and "No space left on device" in caplog.text
+    assert os.listdir(tmp_path / "executables") == []  # no half-written entry, no temporary
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):
