@@ -4,7 +4,8 @@ Loading (`--part load`): writes a random ~0.85 B-parameter bf16 Llama checkpoint
 safetensors shards once (`--checkpoint-dir`), then times, each in a fresh process, numpy
 reading the same files into fresh memory, `load_model(dir, dtype="bfloat16")` and
 `LLM(model=dir, dtype="bfloat16", warmup=False)`; prints GB/s against numpy's and peak RSS
-over the process's RSS before loading, against the checkpoint's size.
+over the process's RSS before loading, against the checkpoint's size. Then what process 0 of
+a 2- and a 4-process group (one device each) reads of the same checkpoint: its slices.
 
 Starts (`--part start`): fresh `jaxserve serve` processes timed end to end (interpreter and
 JAX start, model load, warmup or executable load, ports bound) until the server logs that it
@@ -103,9 +104,20 @@ def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
 path, what = sys.argv[1], sys.argv[2]
 files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+extra = {}
 if what == "numpy":
     base = rss(); t0 = time.perf_counter()
     arrays = [np.fromfile(f, np.uint8) for f in files]
+elif what.startswith("part"):  # process 0 of a group of N, one device each (tp=N)
+    import ml_dtypes
+    from jaxserve.loading.hf_loader import _SafetensorsIndex, hf_config, load_hf_params
+    from jaxserve.parallel import process_load_part
+    cfg = hf_config(path)
+    base = rss(); t0 = time.perf_counter()
+    index = _SafetensorsIndex(path)
+    params = load_hf_params(path, cfg, ml_dtypes.bfloat16, index=index,
+                            part=process_load_part(cfg, int(what[4:]), [0]))
+    extra = {"read": index.bytes_read}
 else:
     if what == "load":
         from jaxserve.loading import load_model
@@ -120,7 +132,7 @@ else:
                   compilation_cache_dir=None)
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": seconds, "peak_over_start": peak - base}))
+print(json.dumps({"seconds": seconds, "peak_over_start": peak - base, **extra}))
 """
 
 
@@ -152,6 +164,12 @@ def measure_loading(path: str, repeats: int) -> None:
         numpy_gbs = numpy_gbs or gbs
         print(f"{label:36} {sec:6.2f} s  {gbs:5.2f} GB/s ({gbs / numpy_gbs:4.0%} of numpy's)  peak RSS over start "
               f"{peak / 1e9:5.2f} GB ({peak / size:4.2f}x the checkpoint)  [median of {repeats}]")
+    for n in (2, 4):  # what one process of a multi-host group reads: its devices' slices
+        runs = [run(f"part{n}") for _ in range(repeats)]
+        sec = statistics.median(r["seconds"] for r in runs)
+        read = runs[0]["read"]
+        print(f"{f'one process of {n} (tp={n}), its slices':36} {sec:6.2f} s  read {read / 1e9:5.2f} GB "
+              f"({read / nbytes:4.0%} of the checkpoint; {read / sec / 1e9:5.2f} GB/s)  [median of {repeats}]")
 
 
 # ---------------------------------------------------------------------- starts
