@@ -24,9 +24,6 @@ class TensorPart:
     axis: int
     ranges: tuple[tuple[int, int], ...]
 
-    def size(self) -> int:
-        return sum(stop - start for start, stop in self.ranges)
-
 
 LoadPart = Mapping[str, TensorPart]  # by jaxserve tensor name ("q_proj", "embed", ...)
 
