@@ -243,6 +243,35 @@ def test_cpu_kernel_shapes(head_dim, page_size):
     _check("cpu", case, sliding_window=17)
 
 
+@pytest.mark.parametrize("kv", ["f32", "bf16", "int8", "fp8"])
+def test_cpu_kernel_results_do_not_depend_on_the_block(kv):
+    """A token's attention has the same bits prefilled whole, in unaligned chunks, or decoded
+    one token at a time (each a different grouping of its queries and keys): chunked prefill
+    and prefix-cache hits then never change greedy tokens. Odd group (9 heads on 3), D=64,
+    a sliding window on the second pass."""
+    from pallas_kernels import kv_quant
+
+    case = make_case(seqs=[(40, 40)], num_tokens=48, num_rows=2, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                     page_size=16, seed=7)
+    q, k, v, kv_lens, tables, cu, n = _args(case)
+    kw = {}
+    if kv == "bf16":
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    elif kv in ("int8", "fp8"):
+        dtype = jnp.int8 if kv == "int8" else jnp.float8_e4m3fn
+        (k, kw["k_scales"]), (v, kw["v_scales"]) = kv_quant.quantize(k, dtype), kv_quant.quantize(v, dtype)
+    for window in (None, 21):
+        whole = np.asarray(_native_cpu(q, k, v, kv_lens, tables, cu, n, sm_scale=0.125, sliding_window=window,
+                                       **kw))[:40]
+        parts = []
+        for c0, c1 in [(0, 13), (13, 29), *((t, t + 1) for t in range(29, 40))]:
+            qc = jnp.zeros_like(q).at[:c1 - c0].set(q[c0:c1])
+            got = _native_cpu(qc, k, v, kv_lens.at[0].set(c1), tables, cu.at[1:].set(c1 - c0), n, sm_scale=0.125,
+                              sliding_window=window, **kw)
+            parts.append(np.asarray(got)[:c1 - c0])
+        np.testing.assert_array_equal(np.concatenate(parts), whole, err_msg=f"window {window}")
+
+
 def test_cpu_kernel_clamps_bad_metadata():
     """Page ids past the pool and kv_lens past the block table read clamped addresses (wrong
     numbers at worst), never outside the buffers: the process must survive to report."""

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -173,6 +174,50 @@ inline void pv_avx512(float* acc, int64_t stride, const float* w, int64_t w_stri
 }
 #endif
 
+#if defined(__AVX512F__)
+// Lane L of the result is the sum of a[L]'s 16 lanes, added in the same tree as
+// _mm512_reduce_add_ps (lanes i + i+8, then i + i+4, i + i+2, i + i+1): 16 scores reduced
+// at once for ~3 instructions each instead of ~9. Each score's bits depend only on its own
+// vector, never on which keys share its group, so a token's scores are the same in any block.
+inline __m512 reduce_add_16x16(const __m512* a) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // [a.lo8 + a.hi8 | b.lo8 + b.hi8]
+    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // quarter m: vector 4k+m's lanes i + i+4
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // per quarter: lanes i + i+2 of two vectors
+    w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r's lane 4m + c holds vector 4c + m's sum.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Lane j: q . k_j for up to 16 f32 keys (rows `k_stride` apart; lanes >= jn repeat key jn-1).
+// Each product is accumulated over D in the order dots_avx512 uses.
+inline __m512 scores16(const float* q, const float* k, int64_t k_stride, int64_t jn, int64_t D) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (j < jn ? j : jn - 1) * k_stride + d), a[j]);
+  }
+  return reduce_add_16x16(a);
+}
+
+// Lanes [lo, hi] of 16 (empty when hi < lo).
+inline __mmask16 lane_range(int64_t lo, int64_t hi) {
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, 15);
+  if (hi < lo) return 0;
+  return static_cast<__mmask16>(((1u << (hi + 1)) - 1u) & ~((1u << lo) - 1u));
+}
+#endif
+
 // out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart).
 template <typename KV>
 inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t D, float* out) {
@@ -234,11 +279,14 @@ inline float softmax_update(float* s, int64_t n, float* m, float* l) {
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), half = _mm512_set1_ps(0.5f * kMasked);
   __m512 vsum = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    const __m512 x = _mm512_loadu_ps(s + j);
+  // The tail is a masked vector too: a key's weight and its place in the sum do not depend on
+  // where the segment ends (a block of later tokens reads more of the page, masked).
+  for (; j < n; j += 16) {
+    const __mmask16 in = lane_range(0, n - j - 1);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kMasked), in, s + j);
     const __mmask16 live = _mm512_cmp_ps_mask(x, half, _CMP_GT_OQ);
     const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, vmx)));
-    _mm512_storeu_ps(s + j, p);
+    _mm512_mask_storeu_ps(s + j, in, p);
     vsum = _mm512_add_ps(vsum, p);
   }
   sum = _mm512_reduce_add_ps(vsum);
@@ -265,7 +313,62 @@ struct Problem {
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> q, acc, scores, m, l, vs;  // vs: a page segment's V scales [Hkv, Sp]
+  std::vector<float> kf;  // a page segment's keys widened to f32 [n, Hkv, D]
 };
+
+#if defined(__AVX512F__)
+// The scores of one page segment (n keys from `kb`, cache slots of Hkv * D; `sk`: their K
+// scales [n, Hkv] when quantized) for the block's nb tokens, into w.scores (row r of token i
+// at [(i * Hq + r) * Sp + j]): 16 keys at a time per query head, then the keys a token
+// cannot see set to kMasked. The same arithmetic per score as `dots` + the scale, so
+// results do not depend on the block or the key grouping.
+template <typename KV>
+void segment_scores(const Problem& p, Scratch& w, const KV* kb, const float* sk, int64_t n, int64_t start,
+                    int64_t nb, const int64_t* pos, const int64_t* lo) {
+  constexpr bool kQuant = Quant<KV>::value;
+  const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
+  const int64_t Dp = round_up(D, kLanes), Sp = round_up(p.page_size, kLanes), slot = Hkv * D;
+  const float* kf;
+  if constexpr (std::is_same_v<KV, float>) {
+    kf = kb;
+  } else {  // widened once per segment, not once per token and head
+    w.kf.resize(n * slot);
+    for (int64_t x = 0; x < n * slot; x += 16) _mm512_storeu_ps(w.kf.data() + x, load16(kb + x));
+    kf = w.kf.data();
+  }
+  alignas(64) float f[16], tmp[16];
+  const __m512 masked = _mm512_set1_ps(kMasked);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t jn = std::min<int64_t>(16, n - j0);
+    const __mmask16 valid = lane_range(0, jn - 1);
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t first = start + j0;
+      const __mmask16 live = valid & lane_range(lo[i] - first, pos[i] - first);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if constexpr (kQuant) {
+          for (int64_t j = 0; j < 16; ++j) f[j] = sk[(j0 + (j < jn ? j : jn - 1)) * Hkv + h] * decode_factor<KV>();
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * Hq + h * G + g;
+          float* sc = w.scores.data() + r * Sp + j0;
+          if (!live) {
+            _mm512_mask_storeu_ps(sc, valid, masked);
+            continue;
+          }
+          __m512 v = scores16(w.q.data() + r * Dp, kf + j0 * slot + h * D, slot, jn, D);
+          if constexpr (kQuant) v = _mm512_mul_ps(v, _mm512_load_ps(f));
+          if (p.soft_cap > 0.0f) {
+            _mm512_store_ps(tmp, v);
+            for (int64_t j = 0; j < 16; ++j) tmp[j] = p.soft_cap * std::tanh(tmp[j] / p.soft_cap);
+            v = _mm512_load_ps(tmp);
+          }
+          _mm512_mask_storeu_ps(sc, valid, _mm512_mask_blend_ps(live, masked, v));
+        }
+      }
+    }
+  }
+}
+#endif
 
 // ksc / vsc: the pages' scales [P, S, Hkv] for quantized KV, unused (null) otherwise.
 template <typename Q, typename KV>
@@ -300,7 +403,9 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
   }
   const int32_t* table = p.tables + s * p.max_pages;
   const int64_t slot = Hkv * D;  // elements per cache slot
-  for (int64_t start = key_lo; start < key_hi;) {
+  // Segments start on page boundaries whatever the block's first visible key, so every token
+  // meets the same segments (pages it cannot see leave its softmax state untouched).
+  for (int64_t start = key_lo - key_lo % ps; start < key_hi;) {
     const int64_t off = start % ps, n = std::min(ps - off, key_hi - start);
     const int64_t page = std::clamp<int64_t>(table[start / ps], 0, p.num_pages - 1);
     const KV* kb = kp + (page * ps + off) * slot;
@@ -324,6 +429,11 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
         }
       }
     }
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+      segment_scores<KV>(p, w, kb, ksc == nullptr ? nullptr : ksc + (page * ps + off) * Hkv, n, start, nb, pos, lo);
+    } else
+#endif
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = start + j;
       for (int64_t i = 0; i < nb; ++i) {
