@@ -467,6 +467,9 @@ class Engine:
         level 2 it replaces the host copy, which `wake_up` puts on the device)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r}")
+        if self.distributed is not None:  # the followers' caches and weights would stay, out of step
+            raise ValueError("sleep is not supported on a multi-host engine (the KV cache and weights are "
+                             "held by every process)")
         if self.has_unfinished_requests():
             raise ValueError(f"sleep: {self.num_unfinished_requests} requests in flight; finish or abort them first")
         if level <= self.sleep_level:

@@ -2,8 +2,9 @@
 
     python multihost_child.py MODEL COORDINATOR NUM_PROCESSES PROCESS_ID MODE [SECOND_MODEL]
 MODE "generate": the leader generates and prints JSON tokens; followers run the leader's steps.
-MODE "update": the same, then the leader updates the weights to SECOND_MODEL (after a path
-that does not exist, which every process must refuse) and generates again.
+MODE "update": the same, then the leader is refused `sleep`, updates the weights to
+SECOND_MODEL (after a path that does not exist, which every process must refuse) and
+generates again.
 MODE "watch": everyone prints READY once the engine is built (the peer monitor runs from then
 on; nothing is compiled); the leader then polls its health and prints UNHEALTHY when a peer is
 lost.
@@ -51,6 +52,10 @@ def main() -> None:
         exit_follower(0)
     result = {"tokens": generate(engine)}
     if mode == "update":
+        try:
+            engine.sleep(1)
+        except ValueError as e:
+            result["sleep_refused"] = str(e)
         try:
             engine.update_weights("/no/such/weights")
         except ValueError as e:

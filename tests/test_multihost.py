@@ -68,6 +68,7 @@ def test_two_processes_match_single_process_and_update_weights_together(tiny_mod
     result = _last_json(out_leader)
     assert result["tokens"] == single_process_tokens
     assert "/no/such/weights" in result["refused"] and result["version"] == 1
+    assert "not supported on a multi-host engine" in result["sleep_refused"]
     assert result["tokens_after_update"] == _last_json(single.stdout)["tokens"] != single_process_tokens
     assert result["compiles_after_warmup"] == 0
     assert "FOLLOWER DONE" in out_follower and "not applied" in out_follower
