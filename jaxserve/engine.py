@@ -25,7 +25,11 @@ from typing import Any
 import jax
 
 from jaxserve import distributed, parallel
-from jaxserve.compilation.compile_cache import UnplannedCompilationError, enable_persistent_cache
+from jaxserve.compilation.compile_cache import (
+    UnplannedCompilationError,
+    during_setup,
+    enable_persistent_cache,
+)
 from jaxserve.compilation.compile_plan import CompileTier, ShapeKey
 from jaxserve.compilation.warmup import BackgroundCompile, WarmupReport, compile_ahead
 from jaxserve.config import EngineConfig
@@ -67,6 +71,7 @@ class DuplicateRequestId(ValueError):
 
 
 class Engine:
+    @during_setup  # what building compiles is not another engine's compilation after warmup
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.distributed = self._join_processes(config)  # before anything touches a JAX backend
@@ -649,6 +654,7 @@ class Engine:
         return ExecutableStore(self.cache_dir, Identity.of(self.platform, len(devices), devices[0].device_kind,
                                                             fingerprint, kernels))
 
+    @during_setup
     def warmup(self, *, progress: bool = False) -> WarmupReport:
         """Makes every shape of the compile plan ready and arms the compile guard: loaded
         from `compiled_dir` when set, else from the executables a start with the same

@@ -205,6 +205,16 @@ def test_strict_guard_names_an_unplanned_shape(smollm):
     engine = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=24, num_pages=32, max_model_len=128,
                                  strict_compile_guard=True, compilation_cache_dir=None), loaded=smollm)
     engine.warmup()
+    # Another engine in the process builds and warms up: its compiles are not this one's.
+    other = Engine(EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, num_pages=8, max_model_len=64,
+                                max_logprobs=0, structured_outputs=False, compilation_cache_dir=None),
+                   loaded=smollm)
+    other.warmup()
+    other.close()
+    engine.add_prompt(None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3], request_id="a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.compiles_after_warmup == 0
     del engine.runner.executables[ShapeKey("backbone", 24)]  # pretend the plan missed it
     engine.add_prompt(None, SamplingParams(max_tokens=2), prompt_token_ids=list(range(1, 21)))
     with pytest.raises(UnplannedCompilationError, match=r"backbone\[T=24\]"):

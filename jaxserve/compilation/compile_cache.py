@@ -8,15 +8,21 @@ attribution during a threaded warmup uses thread-local counters.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 import jax
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -29,11 +35,17 @@ def default_cache_dir() -> str:
 
 
 class CompileEvents:
-    """Process-wide counters of compile events (registered once: JAX listeners cannot be removed)."""
+    """Process-wide counters of compile events (registered once: JAX listeners cannot be removed).
+
+    `setup_compiles` counts the compiles made while some engine is built or warmed up (on its
+    thread inside `setup_scope`, or on a warmup worker with a thread tally); the compile
+    guards count only the others, so one engine's start is never another's "compilation
+    after warmup"."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.compiles = 0
+        self.setup_compiles = 0
         self.hits = 0
         self.misses = 0
         self._tls = threading.local()
@@ -42,8 +54,24 @@ class CompileEvents:
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event == COMPILE_EVENT:
+            setup = getattr(self._tls, "setup", 0) > 0 or getattr(self._tls, "tally", None) is not None
             with self._lock:
                 self.compiles += 1
+                self.setup_compiles += setup
+
+    @property
+    def serving_compiles(self) -> int:
+        """Compiles made outside any engine's build and warmup."""
+        return self.compiles - self.setup_compiles
+
+    @contextlib.contextmanager
+    def setup_scope(self) -> Iterator[None]:
+        """Compiles on this thread inside the block count as setup (nestable)."""
+        self._tls.setup = getattr(self._tls, "setup", 0) + 1
+        try:
+            yield
+        finally:
+            self._tls.setup -= 1
 
     def _on_event(self, event: str, **kwargs) -> None:
         if event not in (HIT_EVENT, MISS_EVENT):
@@ -68,6 +96,17 @@ class CompileEvents:
 
 
 EVENTS = CompileEvents()
+
+
+def during_setup(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs `fn` inside `EVENTS.setup_scope()` (an engine's constructor and warmup)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        with EVENTS.setup_scope():
+            return fn(*args, **kwargs)
+
+    return wrapped
 _cache_dir: str | None = None
 
 
@@ -120,18 +159,19 @@ class CompileGuard:
 
     def arm(self) -> None:
         self.armed = True
-        self._base = self._seen = EVENTS.compiles
+        self._base = self._seen = EVENTS.serving_compiles
 
     @property
     def compiles_after_warmup(self) -> int:
-        return EVENTS.compiles - self._base if self.armed else 0
+        return EVENTS.serving_compiles - self._base if self.armed else 0
 
     def check(self, shape_names: list[str]) -> None:
         """Called after each step with the shapes the step used."""
-        if not self.armed or EVENTS.compiles == self._seen:
+        now = EVENTS.serving_compiles
+        if not self.armed or now == self._seen:
             return
-        new = EVENTS.compiles - self._seen
-        self._seen = EVENTS.compiles
+        new = now - self._seen
+        self._seen = now
         msg = f"{new} XLA compilation(s) after warmup while running {', '.join(shape_names) or 'no step'}"
         if self.strict:
             raise UnplannedCompilationError(msg)
