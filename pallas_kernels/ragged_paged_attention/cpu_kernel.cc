@@ -145,18 +145,6 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 #if defined(__AVX512F__)
-// out[g] = q[g] . k for NG query heads (q rows `stride` apart): each K vector loaded once.
-template <int NG, typename KV>
-inline void dots_avx512(const float* q, int64_t stride, const KV* k, int64_t D, float* out) {
-  __m512 a[NG];
-  for (int g = 0; g < NG; ++g) a[g] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 kv = load16(k + d);
-    for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * stride + d), kv, a[g]);
-  }
-  for (int g = 0; g < NG; ++g) out[g] = _mm512_reduce_add_ps(a[g]);
-}
-
 // acc[g] += sum_j w[g][j] * v_j over n keys (v rows `v_stride` apart, w rows `w_stride`):
 // per 16-lane slice of D, NG accumulators stay in registers across the keys.
 template <int NG, typename KV>
@@ -197,7 +185,7 @@ inline __m512 reduce_add_16x16(const __m512* a) {
 }
 
 // Lane j: q . k_j for up to 16 f32 keys (rows `k_stride` apart; lanes >= jn repeat key jn-1).
-// Each product is accumulated over D in the order dots_avx512 uses.
+// Each product is accumulated over D in 16-lane FMAs, then reduced by reduce_add_16x16.
 inline __m512 scores16(const float* q, const float* k, int64_t k_stride, int64_t jn, int64_t D) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
@@ -218,22 +206,10 @@ inline __mmask16 lane_range(int64_t lo, int64_t hi) {
 }
 #endif
 
-// out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart).
+// out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart): the
+// portable path (AVX-512 with D % 16 == 0 takes `segment_scores`).
 template <typename KV>
 inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t D, float* out) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    int64_t g = 0;
-    for (; g + 4 <= G; g += 4) dots_avx512<4>(q + g * stride, stride, k, D, out + g);
-    switch (G - g) {
-      case 3: dots_avx512<3>(q + g * stride, stride, k, D, out + g); break;
-      case 2: dots_avx512<2>(q + g * stride, stride, k, D, out + g); break;
-      case 1: dots_avx512<1>(q + g * stride, stride, k, D, out + g); break;
-      default: break;
-    }
-    return;
-  }
-#endif
   for (int64_t g = 0; g < G; ++g) {
     float part[kLanes] = {};
     int64_t d = 0;
