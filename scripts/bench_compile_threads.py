@@ -79,5 +79,6 @@ def main() -> None:
             est = max(gil, one["cpu"] / n, longest)
             print(f"  estimate for {n} host cores: {est:.1f} s ({walls[1] / est:.1f}x the 1-thread wall here)")
 
+
 if __name__ == "__main__":
     main()

@@ -107,6 +107,8 @@ def during_setup(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
 
     return wrapped
+
+
 _cache_dir: str | None = None
 
 

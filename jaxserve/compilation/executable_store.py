@@ -123,10 +123,11 @@ class ExecutableStore:
             return []
         found = []
         for name in names:
+            if ".tmp-" in name:
+                continue
             path = os.path.join(self.root, name)
             try:
-                if ".tmp-" not in name:
-                    found.append((os.path.getmtime(os.path.join(path, MANIFEST)), path))
+                found.append((os.path.getmtime(os.path.join(path, MANIFEST)), path))
             except OSError:  # no manifest, or removed meanwhile by another server
                 continue
         return [p for _, p in sorted(found, reverse=True)]
