@@ -678,7 +678,7 @@ class Engine:
                 self.scheduler.limit_steps(first.max_tokens, first.max_seqs)
             else:
                 report = self._compile(None, progress)
-                self._save_executables(store)
+                self._save_executables(store, report)
         if hasattr(self.proposer, "warmup"):  # a draft model: its own shapes, before the guard is armed
             draft = self.proposer.warmup(workers=self.config.warmup_threads, cache_enabled=self.cache_dir is not None)
             report = dataclasses.replace(report, records=report.records + draft.records,
@@ -703,9 +703,18 @@ class Engine:
                              tensors_by_rows=self.runner.input_batch.tensors, workers=self.config.warmup_threads,
                              progress=progress, cache_enabled=self.cache_dir is not None)
 
-    def _save_executables(self, store: Any) -> None:
+    def _save_executables(self, store: Any, report: WarmupReport) -> None:
+        from jaxserve.compilation.executable_store import not_saveable
+
+        if store is None:
+            return
+        if skipped := not_saveable(self.platform, report.records):
+            logger.info("executables not saved: %d shapes (first: %s) came from the persistent compilation cache, "
+                        "and XLA:CPU cannot serialize those whole; the next start loads them from that cache again",
+                        len(skipped), skipped[0])
+            return
         t0 = time.perf_counter()
-        if store is not None and store.save(self.runner, self.plan.shapes()):
+        if store.save(self.runner, self.plan.shapes()):
             logger.info("executables saved for the next start in %.1f s (%s)", time.perf_counter() - t0, store.path)
 
     def _background_done(self, first: WarmupReport, store: Any, rest: WarmupReport, error: Exception | None
@@ -716,7 +725,7 @@ class Engine:
                                                  wall_seconds=first.wall_seconds + rest.wall_seconds)
         compiled = {r.name for r in self.warmup_report.records}
         if error is None and all(k.name in compiled for k in self.plan.shapes()):
-            self._save_executables(store)
+            self._save_executables(store, self.warmup_report)
         self.runner.guard.arm()
         logger.info("background compilation done: %s", self.warmup_report.summary())
 

@@ -153,6 +153,14 @@ def test_restarts_reuse_executables_and_fall_back_to_the_persistent_cache(tmp_pa
     damaged = _run_child(cache)
     assert "are not usable" in damaged["log"] and victim.name in damaged["log"]
     assert damaged["hits"] == damaged["shapes"] and damaged["misses"] == 0 and damaged["loaded"] == 0
+    # Executables loaded from the persistent cache lack their machine code when serialized
+    # again: nothing is saved (an entry of them failed every step of those shapes).
+    assert "executables not saved" in damaged["log"] and "came from the persistent compilation cache" in damaged["log"]
+    assert not entry.exists()
+    # So the next start loads them from the persistent cache and steps with them.
+    again = _run_child(cache, workload=True)
+    assert again["hits"] == again["shapes"] and again["loaded"] == 0
+    assert again["finished"] + again["aborted"] == 50 and "engine step failed" not in again["log"]
 
 
 def test_a_start_with_other_settings_names_what_differs_from_the_saved_executables(tmp_path, caplog):

@@ -31,12 +31,15 @@ from jaxserve.compilation.aot import (
 )
 from jaxserve.compilation.compile_plan import ShapeKey
 from jaxserve.compilation.targets import software_versions
-from jaxserve.compilation.warmup import WarmupReport
+from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
 
 logger = logging.getLogger(__name__)
 
 STORE_DIR = "executables"
 MAX_ENTRIES = 4
+# Part of every identity: entries written by an earlier format are not loaded. 2: entries
+# never hold executables that were loaded from the persistent cache (`not_saveable`).
+STORE_FORMAT = 2
 # Environment that changes what XLA emits for the same program.
 _COMPILER_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
@@ -56,7 +59,8 @@ class Identity:
            kernels: dict[str, Any]) -> Identity:
         env = {k: os.environ.get(k, "") for k in _COMPILER_ENV}
         # As a manifest reads it back (tuples become lists), so equal settings compare equal.
-        program = json.loads(json.dumps({**fingerprint, "kernels": kernels, "compiler_env": env}, default=str))
+        program = json.loads(json.dumps({**fingerprint, "kernels": kernels, "compiler_env": env,
+                                         "store_format": STORE_FORMAT}, default=str))
         return cls(platform, num_devices, device_kind, program, software_versions(platform))
 
     def digest(self) -> str:
@@ -66,6 +70,18 @@ class Identity:
     def differences(self, manifest: dict[str, Any]) -> list[str]:
         return manifest_differences(manifest, platform=self.platform, num_devices=self.num_devices,
                                     device_kind=self.device_kind, fingerprint=self.program)
+
+
+def not_saveable(platform: str, records: tuple[ShapeRecord, ...]) -> list[str]:
+    """The shapes whose executables cannot be written out whole. XLA:CPU (jaxlib 0.10) keeps
+    an executable's object code only when it compiled it itself: one that it loaded from JAX's
+    persistent cache serializes without it, and a process that loads those bytes fails at the
+    first step of that shape ("Function <fusion> not found"). So on CPU, a shape any of whose
+    programs came from the persistent cache (or from this process's memory, where an earlier
+    engine may have loaded it so) is not saveable; on other platforms every shape is."""
+    if platform != "cpu":
+        return []
+    return [r.name for r in records if r.cache_hits or r.cache in ("hit", "memory")]
 
 
 class ExecutableStore:
@@ -89,7 +105,9 @@ class ExecutableStore:
                 raise CompiledMismatchError("; ".join(problems))
             return load_compiled(self.path, manifest, runner, keys)
         except (CompiledMismatchError, OSError, ValueError) as e:
-            logger.warning("the saved executables in %s are not usable (%s): compiling", self.path, e)
+            logger.warning("the saved executables in %s are not usable (%s): compiling; the entry is removed",
+                           self.path, e)
+            shutil.rmtree(self.path, ignore_errors=True)  # it could only fail the same way again
             return None
 
     def save(self, runner: Any, keys: list[ShapeKey]) -> bool:

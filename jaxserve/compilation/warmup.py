@@ -36,6 +36,7 @@ class ShapeRecord:
     # reused from this process's in-memory jit cache; "off": persistent cache disabled;
     # "loaded": deserialized from a `jaxserve compile --out` directory
     cache: str
+    cache_hits: int = 0  # its programs loaded from the persistent cache (a shape may hold several)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,8 @@ def compile_ahead(runner, plan: CompilePlan, *, max_reqs: int, tensors_by_rows: 
         runner.install(key, exe)
         cache = "off" if not cache_enabled else ("miss" if misses else ("hit" if hits else "memory"))
         return ShapeRecord(key.name, key.kind, key.size,
-                           variant_name(key.flags) if key.flags is not None else None, round(seconds, 3), cache)
+                           variant_name(key.flags) if key.flags is not None else None, round(seconds, 3), cache,
+                           hits)
 
     t0 = time.perf_counter()
     records = []
