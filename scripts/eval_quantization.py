@@ -105,8 +105,8 @@ def position_logits(engine, ids: list[int]) -> np.ndarray:
         slot_mapping=jnp.asarray(np.arange(T) + S, jnp.int32), cu_q_lens=jnp.asarray([0, T], jnp.int32),
         kv_lens=jnp.asarray([T], jnp.int32), block_tables=jnp.asarray(table), num_seqs=jnp.asarray([1], jnp.int32))
     backbone = jax.jit(_backbone, static_argnums=(0, 1, 2))
-    h, _ = backbone(r.graphdef, r.attention_backend, r.mesh, r.state, r.kv_cache, jnp.asarray(ids, jnp.int32),
-                    jnp.arange(T, dtype=jnp.int32), md, jnp.arange(T, dtype=jnp.int32))
+    h, _, _ = backbone(r.graphdef, r.attention_backend, r.mesh, r.state, r.kv_cache, jnp.asarray(ids, jnp.int32),
+                       jnp.arange(T, dtype=jnp.int32), md, jnp.arange(T, dtype=jnp.int32))
     logits = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))(
         r.graphdef, r.mesh, r.state, h, num_rows=T)
     return np.asarray(logits, np.float32)
