@@ -470,6 +470,33 @@ inline __m512i gather_t16(const Problem& p, int64_t n0, int64_t k, __mmask16 m) 
   return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, p.w + n0 * p.K + k, 1);
 }
 
+// What gather_t16 gives for k, k + 4, ..., k + 60 (out[j] for k + 4j), from 16 contiguous
+// 64-byte row reads and a 16 x 16 dword transpose in registers: a gather costs ~50 cycles
+// here, the transpose 4 shuffles per row. Needs k + 64 <= K; rows outside `m` read as 0.
+inline void dwords_t16x16(const Problem& p, int64_t n0, int64_t k, __mmask16 m, __m512i* out) {
+  __m512i r[16], t[16];
+  for (int l = 0; l < 16; ++l)
+    r[l] = (m >> l) & 1 ? _mm512_loadu_si512(p.w + (n0 + l) * p.K + k) : _mm512_setzero_si512();
+  for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: rows 2i, 2i+1 interleaved by dword
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of r[4i + c]: rows 4i..4i+3 of column 4L + c
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), y01 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i x23 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee), y23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+    out[c] = _mm512_shuffle_i32x4(x01, y01, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(x01, y01, 0xdd);
+    out[8 + c] = _mm512_shuffle_i32x4(x23, y23, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(x23, y23, 0xdd);
+  }
+}
+
 // Byte j (0..3) of each dword, sign-extended, as f32.
 template <int J>
 inline __m512 byte_f32(__m512i v) {
@@ -481,14 +508,19 @@ void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int
   for (int64_t c = 0; c < np * kPanel; c += 16) {
     const __mmask16 m = lane_mask(cols - c);
     float* dst = panel + (c / kPanel) * kPanelK * kPanel + c % kPanel;
-    int64_t k = 0;
-    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) {
-      const __m512i v = gather_t16(p, n0 + c, k0 + k, m);
+    auto put = [&](int64_t k, __m512i v) {  // the dwords of k..k+3
       _mm512_store_ps(dst + (k + 0) * kPanel, byte_f32<0>(v));
       _mm512_store_ps(dst + (k + 1) * kPanel, byte_f32<1>(v));
       _mm512_store_ps(dst + (k + 2) * kPanel, byte_f32<2>(v));
       _mm512_store_ps(dst + (k + 3) * kPanel, byte_f32<3>(v));
+    };
+    int64_t k = 0;
+    for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
+      __m512i v[16];
+      dwords_t16x16(p, n0 + c, k0 + k, m, v);
+      for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
     }
+    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0 + c, k0 + k, m));
     for (; k < kc; ++k)
       for (int64_t l = 0; l < 16; ++l)
         dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? static_cast<float>(p.w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
@@ -514,12 +546,17 @@ void pack_panels_bf16_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, in
   for (int64_t c = 0; c < np * kPanel; c += 16) {
     const __mmask16 m = lane_mask(cols - c);
     uint16_t* dst = panel + (c / kPanel) * kPanelK * kPanel + (c % kPanel) * 2;
-    int64_t k = 0;
-    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) {
-      const __m512i v = gather_t16(p, n0 + c, k0 + k, m);
+    auto put = [&](int64_t k, __m512i v) {  // the dwords of k..k+3: pairs k / 2 and k / 2 + 1
       _mm512_store_si512(dst + (k / 2) * kPanel * 2, pair(byte_f32<0>(v), byte_f32<1>(v)));
       _mm512_store_si512(dst + (k / 2 + 1) * kPanel * 2, pair(byte_f32<2>(v), byte_f32<3>(v)));
+    };
+    int64_t k = 0;
+    for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
+      __m512i v[16];
+      dwords_t16x16(p, n0 + c, k0 + k, m, v);
+      for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
     }
+    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0 + c, k0 + k, m));
     for (; k < kc; k += 2) {
       alignas(64) float lo[16], hi[16];
       for (int64_t l = 0; l < 16; ++l) {
