@@ -497,6 +497,21 @@ inline void dwords_t16x16(const Problem& p, int64_t n0, int64_t k, __mmask16 m, 
   }
 }
 
+// put(k, dwords) for k = 0, 4, ... while k + 4 <= kc and k0 + k + 4 <= K: the dwords of
+// w[n0 + lane][k0 + k : k0 + k + 4] (transposed 64 k at a time, then gathered); returns the
+// first k not put.
+template <typename Put>
+inline int64_t each_dword_t16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, __mmask16 m, Put put) {
+  int64_t k = 0;
+  for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
+    __m512i v[16];
+    dwords_t16x16(p, n0, k0 + k, m, v);
+    for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
+  }
+  for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0, k0 + k, m));
+  return k;
+}
+
 // Byte j (0..3) of each dword, sign-extended, as f32.
 template <int J>
 inline __m512 byte_f32(__m512i v) {
@@ -514,13 +529,7 @@ void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int
       _mm512_store_ps(dst + (k + 2) * kPanel, byte_f32<2>(v));
       _mm512_store_ps(dst + (k + 3) * kPanel, byte_f32<3>(v));
     };
-    int64_t k = 0;
-    for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
-      __m512i v[16];
-      dwords_t16x16(p, n0 + c, k0 + k, m, v);
-      for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
-    }
-    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0 + c, k0 + k, m));
+    int64_t k = each_dword_t16(p, k0, kc, n0 + c, m, put);
     for (; k < kc; ++k)
       for (int64_t l = 0; l < 16; ++l)
         dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? static_cast<float>(p.w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
@@ -550,13 +559,7 @@ void pack_panels_bf16_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, in
       _mm512_store_si512(dst + (k / 2) * kPanel * 2, pair(byte_f32<0>(v), byte_f32<1>(v)));
       _mm512_store_si512(dst + (k / 2 + 1) * kPanel * 2, pair(byte_f32<2>(v), byte_f32<3>(v)));
     };
-    int64_t k = 0;
-    for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
-      __m512i v[16];
-      dwords_t16x16(p, n0 + c, k0 + k, m, v);
-      for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
-    }
-    for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0 + c, k0 + k, m));
+    int64_t k = each_dword_t16(p, k0, kc, n0 + c, m, put);
     for (; k < kc; k += 2) {
       alignas(64) float lo[16], hi[16];
       for (int64_t l = 0; l < 16; ++l) {
