@@ -107,6 +107,10 @@ class EngineConfig:
     batch_invariant: bool = False
     min_token_bucket: int | None = None  # None: 4 on CPU (small decode steps), 16 on TPU/GPU
     token_bucket_gap: int = 256
+    # Token buckets below the gap and request buckets from this size up also get the midpoint
+    # between two powers of two (24, 48, 96, 192, ...): less padding, more shapes to compile.
+    # None: 16 on CPU (matmul time there grows with the padded rows), 0 (off) on TPU/GPU.
+    midpoint_buckets_from: int | None = None
     extra_token_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()  # explicit token buckets (replace the derived ones)
     traffic_log: str | None = None  # derive token buckets from observed step token counts
@@ -144,6 +148,9 @@ class EngineConfig:
         if self.min_token_bucket is not None and (
                 not isinstance(self.min_token_bucket, int) or self.min_token_bucket < 2):
             raise ValueError(f"min_token_bucket must be an integer >= 2, got {self.min_token_bucket!r}")
+        if self.midpoint_buckets_from is not None and (
+                not isinstance(self.midpoint_buckets_from, int) or self.midpoint_buckets_from < 0):
+            raise ValueError(f"midpoint_buckets_from must be an integer >= 0 (0: none), got {self.midpoint_buckets_from!r}")
         for name in ("token_bucket_gap", "max_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -219,6 +226,16 @@ class EngineConfig:
         else:
             found = 4 if (platform or jax.default_backend()) == "cpu" else 16
         return max(found, BATCH_INVARIANT_ROW_TILE) if self.batch_invariant else found
+
+    def resolved_midpoint_buckets_from(self, platform: str | None = None) -> int:
+        """Smallest bucket that gets a midpoint above it (0: none). On CPU the packed matmul is
+        compute-bound from ~8 rows, so a 33-row decode padded to 64 pays for 64 (the mixed
+        workload's decode steps averaged 44 rows in the 64 bucket: bench_throughput, 2026-12-04);
+        below 16 rows the matmuls stream the weights and padding costs little. Accelerators
+        pay more per compiled shape and little per padded decode row."""
+        if self.midpoint_buckets_from is not None:
+            return self.midpoint_buckets_from
+        return 16 if (platform or jax.default_backend()) == "cpu" else 0
 
     def resolved_max_model_len(self, model_config) -> int:
         """`max_model_len`, or min(model context, 4096). Past the model's context (as its

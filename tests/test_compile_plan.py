@@ -24,7 +24,8 @@ from jaxserve.config import EngineConfig
 
 
 def test_plan_is_m_plus_n_shapes():
-    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_logprobs=20, min_token_bucket=16)
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, max_logprobs=20, min_token_bucket=16,
+                       midpoint_buckets_from=0)
     plan = CompilePlan.from_config(cfg, swap_enabled=True)
     assert plan.token_buckets == (16, 32, 64, 128, 256, 512)
     assert plan.request_buckets == (1, 2, 4, 8, 16, 32, 64)
@@ -35,11 +36,22 @@ def test_plan_is_m_plus_n_shapes():
     assert len(unmasked.sampler_variants) == 6 and not any(f.use_bitmask for f in unmasked.sampler_variants)
 
 
-def test_cpu_default_adds_small_decode_buckets():
+def test_cpu_default_adds_small_decode_buckets_and_midpoints():
     plan = CompilePlan.from_config(EngineConfig(max_num_batched_tokens=64), swap_enabled=False)
-    assert plan.token_buckets == (4, 8, 16, 32, 64)  # this suite runs on CPU
+    assert plan.token_buckets == (4, 8, 16, 24, 32, 48, 64)  # this suite runs on CPU
     with pytest.raises(ValueError, match="min_token_bucket"):
         EngineConfig(min_token_bucket=1)
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    cpu = CompilePlan.from_config(cfg, platform="cpu", swap_enabled=False)
+    assert cpu.token_buckets == (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # none past the gap
+    assert cpu.request_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    tpu = CompilePlan.from_config(cfg, platform="tpu", swap_enabled=False)
+    assert tpu.token_buckets == (16, 32, 64, 128, 256, 512) and tpu.request_buckets == (1, 2, 4, 8, 16, 32, 64)
+    late = CompilePlan.from_config(dataclasses.replace(cfg, midpoint_buckets_from=64), platform="tpu",
+                                   swap_enabled=False)
+    assert late.token_buckets == (16, 32, 64, 96, 128, 192, 256, 512) and late.request_buckets[-2:] == (32, 64)
+    with pytest.raises(ValueError, match="midpoint_buckets_from"):
+        EngineConfig(midpoint_buckets_from=-1)
 
 
 def test_token_buckets_powers_then_linear_and_exact_budget():

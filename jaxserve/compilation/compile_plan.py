@@ -94,6 +94,7 @@ class CompilePlan:
     def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
         """`config` is an EngineConfig; `platform` the one compiled for (None: the host's)."""
         config = config.with_platform_defaults(platform)
+        midpoints = config.resolved_midpoint_buckets_from(platform)
         if config.token_buckets:
             tokens = sorted({*config.token_buckets, config.max_num_batched_tokens})
             if tokens[-1] > config.max_num_batched_tokens or tokens[0] < 1:
@@ -106,10 +107,10 @@ class CompilePlan:
             )
         else:
             tokens = token_buckets(config.max_num_batched_tokens, config.resolved_min_token_bucket(platform),
-                                   config.token_bucket_gap, config.extra_token_buckets)
+                                   config.token_bucket_gap, config.extra_token_buckets, midpoints)
         return cls(
             token_buckets=tuple(tokens),
-            request_buckets=tuple(request_buckets(config.max_num_seqs)),
+            request_buckets=tuple(request_buckets(config.max_num_seqs, midpoints_from=midpoints)),
             sampler_variants=sampler_variants(config.max_logprobs, config.structured_outputs),
             swap_sizes=SWAP_SIZES if swap_enabled else (),
             prompt_logprobs_top=config.max_logprobs,
