@@ -340,12 +340,48 @@ def token_logprobs(raw_logits: jax.Array, token_ids: jax.Array, k: int) -> dict[
     )
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """First index of the row max [R] int32; two plain reductions beat XLA:CPU's argmax ~2x."""
+ARGMAX_CHUNK = 1024  # vocabulary entries per chunk of `_argmax`'s first pass
+
+
+def _first_index_of(x: jax.Array, m: jax.Array) -> jax.Array:
+    """First index of `m` [R] in each row of x [R, N]; N where the row has none."""
+    n = x.shape[-1]
+    return jnp.min(jnp.where(x == m[:, None], jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _argmax_two_pass(x: jax.Array) -> jax.Array:
     v = x.shape[-1]
-    is_max = x == x.max(-1, keepdims=True)  # [R, V]
-    first = jnp.min(jnp.where(is_max, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
-    return jnp.minimum(first, v - 1)  # a NaN row matches nothing: stay in range
+    return jnp.minimum(_first_index_of(x, x.max(-1)), v - 1)  # no match (NaN-only row): V - 1
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of the row max [R] int32, as `_argmax_two_pass` (the row max, then the first
+    index equal to it; XLA:CPU's own argmax is ~2x slower than that).
+
+    Reads the logits about once instead of twice: one pass for the max of each chunk of
+    ARGMAX_CHUNK entries, then the index is looked up in the first chunk whose max is the
+    row max (2.0 -> 0.5 ms for [64, 49152] f32 on a 2-core EPYC). XLA:CPU's max skips NaN,
+    so a chunk of NaNs has max -inf: a row made only of NaN and -inf (with a chunk of NaNs
+    before its first -inf) gives V - 1 here where the two-pass rule finds that -inf. A branch
+    to the two-pass rule for such rows cost 0.4 ms per call, on every call.
+    """
+    r, v = x.shape
+    c = ARGMAX_CHUNK
+    nc = v // c
+    if nc < 2:
+        return _argmax_two_pass(x)
+    main = x[:, : nc * c].reshape(r, nc, c)  # [R, nc, c]
+    tail = x[:, nc * c :]  # [R, v - nc * c], maybe empty
+    chunk_max = main.max(-1)  # [R, nc]
+    m = chunk_max.max(-1)  # [R]
+    if tail.shape[-1]:
+        m = jnp.maximum(m, tail.max(-1))
+    first = _first_index_of(chunk_max, m)  # [R]: nc when the max lies in the tail only
+    chunk = jnp.take_along_axis(main, jnp.minimum(first, nc - 1)[:, None, None], axis=1)[:, 0]  # [R, c]
+    within = _first_index_of(chunk, m)  # [R]: c when the chunk does not hold m (NaNs only)
+    in_tail = nc * c + _first_index_of(tail, m) if tail.shape[-1] else jnp.full_like(first, v)
+    found = jnp.where(first < nc, jnp.where(within < c, first * c + within, v), in_tail)
+    return jnp.minimum(found, v - 1)
 
 
 def sample(

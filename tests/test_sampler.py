@@ -48,6 +48,28 @@ def test_greedy_is_argmax():
     assert out.token_ids.dtype == np.int32
 
 
+@pytest.mark.parametrize("v", [4096, 5000])  # whole chunks; a tail past the last chunk
+def test_greedy_argmax_by_chunks_is_the_first_row_max(v):
+    """Large vocabularies take the chunked argmax: ties across and within chunks, the max in
+    the tail, +inf, an all -inf row and a NaN entry (skipped, as XLA:CPU's max does) give the
+    first index of the row max, as the two-pass rule and numpy do."""
+    from jaxserve.sampler import ARGMAX_CHUNK, _argmax_two_pass
+
+    assert v // ARGMAX_CHUNK >= 2
+    x = _logits(8, v)
+    x[0, [5, ARGMAX_CHUNK + 5, 2 * ARGMAX_CHUNK + 1]] = 50.0  # a tie across chunks: the first
+    x[1, [ARGMAX_CHUNK + 7, ARGMAX_CHUNK + 3]] = 50.0  # a tie within a chunk
+    x[2, -1] = 50.0  # the last entry (in the tail when v has one)
+    x[3, [17, v - 2]] = np.inf
+    x[4] = -np.inf
+    x[5, 3] = np.nan
+    out = np.asarray(sample_jit(x, _tensors(8), all_greedy=True).token_ids)
+    expected = np.nanargmax(x[:, :], axis=-1)
+    expected[4] = 0
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out, np.asarray(jax.jit(_argmax_two_pass)(x)))
+
+
 def test_temperature_matches_softmax():
     row = _logits(1, v=8, scale=1.0)[0]
     n, temp = 8000, 0.7
