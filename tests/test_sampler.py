@@ -64,9 +64,7 @@ def test_greedy_argmax_by_chunks_is_the_first_row_max(v):
     x[4] = -np.inf
     x[5, 3] = np.nan
     out = np.asarray(sample_jit(x, _tensors(8), all_greedy=True).token_ids)
-    expected = np.nanargmax(x[:, :], axis=-1)
-    expected[4] = 0
-    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(out, np.nanargmax(x, axis=-1))
     np.testing.assert_array_equal(out, np.asarray(jax.jit(_argmax_two_pass)(x)))
 
 
