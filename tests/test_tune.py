@@ -75,8 +75,12 @@ def test_the_recommendation_replayed_meets_the_goal(smollm):
     from jaxserve.tuning.command import make_evaluator
 
     trace = random_workload(8, input_len=40, output_len=4, request_rate=float("inf"), vocab_size=1000, seed=1)
+    # Power-of-two buckets: the step-cost clock charges padded tokens, and the 0.2 s goal below
+    # separates the two candidates under that ladder (with midpoints the first one's TTFT p99 is
+    # 0.198 s: it would meet the goal too).
     base = EngineConfig(max_model_len=128, num_pages=48, page_size=16, structured_outputs=False, max_logprobs=0,
-                        max_num_seqs=2, max_num_batched_tokens=128, compilation_cache_dir=None)
+                        max_num_seqs=2, max_num_batched_tokens=128, compilation_cache_dir=None,
+                        midpoint_buckets_from=0)
     evaluate = make_evaluator(base, smollm, trace, clock="step-cost", warmup=False)
     goal = Goal("ttft-p99", 0.2)
     trials = coordinate_search({"max_num_seqs": 2}, {"max_num_seqs": [8]}, evaluate, goal, 1e9)
