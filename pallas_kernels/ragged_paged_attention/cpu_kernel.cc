@@ -146,43 +146,56 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 #if defined(__AVX512F__)
-// acc[g] += sum_j w[g][j] * v_j over n keys (v rows `v_stride` apart, w rows `w_stride`):
-// per 16-lane slice of D, NG accumulators stay in registers across the keys.
+// acc rows += sum_j w_j * v_j for NG rows of one KV head given by their indices (acc row at
+// acc + r * stride, weights at w + r * w_stride), V rows `v_stride` apart: per 16-lane slice
+// of D the accumulators stay in registers across the keys. Each row's FMAs run in key order
+// whatever its companions, so its bits do not depend on them; one V load (and widening)
+// serves up to 8 rows (the block's tokens share the keys).
 template <int NG, typename KV>
-inline void pv_avx512(float* acc, int64_t stride, const float* w, int64_t w_stride, const KV* v,
-                      int64_t v_stride, int64_t n, int64_t D) {
+inline void pv_rows_avx512(float* acc, int64_t stride, const float* w, int64_t w_stride, const int64_t* r,
+                           const KV* v, int64_t v_stride, int64_t n, int64_t D) {
+  const float* wr[NG];
+  for (int g = 0; g < NG; ++g) wr[g] = w + r[g] * w_stride;
   for (int64_t d = 0; d < D; d += 16) {
     __m512 a[NG];
-    for (int g = 0; g < NG; ++g) a[g] = _mm512_loadu_ps(acc + g * stride + d);
+    for (int g = 0; g < NG; ++g) a[g] = _mm512_loadu_ps(acc + r[g] * stride + d);
     for (int64_t j = 0; j < n; ++j) {
       const __m512 vv = load16(v + j * v_stride + d);
-      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * w_stride + j]), vv, a[g]);
+      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(wr[g][j]), vv, a[g]);
     }
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + g * stride + d, a[g]);
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + r[g] * stride + d, a[g]);
   }
 }
 #endif
 
 #if defined(__AVX512F__)
-// Lane L of the result is the sum of a[L]'s 16 lanes, added in the same tree as
-// _mm512_reduce_add_ps (lanes i + i+8, then i + i+4, i + i+2, i + i+1): 16 scores reduced
-// at once for ~3 instructions each instead of ~9. Each score's bits depend only on its own
-// vector, never on which keys share its group, so a token's scores are the same in any block.
-inline __m512 reduce_add_16x16(const __m512* a) {
+// Lane L of the result is op over a[L]'s 16 lanes, combined in the same tree as
+// _mm512_reduce_add_ps (lanes i + i+8, then i + i+4, i + i+2, i + i+1): 16 vectors reduced
+// at once for ~3 instructions each instead of ~9. Each lane's bits depend only on its own
+// vector, never on which vectors share the call, so a token's scores (and softmax sums) are
+// the same in any block.
+template <typename Op>
+inline __m512 reduce_16x16(const __m512* a, Op op) {
   __m512 t[8], u[4], w[2];
-  for (int k = 0; k < 8; ++k)  // [a.lo8 + a.hi8 | b.lo8 + b.hi8]
-    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int k = 0; k < 4; ++k)  // quarter m: vector 4k+m's lanes i + i+4
-    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int k = 0; k < 2; ++k)  // per quarter: lanes i + i+2 of two vectors
-    w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // r's lane 4m + c holds vector 4c + m's sum.
+  for (int k = 0; k < 8; ++k)  // [a.lo8 op a.hi8 | b.lo8 op b.hi8]
+    t[k] = op(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // quarter m: vector 4k+m's lanes i op i+4
+    u[k] = op(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // per quarter: lanes i op i+2 of two vectors
+    w[k] = op(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = op(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r's lane 4m + c holds vector 4c + m's result.
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+inline __m512 reduce_add_16x16(const __m512* a) {
+  return reduce_16x16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+inline __m512 reduce_max_16x16(const __m512* a) {
+  return reduce_16x16(a, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
 }
 
 // Lane j: q . k_j for up to 16 f32 keys (rows `k_stride` apart; lanes >= jn repeat key jn-1).
@@ -223,23 +236,11 @@ inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t
   }
 }
 
-// acc[g] += sum_j w[g][j] * v_j for the g < G rows of one KV head over n keys.
+// acc[g] += sum_j w[g][j] * v_j for the g < G rows of one KV head over n keys: the portable
+// path (AVX-512 with D % 16 == 0 takes `segment_pv`).
 template <typename KV>
 inline void pv(float* acc, int64_t stride, const float* w, int64_t w_stride, const KV* v, int64_t v_stride,
                int64_t n, int64_t G, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    int64_t g = 0;
-    for (; g + 4 <= G; g += 4) pv_avx512<4>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D);
-    switch (G - g) {
-      case 3: pv_avx512<3>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
-      case 2: pv_avx512<2>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
-      case 1: pv_avx512<1>(acc + g * stride, stride, w + g * w_stride, w_stride, v, v_stride, n, D); break;
-      default: break;
-    }
-    return;
-  }
-#endif
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; ++d) acc[g * stride + d] += w[g * w_stride + j] * to_f32(v[j * v_stride + d]);
@@ -272,10 +273,50 @@ inline float softmax_update(float* s, int64_t n, float* m, float* l) {
     s[j] = s[j] > 0.5f * kMasked ? std::exp(s[j] - mx) : 0.0f;
     sum += s[j];
   }
-  *l = *l * alpha + sum;
+  *l = std::fma(*l, alpha, sum);  // as softmax_update16 does
   *m = mx;
   return alpha;
 }
+
+#if defined(__AVX512F__)
+// softmax_update for `count` <= 16 score rows (rows Sp floats apart) over a segment of n <= 16
+// keys, all rows at once: the row maxima and sums come from one 16 x 16 reduction each
+// instead of a serial scalar max and a horizontal sum per row. Same arithmetic per row as
+// softmax_update (the max is exact in any order; the sum runs in _mm512_reduce_add_ps's tree;
+// alpha is the same std::exp), so results do not depend on which path or rows ran.
+//
+// With `vs` (quantized V: per KV head the segment's V scales [Hkv][Sp]), the weights stored
+// are also multiplied by their key's scale, as the caller would do after softmax_update; the
+// sums are of the unscaled weights. Row i of the call is row r0 + i of the block (head
+// ((r0 + i) % Hq) / G).
+inline void softmax_update16(float* s, int64_t Sp, int64_t count, int64_t n, float* m, float* l, float* alpha,
+                             const float* vs, int64_t r0, int64_t Hq, int64_t G) {
+  const __mmask16 in = lane_range(0, n - 1), rows = lane_range(0, count - 1);
+  const __m512 masked = _mm512_set1_ps(kMasked), half = _mm512_set1_ps(0.5f * kMasked);
+  __m512 x[16];
+  for (int64_t i = 0; i < 16; ++i) x[i] = i < count ? _mm512_mask_loadu_ps(masked, in, s + i * Sp) : masked;
+  const __m512 m_old = _mm512_mask_loadu_ps(masked, rows, m);
+  const __m512 mx = _mm512_max_ps(m_old, reduce_max_16x16(x));
+  alignas(64) float mxs[16], diff[16];
+  _mm512_store_ps(mxs, mx);
+  _mm512_store_ps(diff, _mm512_sub_ps(m_old, mx));
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i >= count) {
+      x[i] = _mm512_setzero_ps();
+      continue;
+    }
+    alpha[i] = std::exp(diff[i]);
+    const __mmask16 live = _mm512_cmp_ps_mask(x[i], half, _CMP_GT_OQ);
+    x[i] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x[i], _mm512_set1_ps(mxs[i]))));
+    const __m512 stored = vs == nullptr ? x[i] : _mm512_mul_ps(x[i], _mm512_loadu_ps(vs + (((r0 + i) % Hq) / G) * Sp));
+    _mm512_mask_storeu_ps(s + i * Sp, in, stored);
+  }
+  const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), rows, alpha);
+  _mm512_mask_storeu_ps(l, rows, _mm512_fmadd_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, l), a,
+                                                  reduce_add_16x16(x)));
+  _mm512_mask_storeu_ps(m, rows, mx);
+}
+#endif
 
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages;
@@ -315,33 +356,63 @@ void segment_scores(const Problem& p, Scratch& w, const KV* kb, const float* sk,
   }
   alignas(64) float f[16], tmp[16];
   const __m512 masked = _mm512_set1_ps(kMasked);
+  // A score row's 16 lanes from its raw dots: the K scale, the soft cap, the mask.
+  auto finish = [&](int64_t r, int64_t j0, __mmask16 valid, __mmask16 live, __m512 v) {
+    if constexpr (kQuant) v = _mm512_mul_ps(v, _mm512_load_ps(f));
+    if (p.soft_cap > 0.0f) {
+      _mm512_store_ps(tmp, v);
+      for (int64_t j = 0; j < 16; ++j) tmp[j] = p.soft_cap * std::tanh(tmp[j] / p.soft_cap);
+      v = _mm512_load_ps(tmp);
+    }
+    _mm512_mask_storeu_ps(w.scores.data() + r * Sp + j0, valid, _mm512_mask_blend_ps(live, masked, v));
+  };
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t jn = std::min<int64_t>(16, n - j0);
     const __mmask16 valid = lane_range(0, jn - 1);
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t first = start + j0;
-      const __mmask16 live = valid & lane_range(lo[i] - first, pos[i] - first);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        if constexpr (kQuant) {
-          for (int64_t j = 0; j < 16; ++j) f[j] = sk[(j0 + (j < jn ? j : jn - 1)) * Hkv + h] * decode_factor<KV>();
-        }
+    __mmask16 live[kQueryBlock];
+    for (int64_t i = 0; i < nb; ++i) live[i] = valid & lane_range(lo[i] - start - j0, pos[i] - start - j0);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if constexpr (kQuant) {
+        for (int64_t j = 0; j < 16; ++j) f[j] = sk[(j0 + (j < jn ? j : jn - 1)) * Hkv + h] * decode_factor<KV>();
+      }
+      const float* kh = kf + j0 * slot + h * D;
+      for (int64_t i = 0; i < nb; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * Hq + h * G + g;
-          float* sc = w.scores.data() + r * Sp + j0;
-          if (!live) {
-            _mm512_mask_storeu_ps(sc, valid, masked);
-            continue;
-          }
-          __m512 v = scores16(w.q.data() + r * Dp, kf + j0 * slot + h * D, slot, jn, D);
-          if constexpr (kQuant) v = _mm512_mul_ps(v, _mm512_load_ps(f));
-          if (p.soft_cap > 0.0f) {
-            _mm512_store_ps(tmp, v);
-            for (int64_t j = 0; j < 16; ++j) tmp[j] = p.soft_cap * std::tanh(tmp[j] / p.soft_cap);
-            v = _mm512_load_ps(tmp);
-          }
-          _mm512_mask_storeu_ps(sc, valid, _mm512_mask_blend_ps(live, masked, v));
+          if (!live[i]) _mm512_mask_storeu_ps(w.scores.data() + r * Sp + j0, valid, masked);
+          else finish(r, j0, valid, live[i], scores16(w.q.data() + r * Dp, kh, slot, jn, D));
         }
-      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// P.V of one page segment (n values from `vb`) for the block's nb tokens: per KV head its
+// rows (every token and query head of the group) 8 at a time. Same per-row arithmetic as `pv`.
+template <typename KV>
+void segment_pv(Scratch& w, const KV* vb, int64_t n, int64_t nb, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dp,
+                int64_t Sp) {
+  const int64_t G = Hq / Hkv, slot = Hkv * D;
+  int64_t r[kQueryBlock * 256];
+  for (int64_t h = 0; h < Hkv; ++h) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < nb; ++i)
+      for (int64_t g = 0; g < G; ++g) r[count++] = i * Hq + h * G + g;
+    float* acc = w.acc.data();
+    const float* sc = w.scores.data();
+    const KV* v = vb + h * D;
+    int64_t c = 0;
+    for (; c + 8 <= count; c += 8) pv_rows_avx512<8>(acc, Dp, sc, Sp, r + c, v, slot, n, D);
+    switch (count - c) {
+      case 7: pv_rows_avx512<7>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 6: pv_rows_avx512<6>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 5: pv_rows_avx512<5>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 4: pv_rows_avx512<4>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 3: pv_rows_avx512<3>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 2: pv_rows_avx512<2>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 1: pv_rows_avx512<1>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      default: break;
     }
   }
 }
@@ -456,6 +527,26 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
           sc[r * Sp] = p.soft_cap > 0.0f ? p.soft_cap * std::tanh(d[r] / p.soft_cap) : d[r];
       }
     }
+    if constexpr (kQuant) {  // the segment's V scales per KV head
+      const float* sv = vsc + (page * ps + off) * Hkv;
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t h = 0; h < Hkv; ++h) w.vs[h * Sp + j] = sv[j * Hkv + h] * kFactor;
+    }
+    bool vs_folded = false;  // the V scales applied by the softmax pass
+#if defined(__AVX512F__)
+    if (n <= 16) {
+      vs_folded = kQuant;
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t count = std::min<int64_t>(16, rows - r0);
+        float alpha[16];
+        softmax_update16(w.scores.data() + r0 * Sp, Sp, count, n, &w.m[r0], &w.l[r0], alpha,
+                         kQuant ? w.vs.data() : nullptr, r0, Hq, G);
+        for (int64_t r = r0; r < r0 + count; ++r)
+          if (alpha[r - r0] != 1.0f)
+            for (int64_t d = 0; d < D; ++d) w.acc[r * Dp + d] *= alpha[r - r0];
+      }
+    } else
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       const float alpha = softmax_update(w.scores.data() + r * Sp, n, &w.m[r], &w.l[r]);
       if (alpha != 1.0f)
@@ -464,15 +555,20 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     // Masked keys have weight 0 (softmax_update), so the PV sum runs over all n keys.
     // Quantized V: each weight times its key's scale (the denominator l is already summed).
     if constexpr (kQuant) {
-      const float* sv = vsc + (page * ps + off) * Hkv;
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t h = 0; h < Hkv; ++h) w.vs[h * Sp + j] = sv[j * Hkv + h] * kFactor;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* f = w.vs.data() + ((r % Hq) / G) * Sp;
-        float* row = w.scores.data() + r * Sp;
-        for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
-      }
+      if (!vs_folded)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* f = w.vs.data() + ((r % Hq) / G) * Sp;
+          float* row = w.scores.data() + r * Sp;
+          for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
+        }
     }
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+      segment_pv<KV>(w, vb, n, nb, Hq, Hkv, D, Dp, Sp);
+      start += n;
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < nb; ++i)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t r = i * Hq + h * G;
