@@ -120,7 +120,13 @@ struct Problem {
   int64_t cw, nparts, krows, kparts;
   float* partial;
   std::atomic<int64_t>* parts_done;
-  int64_t m_block, num_m_blocks, span_panels;
+  int64_t span_panels;
+  const struct PackedItem* packed;  // the packed path's items
+};
+
+// A packed work item: rows [m0, m0 + rows) of x by the 64-column panels of span `span`.
+struct PackedItem {
+  int64_t m0, rows, span;
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale.
@@ -634,7 +640,44 @@ void direct_t_item(const Problem& p, int64_t item) {
   store_tile(p, own.data(), ld, 0, p.M, c0, cols);
 }
 
-// One packed item: rows [m0, m0 + m_block) by np 64-column panels, over K in kPanelK blocks:
+// One cache line into L2 (prefetcht1). As inline asm: GCC 12 deletes loops whose only effect
+// is `_mm_prefetch` (seen in the attention kernel's page prefetch).
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// The weight bytes of a packed block, walked in 64-byte lines and asked into L2 a few at a
+// time, so that the next block arrives while this one's micro kernels run (the packing
+// otherwise waits on DRAM with nothing to overlap).
+struct BlockPrefetch {
+  const char* base = nullptr;
+  int64_t rows = 0, lines = 0, stride = 0;  // rows of `lines` lines, `stride` bytes apart
+  int64_t row = 0, line = 0;                // the next line to ask for
+  // Block [k0, k0 + kc) x [n0, n0 + cols) of w ([K, N], or [N, K] when transposed).
+  BlockPrefetch(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t cols) {
+    if (k0 >= p.K) return;
+    kc = std::min(kc, p.K - k0);
+    const int64_t r0 = p.wt ? n0 : k0, c0 = p.wt ? k0 : n0;
+    rows = p.wt ? cols : kc;
+    const int64_t bytes = p.wt ? kc : cols;
+    stride = p.wt ? p.K : p.N;
+    base = reinterpret_cast<const char*>(p.w + r0 * stride + c0);
+    lines = (bytes + 63) / 64;
+  }
+  int64_t total() const { return rows * lines; }
+  void issue(int64_t count) {
+    for (; count > 0 && row < rows; --count) {
+      prefetch_l2(base + row * stride + line * 64);
+      if (++line == lines) line = 0, ++row;
+    }
+  }
+};
+
+// One packed item: rows [m0, m0 + rows) by np 64-column panels, over K in kPanelK blocks:
 // the panels of a block are packed together (contiguous row reads), then each panel runs
 // over the m-block's row tiles.
 template <typename Path>
@@ -642,9 +685,9 @@ void packed_item(const Problem& p, int64_t item) {
   using Panel = typename Path::Panel;
   thread_local std::vector<Panel> panel_storage;
   thread_local std::vector<float> acc_storage;
-  const int64_t mb = item % p.num_m_blocks, sb = item / p.num_m_blocks;
-  const int64_t m0 = mb * p.m_block, rows = std::min(p.m_block, p.M - m0);
-  const int64_t n0 = sb * p.span_panels * kPanel;
+  const PackedItem& it = p.packed[item];
+  const int64_t m0 = it.m0, rows = it.rows;
+  const int64_t n0 = it.span * p.span_panels * kPanel;
   const int64_t np = std::min(p.span_panels, (p.N - n0 + kPanel - 1) / kPanel);
   panel_storage.resize(np * kPanelK * kPanel + 64);
   Panel* panels = reinterpret_cast<Panel*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) &
@@ -656,12 +699,19 @@ void packed_item(const Problem& p, int64_t item) {
     if (Path::kPairs) kc += kc & 1;
     Path::pack(p, k0, kc, n0, np, panels);
     const bool accumulate = k0 > 0;
+    // This item's next block, asked into L2 a little before each row tile.
+    BlockPrefetch next(p, k0 + kPanelK, kPanelK, n0, std::min(np * kPanel, p.N - n0));
+    const int64_t tiles = np * ((rows + kPackedRows - 1) / kPackedRows);
+    const int64_t per_tile = (next.total() + tiles - 1) / tiles;
     for (int64_t q = 0; q < np; ++q) {
       const Panel* panel = panels + q * kPanelK * kPanel;
       float* acc = acc_storage.data() + q * rows * kPanel;
       int64_t i = 0;
-      for (; i + kPackedRows <= rows; i += kPackedRows)
+      for (; i + kPackedRows <= rows; i += kPackedRows) {
+        next.issue(per_tile);
         Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, acc + i * kPanel, accumulate);
+      }
+      next.issue(per_tile);
       float* c = acc + i * kPanel;
       switch (rows - i) {
         case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, c, accumulate); break;
@@ -728,6 +778,34 @@ void direct_split(Problem& p, int64_t workers) {
   const int64_t kparts = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, p.K / kDirectMinRows));
   p.krows = std::max<int64_t>(8, ((p.K + kparts - 1) / kparts + 7) / 8 * 8);
   p.kparts = std::max<int64_t>(1, (p.K + p.krows - 1) / p.krows);
+}
+
+// The packed path's items: m-blocks of about kMBlock rows (as even as whole 6-row tiles
+// allow) by spans of panels, as many panels per span as leave every worker about four items.
+// When few items do not divide among the workers, the last ones are split by rows, one part
+// per worker (their panels are packed once per part): 9 items on 2 workers took 5 item-times,
+// now 4.5. Every output element is still computed by one item, in the same order.
+void packed_items(Problem& p, int64_t workers, std::vector<PackedItem>& out) {
+  const int64_t blocks = (p.M + kMBlock - 1) / kMBlock;
+  const int64_t per = (p.M + blocks - 1) / blocks;
+  const int64_t m_block = (per + kPackedRows - 1) / kPackedRows * kPackedRows;
+  const int64_t num_m_blocks = (p.M + m_block - 1) / m_block;
+  const int64_t panels = (p.N + kPanel - 1) / kPanel;
+  p.span_panels = std::clamp<int64_t>(num_m_blocks * panels / (4 * workers), 1, kMaxSpan);
+  const int64_t spans = (panels + p.span_panels - 1) / p.span_panels;
+  out.clear();
+  for (int64_t sb = 0; sb < spans; ++sb)
+    for (int64_t mb = 0; mb < num_m_blocks; ++mb)
+      out.push_back({mb * m_block, std::min(m_block, p.M - mb * m_block), sb});
+  const int64_t count = static_cast<int64_t>(out.size()), extra = count % workers;
+  if (extra == 0 || count >= 8 * workers) return;
+  std::vector<PackedItem> tail(out.end() - extra, out.end());
+  out.resize(count - extra);
+  for (const PackedItem& it : tail) {
+    const int64_t tiles = (it.rows + kPackedRows - 1) / kPackedRows;
+    const int64_t part = (tiles + workers - 1) / workers * kPackedRows;
+    for (int64_t r = 0; r < it.rows; r += part) out.push_back({it.m0 + r, std::min(part, it.rows - r), it.span});
+  }
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
@@ -797,18 +875,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, 
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   int64_t items;
   thread_local std::vector<float> partial;
+  thread_local std::vector<PackedItem> packed;
   std::unique_ptr<std::atomic<int64_t>[]> parts_done;
 #if defined(QMM_AVX512)
   if (M > kDirectMaxRows) {
-    // m-blocks of about kMBlock rows, as even as whole 6-row tiles allow.
-    const int64_t blocks = (M + kMBlock - 1) / kMBlock;
-    const int64_t per = (M + blocks - 1) / blocks;
-    p.m_block = (per + kPackedRows - 1) / kPackedRows * kPackedRows;
-    p.num_m_blocks = (M + p.m_block - 1) / p.m_block;
-    // Panels packed together: as many as leave every worker about four items.
-    const int64_t panels = (N + kPanel - 1) / kPanel;
-    p.span_panels = std::clamp<int64_t>(p.num_m_blocks * panels / (4 * workers), 1, kMaxSpan);
-    items = p.num_m_blocks * ((panels + p.span_panels - 1) / p.span_panels);
+    packed_items(p, workers, packed);
+    p.packed = packed.data();
+    items = static_cast<int64_t>(packed.size());
   } else
 #endif
   if (p.wt) {  // column parts only: each channel's dot product runs along its own row
