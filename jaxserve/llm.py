@@ -12,7 +12,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from jaxserve.input_processor import apply_chat_template
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import OutputKind, RequestOutput
 from scheduler import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -130,13 +130,15 @@ class LLM:
     def _add(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None) -> str:
         rid = f"llm-{self._counter}"
         self._counter += 1
+        final = OutputKind.FINAL_ONLY  # only finished outputs are read: no step snapshots the others
         if isinstance(prompt, str):
-            return self.engine.add_prompt(prompt, params, request_id=rid, lora_request=lora)
+            return self.engine.add_prompt(prompt, params, request_id=rid, output_kind=final, lora_request=lora)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return self.engine.add_prompt(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid,
-                                          lora_request=lora)
+                                          output_kind=final, lora_request=lora)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.engine.add_prompt(prompt["prompt"], params, request_id=rid, lora_request=lora)
+            return self.engine.add_prompt(prompt["prompt"], params, request_id=rid, output_kind=final,
+                                          lora_request=lora)
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -147,7 +147,9 @@ class OutputProcessor:
                 stop_str = self._apply(child, up, lps, now)
             if stop_str is not None and not up.finished:
                 stopped.append((up.request_id, stop_str))
-        return ProcessedOutputs([self._snapshot(p, now) for p in touched.values()], stopped)
+        outputs = [self._snapshot(p, now) for p in touched.values()
+                   if p.kind is not OutputKind.FINAL_ONLY or p.num_unfinished == 0]
+        return ProcessedOutputs(outputs, stopped)
 
     def _apply_each(self, child: _Child, up: RequestUpdate, lps: list[TokenLogprob] | None, now: float) -> str | None:
         """Several new tokens (verified speculative drafts) under stop strings: one at a
@@ -169,7 +171,7 @@ class OutputProcessor:
         if up.new_token_ids and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = now
         parent.num_cached_tokens = max(parent.num_cached_tokens, up.num_cached_tokens)
-        cumulative = parent.kind is OutputKind.CUMULATIVE
+        cumulative = parent.kind is not OutputKind.DELTA
         parent.num_completion_tokens += len(up.new_token_ids)
         if cumulative:
             comp.token_ids.extend(up.new_token_ids)
@@ -232,7 +234,7 @@ class OutputProcessor:
         if finished:
             parent.metrics.finished_time = now
             self._parents.pop(parent.request_id, None)
-        with_prompt = parent.kind is OutputKind.CUMULATIVE or not parent.prompt_sent
+        with_prompt = parent.kind is not OutputKind.DELTA or not parent.prompt_sent
         parent.prompt_sent = True
         return RequestOutput(
             request_id=parent.request_id,

@@ -9,14 +9,17 @@ import enum
 class OutputKind(enum.Enum):
     """What each `RequestOutput` of a request carries (vLLM's `RequestOutputKind`).
 
-    CUMULATIVE: the whole text, token ids and logprobs so far plus this step's delta (the
-    batch API). DELTA: only this step's delta; cumulative fields stay empty and the prompt's
-    ids come with the first output only. A streaming front uses DELTA, so no step copies a
-    request's whole output (which would cost O(L^2) over a request of L tokens).
+    CUMULATIVE: the whole text, token ids and logprobs so far plus this step's delta.
+    DELTA: only this step's delta; cumulative fields stay empty and the prompt's ids come
+    with the first output only. A streaming front uses DELTA, so no step copies a request's
+    whole output (which would cost O(L^2) over a request of L tokens). FINAL_ONLY: one
+    output, when the request finishes, with CUMULATIVE's fields; no step snapshots an
+    unfinished request (the batch API, as vLLM's `LLM.generate`).
     """
 
     CUMULATIVE = "cumulative"
     DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclasses.dataclass(frozen=True)

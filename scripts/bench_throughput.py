@@ -97,13 +97,16 @@ class Result:
 
 def run_jaxserve(engine, wl: Workload, tag: str) -> Result:
     from jaxserve import SamplingParams
+    from jaxserve.outputs import OutputKind
 
     steps = []
     t0 = time.perf_counter()
     ids = []
     for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens)):
         sp = SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-        ids.append(engine.add_prompt(None, sp, prompt_token_ids=p, request_id=f"{tag}-{i}"))
+        # Finished outputs only, as vLLM's LLM.generate asks for (RequestOutputKind.FINAL_ONLY).
+        ids.append(engine.add_prompt(None, sp, prompt_token_ids=p, request_id=f"{tag}-{i}",
+                                     output_kind=OutputKind.FINAL_ONLY))
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         outs = engine.step()

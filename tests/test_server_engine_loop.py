@@ -271,6 +271,27 @@ def test_stream_buffer_merges_unread_deltas():
     asyncio.run(body())
 
 
+def test_output_processor_final_only_mode_outputs_once_with_the_whole_completion():
+    """FINAL_ONLY (the batch API's kind): nothing while a request runs, then CUMULATIVE's
+    final output; a request that fails still gets its one output."""
+    proc = OutputProcessor(tokenizer=None)
+    params = SamplingParams(max_tokens=3, logprobs=None)
+    proc.add_request("f", None, [5, 6, 7], params, 0.0, OutputKind.FINAL_ONLY)
+    proc.add_request("c", None, [5, 6, 7], params, 0.0)
+    proc.add_request("x", None, [5], params, 0.0, OutputKind.FINAL_ONLY)
+    outs = []
+    for step in range(3):
+        ups = [RequestUpdate(rid, [10 + step], finished=step == 2,
+                             finish_reason=FinishReason.LENGTH if step == 2 else None) for rid in ("f", "c", "x")]
+        outs.append({o.request_id: o for o in proc.process(ups[:2] if step == 2 else ups, {}).outputs})
+    assert [sorted(o) for o in outs] == [["c"], ["c"], ["c", "f"]]
+    f, c = outs[2]["f"], outs[2]["c"]
+    assert f.finished and f.outputs[0].token_ids == [10, 11, 12] == c.outputs[0].token_ids
+    assert f.prompt_token_ids == [5, 6, 7] and f.usage == c.usage and f.outputs[0].finish_reason == "length"
+    (failed,) = proc.fail(["x"], "boom")
+    assert failed.finished and failed.error == "boom" and failed.outputs[0].token_ids == [10, 11]
+
+
 def test_output_processor_delta_mode_keeps_no_cumulative_copies():
     proc = OutputProcessor(tokenizer=None)
     params = SamplingParams(max_tokens=3, logprobs=None)
