@@ -75,7 +75,7 @@ class EngineConfig:
     # one f32 scale per token and KV head.
     kv_cache_dtype: str = "auto"
     # Activations of the quantized matmuls: "auto" (bf16 products, f32 sums: the CPU int8
-    # kernel's fast path for more than 8 rows; activations already bf16 on TPU/GPU),
+    # kernel's fast path for more than 4 rows; activations already bf16 on TPU/GPU),
     # "highest" (f32 activations as given) or "bf16".
     quantized_matmul_precision: Literal["auto", "highest", "bf16"] = "auto"
     tensor_parallel_size: int = 1  # devices the model is sharded over (Megatron-style)

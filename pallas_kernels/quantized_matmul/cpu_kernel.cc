@@ -14,7 +14,7 @@
 // Without it (f32 x) every product is f32 x f32 and the result is the reference's up to
 // summation order.
 //
-// - Direct path (M <= 8, decode; every M without AVX-512): bound by memory bandwidth on the
+// - Direct path (M <= 4, decode; every M without AVX-512): bound by memory bandwidth on the
 //   weight. An item is a block of weight rows by up to 4096 columns (one contiguous block
 //   when N fits); it streams 8 rows side by side, widens each 16-column slice int8 -> int32
 //   -> f32 once and multiplies it into every row's partial sums (L1-resident), while the
@@ -23,13 +23,15 @@
 //   writes partial sums and the last one of a column range to finish adds them up. Reading
 //   down a column tile instead (accumulators in registers, rows N bytes apart) measured at
 //   half the bandwidth.
-// - Packed path (M > 8, compute-bound): a block of up to kPanelK weight rows by up to 4
+// - Packed path (M > 4, compute-bound): a block of up to kPanelK weight rows by up to 4
 //   64-column panels is widened once into cache-resident panels (row by row: contiguous
 //   reads), then a 6 x 64 register-blocked micro kernel runs over every 6-row tile of an
 //   m-block (the conversion is paid once per m-block, not per row tile); partial sums live
 //   in a per-item scratch. f32 products: f32 panels and FMAs. bf16 products (with
 //   AVX512-BF16): bf16 panels with pairs of k rows interleaved and VDPBF16PS, twice the f32
-//   FMA rate. Below 9 rows the packing costs more than re-reading the weights from L2.
+//   FMA rate. While a block's tiles run, the item's next block is prefetched into L2. From
+//   5 rows on this beats the direct path (which makes a second pass over L2 for rows 5-8):
+//   8 rows 1.04-1.63x per SmolLM2 projection; at 4 rows the direct path wins.
 //
 // Work items (direct: weight-row block x column range; packed: m-block x panels) are
 // taken from a shared atomic counter by the calling thread and XLA's intra-op pool
@@ -58,7 +60,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDirectMaxRows = 8;    // M at or below this: the direct path
+constexpr int64_t kDirectMaxRows = 4;    // M at or below this: the direct path (one pass of 4 rows)
 constexpr int64_t kDirectGroup = 4;      // rows of x per pass over a direct item's weights
 constexpr int64_t kDirectCols = 4096;    // columns of a direct item at most
 constexpr int64_t kDirectMinRows = 64;   // weight rows of a direct item at least
@@ -586,7 +588,7 @@ struct PackedBf16T : PackedBf16 {
 };
 #endif
 
-// Direct path for w [N, K] (M <= 8): dot products along the channel rows, 4 channels by MR
+// Direct path for w [N, K] (M <= 4): dot products along the channel rows, 4 channels by MR
 // rows of x per pass (16 accumulators), each summed across its lanes at the end.
 template <int MR>
 void direct_t_rows(const Problem& p, const float* x, int64_t n0, int64_t cols, float* acc, int64_t ld) {

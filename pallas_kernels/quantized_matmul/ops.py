@@ -75,7 +75,7 @@ def quantized_matmul(
     `quantized_matmul_implementation`), "cpu" (the native CPU kernel; int8 weights, raises
     where it cannot be built), "reference" (the oracle).
     precision: "highest" (f32 x as given) or "bf16" (x rounded to bf16 before the products,
-    f32 sums: on CPU the kernel's bf16 dot-product path for more than 8 rows, about twice
+    f32 sums: on CPU the kernel's bf16 dot-product path for more than 4 rows, about twice
     the f32 rate; relative error up to 2^-9 of the sum of |terms| on top of the weights'
     quantization). bf16 x is the same under both.
     transposed: w is [N, K] (a row per output channel, unstacked): a tied embedding used as
