@@ -254,3 +254,35 @@ def test_swap_views_of_the_scales_pool_address_each_page(layout):
     back = np.asarray(_scale_pages(jnp.asarray(out), L, P, S))
     np.testing.assert_array_equal(back[:, [4, 1]], new)
     np.testing.assert_array_equal(back[:, [0, 2, 3]], want[:, [0, 2, 3]])
+
+
+def test_quantized_tied_head_is_served_column_major_on_cpu(tmp_path):
+    """On one CPU device the runner holds a quantized tied embedding as [E, V] (the int8 head
+    kernel reads [K, N] faster than [N, K]): lookups and logits are those of the [V, E]
+    layout, and a weight update in the canonical layout lands transposed."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.runner import ModelRunner
+
+    loaded = _tiny_loaded(tmp_path)
+    canonical = {k: v for k, v in loaded.params.items() if k != "lm_head"}
+    tied = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, tie_word_embeddings=True),
+                               params=quantize_params(canonical, "int8", quantize_lm_head=True))
+    V, E = tied.params["embed"].shape
+    runner = ModelRunner(tied, num_pages=8, page_size=16, attention_backend="reference")
+    assert runner.embed_columns and runner.state["embed"].shape == (E, V)
+
+    serving = {**tied.params, "layers": fuse_projections(tied.params["layers"])}
+    rows = LlamaForCausalLM(tied.config, serving)
+    cols = LlamaForCausalLM(tied.config, {**serving, "embed": np.ascontiguousarray(serving["embed"].T)},
+                            embed_columns=True)
+    ids = jnp.array([0, 5, V - 1, 5], jnp.int32)
+    np.testing.assert_array_equal(cols._embed(ids, jnp.float32), rows._embed(ids, jnp.float32))
+    h = jax.random.normal(jax.random.key(0), (6, E), jnp.float32)  # 6 rows: the packed path
+    np.testing.assert_array_equal(cols.compute_logits(h), rows.compute_logits(h))
+
+    before = np.asarray(runner.state["embed"])
+    runner.replace_params(tied.params, tied.config)
+    np.testing.assert_array_equal(np.asarray(runner.state["embed"]), before)

@@ -134,8 +134,11 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False,
-                 matmul_precision: str = "highest", row_tile: int = 0):
+                 matmul_precision: str = "highest", row_tile: int = 0, embed_columns: bool = False):
         self.config = config
+        # A quantized tied embedding held [E, V], a column per token (`embed_columns`): on CPU
+        # the int8 head kernel reads [K, N] faster than [N, K], and the lookup gathers columns.
+        self.embed_columns = embed_columns
         # Batch-invariant mode (> 0): every dense matmul runs over fixed tiles of `row_tile`
         # rows (`tiled_matmul`), so a row's result never depends on how many rows share it.
         self.row_tile = row_tile
@@ -144,7 +147,7 @@ class LlamaForCausalLM(nnx.Module):
         self.matmul_precision = matmul_precision
         self.shards = shards
         self.expert_parallel = expert_parallel
-        self.embed = nnx.Param(params["embed"])  # [V, E]
+        self.embed = nnx.Param(params["embed"])  # [V, E] ([E, V] with embed_columns)
         self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
         self.final_norm = nnx.Param(params["final_norm"])  # [E]
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None  # [E, V]
@@ -286,7 +289,10 @@ class LlamaForCausalLM(nnx.Module):
     def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
         """The embedding rows of `token_ids` [T] -> [T, E] in `dtype` (dequantized rows when the
         tied head is quantized)."""
-        rows = jnp.take(self.embed[...], token_ids, axis=0)
+        if self.embed_columns:
+            rows = jnp.take(self.embed[...], token_ids, axis=1).T  # [E, T] -> [T, E]
+        else:
+            rows = jnp.take(self.embed[...], token_ids, axis=0)
         if self.embed_qscale is None:
             return rows
         scale = jnp.take(self.embed_qscale[...], token_ids, axis=0)  # [T]
@@ -297,8 +303,8 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head_qscale is not None:
             logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...],
                                       precision=self.matmul_precision).astype(jnp.float32)
-        elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows, one scale per row
-            logits = quantized_matmul(h, self.embed[...], self.embed_qscale[...], transposed=True,
+        elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows (or [E, V]), a scale per token
+            logits = quantized_matmul(h, self.embed[...], self.embed_qscale[...], transposed=not self.embed_columns,
                                       precision=self.matmul_precision).astype(jnp.float32)
         else:
             tied = self.lm_head is None  # the embedding [V, E] as the head
