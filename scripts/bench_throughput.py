@@ -22,8 +22,12 @@ engine's host and device work on one workload (wraps engine methods; diagnostic 
     .venv/bin/python scripts/bench_throughput.py [--quick] [--workloads a,b,c] [--no-hf]
         [--hf-dtypes float32,bfloat16] [--vllm-python .venv-vllm/bin/python | --no-vllm]
         [--attention auto,reference] [--quantization none,int8] [--kv-cache-dtype auto,int8]
+        [--rounds N]
 
-Every ratio is jaxserve / peer from this run; greedy agreement is against HF f32.
+Every ratio is jaxserve / peer from this run; greedy agreement is against HF f32. With
+`--rounds N` every engine runs N times, alternated (jaxserve, then the peers, N times over),
+and the summary gives each round's ratio and their median: this VM's speed drifts by up to
+a quarter over minutes, so a ratio of neighbours in time is steadier than one run's.
 """
 
 from __future__ import annotations
@@ -296,7 +300,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="jaxserve's KV pages, e.g. auto,int8 (auto: f32); each weight mode runs with each")
     ap.add_argument("--quantize-lm-head", action="store_true", help="with int8: the (tied) LM head too")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, alternated; report each round's ratios and the median")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     all_wl = make_workloads(args.quick, args.hf_batch_uniform)
     bad = [k for k in keys if k not in all_wl]
@@ -306,8 +314,6 @@ def main() -> None:
 
     import jax
 
-    from jaxserve import LLM
-
     page = 16
     sized = wls + ([all_wl[args.breakdown]] if args.breakdown in all_wl else [])
     need = max(sum(-(-(len(p) + m) // page) for p, m in zip(w.prompts, w.max_tokens)) for w in sized)
@@ -315,6 +321,23 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, "
           f"load avg {os.getloadavg()[0]:.2f}; quick={args.quick}; workloads={','.join(keys)}; "
           f"num_pages={num_pages}", flush=True)
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\n--- round {r + 1} of {args.rounds} (load avg {os.getloadavg()[0]:.2f}) ---", flush=True)
+        ours, peers = one_round(args, wls, all_wl, num_pages)
+        report_table(wls, ours, peers)
+        rounds.append((ours, peers))
+    if args.rounds > 1:
+        report_rounds(wls, rounds)
+
+
+def one_round(args, wls: list[Workload], all_wl: dict[str, Workload],
+              num_pages: int) -> tuple[dict[str, dict[str, Result]], dict[str, dict[str, Result]]]:
+    """Every jaxserve variant, then every peer, once over `wls`: (ours, peers), each
+    name -> workload key -> result."""
+    from jaxserve import LLM
+
     ours: dict[str, dict[str, Result]] = {}  # "<weights>, <attention>" -> workload -> result
     variants = [(b.strip(), q.strip(), kv.strip()) for q in args.quantization.split(",") if q.strip()
                 for kv in args.kv_cache_dtype.split(",") if kv.strip()
@@ -346,7 +369,7 @@ def main() -> None:
                   f"padding {100 * st['padding']:.1f}%, host {100 * st['host_share']:.1f}%", flush=True)
         if args.breakdown:
             if args.breakdown not in all_wl:
-                ap.error("--breakdown takes a, b or c")
+                raise SystemExit("--breakdown takes a, b or c")
             breakdown(engine, all_wl[args.breakdown])
         del llm, engine
         import gc
@@ -379,7 +402,7 @@ def main() -> None:
             for w in wls:
                 print(f"  vLLM     {w.name:8s}: {w.num_output_tokens} tok in {res[w.key].wall_s:.1f} s = "
                       f"{res[w.key].tok_s(w):.1f} tok/s", flush=True)
-    report_table(wls, ours, peers)
+    return ours, peers
 
 
 def report_table(wls: list[Workload], ours: dict[str, dict[str, Result]], peers: dict[str, dict[str, Result]]):
@@ -410,6 +433,25 @@ def report_table(wls: list[Workload], ours: dict[str, dict[str, Result]], peers:
     print("Targets (issue 17): uniform >= 1.1x best peer; mixed >= 2.5x HF bf16 and >= 1.1x vLLM; "
           "batch 1 >= 65 tok/s. With --quantization int8 (issue 28): batch 1 >= 1.5x vLLM bf16, "
           "uniform and mixed >= 1.1x vLLM bf16.")
+
+
+def report_rounds(wls: list[Workload], rounds: list[tuple[dict, dict]]) -> None:
+    """Per workload and jaxserve variant: each round's tok/s and ratio to each peer, and the
+    medians over the rounds."""
+    print(f"\n=== {len(rounds)} rounds, alternated: tok/s per round, and the median ratio ===")
+    for w in wls:
+        print(f"\n{w.name}:")
+        for label in rounds[0][0]:
+            ours = [o[label][w.key].tok_s(w) for o, _ in rounds]
+            print(f"  jaxserve {label:28s} " + " ".join(f"{x:7.1f}" for x in ours)
+                  + f"   median {statistics.median(ours):.1f}")
+            for peer in rounds[0][1]:
+                theirs = [p[peer][w.key].tok_s(w) for _, p in rounds]
+                ratios = [a / b for a, b in zip(ours, theirs)]
+                print(f"  {peer:37s} " + " ".join(f"{x:7.1f}" for x in theirs)
+                      + f"   median {statistics.median(theirs):.1f}")
+                print(f"  {'ratio':37s} " + " ".join(f"{x:6.2f}x" for x in ratios)
+                      + f"   median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x)")
 
 
 if __name__ == "__main__":
