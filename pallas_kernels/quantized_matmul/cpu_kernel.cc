@@ -106,6 +106,11 @@ void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
+// A packed work item: rows [m0, m0 + rows) of x by the 64-column panels of span `span`.
+struct PackedItem {
+  int64_t m0, rows, span;
+};
+
 struct Problem {
   int64_t M, K, N;
   const float* x;      // [M, K] f32 (bf16 inputs widened; with bf16 products, rounded first)
@@ -123,12 +128,7 @@ struct Problem {
   float* partial;
   std::atomic<int64_t>* parts_done;
   int64_t span_panels;
-  const struct PackedItem* packed;  // the packed path's items
-};
-
-// A packed work item: rows [m0, m0 + rows) of x by the 64-column panels of span `span`.
-struct PackedItem {
-  int64_t m0, rows, span;
+  const PackedItem* packed;  // the packed path's items
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale.

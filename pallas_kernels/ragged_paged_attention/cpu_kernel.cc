@@ -532,10 +532,10 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
       for (int64_t j = 0; j < n; ++j)
         for (int64_t h = 0; h < Hkv; ++h) w.vs[h * Sp + j] = sv[j * Hkv + h] * kFactor;
     }
-    bool vs_folded = false;  // the V scales applied by the softmax pass
+    // Masked keys get weight 0, so the PV sum runs over all n keys. Quantized V: each weight
+    // times its key's scale (the denominator l sums the unscaled weights).
 #if defined(__AVX512F__)
     if (n <= 16) {
-      vs_folded = kQuant;
       for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int64_t count = std::min<int64_t>(16, rows - r0);
         float alpha[16];
@@ -548,26 +548,18 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     } else
 #endif
     for (int64_t r = 0; r < rows; ++r) {
-      const float alpha = softmax_update(w.scores.data() + r * Sp, n, &w.m[r], &w.l[r]);
+      float* row = w.scores.data() + r * Sp;
+      const float alpha = softmax_update(row, n, &w.m[r], &w.l[r]);
       if (alpha != 1.0f)
         for (int64_t d = 0; d < D; ++d) w.acc[r * Dp + d] *= alpha;
-    }
-    // Masked keys have weight 0 (softmax_update), so the PV sum runs over all n keys.
-    // Quantized V: each weight times its key's scale (the denominator l is already summed).
-    if constexpr (kQuant) {
-      if (!vs_folded)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* f = w.vs.data() + ((r % Hq) / G) * Sp;
-          float* row = w.scores.data() + r * Sp;
-          for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
-        }
+      if constexpr (kQuant) {
+        const float* f = w.vs.data() + ((r % Hq) / G) * Sp;
+        for (int64_t j = 0; j < n; ++j) row[j] *= f[j];
+      }
     }
 #if defined(__AVX512F__)
-    if (D % 16 == 0) {
-      segment_pv<KV>(w, vb, n, nb, Hq, Hkv, D, Dp, Sp);
-      start += n;
-      continue;
-    }
+    if (D % 16 == 0) segment_pv<KV>(w, vb, n, nb, Hq, Hkv, D, Dp, Sp);
+    else
 #endif
     for (int64_t i = 0; i < nb; ++i)
       for (int64_t h = 0; h < Hkv; ++h) {
