@@ -457,16 +457,35 @@ inline void prefetch_page(const Problem& p, const int32_t* table, int64_t at, in
 }
 
 // ksc / vsc: the pages' scales [P, S, Hkv] for quantized KV, unused (null) otherwise.
+// The keys an item reads: from `first` (a page boundary) up to `hi` (exclusive); and each
+// token's own bounds: key pos[i] and the window's lowest key lo[i].
+struct ItemKeys {
+  int64_t first = 0, hi = 0;
+};
+ItemKeys item_keys(const Problem& p, int64_t item, int64_t* pos, int64_t* lo) {
+  const int64_t s = p.item_seq[item], t0 = p.item_first[item], nb = p.item_count[item], ps = p.page_size;
+  const int64_t kv_len = std::min<int64_t>(std::max(p.kv_lens[s], 0), p.max_pages * ps);
+  const int64_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
+  int64_t key_lo = INT64_MAX, key_hi = 0;
+  for (int64_t i = 0; i < nb; ++i) {
+    pos[i] = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
+    lo[i] = p.sliding_window > 0 ? std::max<int64_t>(0, pos[i] - p.sliding_window + 1) : 0;
+    key_lo = std::min(key_lo, lo[i]);
+    key_hi = std::max(key_hi, std::min(pos[i] + 1, kv_len));
+  }
+  return {key_lo - key_lo % ps, key_hi};
+}
+
+// `next`: the item this thread takes after this one (-1: none); its first pages are asked
+// for while this item's last ones are read, so that an item does not start on cold pages.
 template <typename Q, typename KV>
 void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const float* ksc, const float* vsc, Q* out,
-                 int64_t item) {
+                 int64_t item, int64_t next) {
   constexpr bool kQuant = Quant<KV>::value;
   constexpr float kFactor = decode_factor<KV>();
   const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
   const int64_t ps = p.page_size, Dp = round_up(D, kLanes), Sp = round_up(ps, kLanes);
   const int64_t s = p.item_seq[item], t0 = p.item_first[item], nb = p.item_count[item];
-  const int64_t kv_len = std::min<int64_t>(std::max(p.kv_lens[s], 0), p.max_pages * ps);
-  const int64_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
   const int64_t rows = nb * Hq;
 
   thread_local Scratch w;
@@ -476,13 +495,14 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
   w.m.assign(rows, kMasked);
   w.l.assign(rows, 0.0f);
   if constexpr (kQuant) w.vs.assign(Hkv * Sp, 0.0f);
-  int64_t pos[kQueryBlock], lo[kQueryBlock];
-  int64_t key_lo = INT64_MAX, key_hi = 0;
+  int64_t pos[kQueryBlock], lo[kQueryBlock], next_pos[kQueryBlock], next_lo[kQueryBlock];
+  const ItemKeys keys = item_keys(p, item, pos, lo);
+  const int64_t key_hi = keys.hi, last_page = (key_hi - 1) / ps * ps;
+  // (A next block of the same sequence reads pages this one has just brought in.)
+  const bool other = next >= 0 && p.item_seq[next] != s;
+  const ItemKeys after = other ? item_keys(p, next, next_pos, next_lo) : ItemKeys{};
+  const int32_t* next_table = other ? p.tables + p.item_seq[next] * p.max_pages : nullptr;
   for (int64_t i = 0; i < nb; ++i) {
-    pos[i] = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
-    lo[i] = p.sliding_window > 0 ? std::max<int64_t>(0, pos[i] - p.sliding_window + 1) : 0;
-    key_lo = std::min(key_lo, lo[i]);
-    key_hi = std::max(key_hi, std::min(pos[i] + 1, kv_len));
     const Q* qt = q + (t0 + i) * Hq * D;
     for (int64_t r = 0; r < Hq; ++r)
       for (int64_t d = 0; d < D; ++d) w.q[(i * Hq + r) * Dp + d] = to_f32(qt[r * D + d]) * p.sm_scale;
@@ -491,7 +511,7 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
   const int64_t slot = Hkv * D;  // elements per cache slot
   // Segments start on page boundaries whatever the block's first visible key, so every token
   // meets the same segments (pages it cannot see leave its softmax state untouched).
-  for (int64_t start = key_lo - key_lo % ps; start < key_hi;) {
+  for (int64_t start = keys.first; start < key_hi;) {
     const int64_t off = start % ps, n = std::min(ps - off, key_hi - start);
     const int64_t page = std::clamp<int64_t>(table[start / ps], 0, p.num_pages - 1);
     const KV* kb = kp + (page * ps + off) * slot;
@@ -499,8 +519,11 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     // The pages ahead are random: ask for the next kPagesAhead while this one is used. Each
     // segment asks again for all of them (a repeat costs little when the lines are there;
     // measured faster than asking once for the page kPagesAhead on, most with f32 pages).
-    for (int64_t ahead = 1; ahead <= kPagesAhead; ++ahead)
-      prefetch_page(p, table, start - off + ahead * ps, key_hi, kp, vp, ksc, vsc);
+    for (int64_t ahead = 1; ahead <= kPagesAhead; ++ahead) {
+      const int64_t at = start - off + ahead * ps;
+      if (at <= last_page) prefetch_page(p, table, at, key_hi, kp, vp, ksc, vsc);
+      else if (next_table != nullptr) prefetch_page(p, next_table, after.first + (at - last_page - ps), after.hi, kp, vp, ksc, vsc);
+    }
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
       segment_scores<KV>(p, w, kb, ksc == nullptr ? nullptr : ksc + (page * ps + off) * Hkv, n, start, nb, pos, lo);
@@ -590,10 +613,13 @@ void run(const Problem& p, const void* q, const void* kp, const void* vp, const 
   // Pool tasks hold `progress` only; they touch the buffers just while holding an item, and
   // the call returns only when every item is done.
   auto work = [&p, q, kp, vp, ksc, vsc, out, items](Progress& pr) {
-    for (int64_t i; (i = pr.next.fetch_add(1)) < items;) {
+    // Each thread claims its next item before it runs the current one (to prefetch its pages).
+    for (int64_t i = pr.next.fetch_add(1); i < items;) {
+      const int64_t next = pr.next.fetch_add(1);
       attend_item<Q, KV>(p, static_cast<const Q*>(q), static_cast<const KV*>(kp), static_cast<const KV*>(vp), ksc, vsc,
-                         static_cast<Q*>(out), i);
+                         static_cast<Q*>(out), i, next < items ? next : -1);
       pr.done.fetch_add(1);
+      i = next;
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
