@@ -123,6 +123,31 @@ def test_transposed_weights(m, k, n, precision):
         quantized_matmul(x, wt[None], scale[None], layer=0, transposed=True)
 
 
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_residual_is_added_in_the_epilogue_with_the_same_bits(m, x_dtype, transposed):
+    """residual + product in the kernel's epilogue equals the separate add bit for bit (the
+    model's skip connections rely on it), on the direct, packed and transposed paths."""
+    k, n = 96, 200
+    x, w, scale = operands(m, k, n, x_dtype=x_dtype, seed=m)
+    if transposed:
+        w = w.T
+    res = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, n), dtype=np.float32)).astype(x_dtype)
+    for precision in ("highest", "bf16"):
+        kw = {"backend": "cpu", "precision": precision, "transposed": transposed}
+        fused = jax.jit(functools.partial(quantized_matmul, **kw))(x, w, scale, residual=res)
+        added = res + jax.jit(functools.partial(quantized_matmul, **kw))(x, w, scale)
+        np.testing.assert_array_equal(np.asarray(fused), np.asarray(added))
+        ref = quantized_matmul(x, w, scale, residual=res, backend="reference", precision=precision,
+                               transposed=transposed)
+        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="residual"):
+        quantized_matmul(x, w, scale, residual=res[:, :-1], transposed=transposed)
+    with pytest.raises(ValueError, match="residual"):
+        quantized_matmul(x, w, scale, residual=res.astype(jnp.float16), transposed=transposed)
+
+
 def test_vmap_over_activations():
     x, w, scale = operands(6, 40, 24)
     xs = x.reshape(3, 2, 40)

@@ -142,6 +142,34 @@ def test_quantized_engine_equals_the_engine_on_dequantized_weights(tmp_path, met
         np.testing.assert_allclose(glp, wlp, atol=2e-4)
 
 
+def test_skip_connections_added_in_the_matmul_epilogue_keep_the_bits(tmp_path, monkeypatch):
+    """o_proj and down_proj add the residual stream in the native kernel's epilogue: the same
+    tokens and logprobs, bit for bit, as the model adding it after the matmul."""
+    from jaxserve.models import llama
+    from pallas_kernels.quantized_matmul import cpu as native_cpu
+
+    loaded = _tiny_loaded(tmp_path)
+    quant = dataclasses.replace(loaded, params=quantize_params(loaded.params, "int8"))
+    kernel, fused_calls = native_cpu.quantized_matmul_cpu, []
+
+    def counting(*args, residual=None, **kw):
+        fused_calls.append(residual is not None)
+        return kernel(*args, residual=residual, **kw)
+
+    monkeypatch.setattr(native_cpu, "quantized_matmul_cpu", counting)
+    fused = _greedy_logprobs(quant)
+    assert any(fused_calls), "no projection took the residual"
+
+    def added_after(self, x, name, residual=None):
+        y = self.plus_lora(self.matmul(x, name), x, name)
+        return y if residual is None else residual + y
+
+    monkeypatch.setattr(llama._LayerWeights, "project", added_after)
+    fused_calls.clear()
+    assert _greedy_logprobs(quant) == fused
+    assert not any(fused_calls)
+
+
 def test_configuration_errors_name_the_value():
     from jaxserve.config import EngineConfig
 

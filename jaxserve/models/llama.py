@@ -219,16 +219,19 @@ class LlamaForCausalLM(nnx.Module):
             page_offset = per["layer_id"] * P
             lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile,
                                lora_lp, onehot)
-            attn, pool = self._attention(
-                h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
-            if cfg.sandwich_norms:
-                attn = rms_norm(attn, lp["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-            h = h + attn
+            if cfg.sandwich_norms:  # the branch's output is normed before the skip connection
+                attn, pool = self._attention(
+                    h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
+                h = h + rms_norm(attn, lp["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+                x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+                y = rms_norm(self._mlp(x, lp, moe_fn), lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+                return (h + y, pool), None
+            # h + branch, handed to the branch's last projection (a quantized one adds it in
+            # its epilogue on CPU; the same bits as the add).
+            h, pool = self._attention(
+                h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
             x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-            y = self._mlp(x, lp, moe_fn)
-            if cfg.sandwich_norms:
-                y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-            return (h + y, pool), None
+            return (self._mlp(x, lp, moe_fn, residual=h), pool), None
 
         (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer, lora_weights))
 
@@ -243,9 +246,11 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_weight_offset)
 
-    def _attention(self, h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn):
-        """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, cache).
-        `pool`: the flattened (k, v[, k_scales, v_scales]) of every layer."""
+    def _attention(self, h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn,
+                   residual=None):
+        """Self-attention of one layer: writes this step's K/V, returns ([T, E] output, plus
+        `residual` when given; cache). `pool`: the flattened (k, v[, k_scales, v_scales]) of
+        every layer."""
         cfg = self.config
         T = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -270,21 +275,23 @@ class LlamaForCausalLM(nnx.Module):
             soft_cap=cfg.attn_logit_softcap, **_scales(pool),
         )  # [T, Hq, D]
         attn = attn.reshape(T, Hq * D).astype(h.dtype)
-        return lp.plus_lora(lp.matmul(attn, "o_proj"), attn, "o_proj"), pool
+        return lp.project(attn, "o_proj", residual), pool
 
-    def _mlp(self, x, lp, moe_fn):
-        """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E]."""
+    def _mlp(self, x, lp, moe_fn, residual=None):
+        """The dense gated MLP, or the routed experts. x: [T, E] -> [T, E] (plus `residual`
+        when given)."""
         cfg = self.config
         if cfg.is_moe:
             weights, experts = moe.route(x, lp["router"], cfg)  # [T, k] each
             scales = {}
             if "expert_gate_up_scale" in lp:  # quantized experts: [X, 2I] and [X, E] scales
                 scales = {"gate_up_scale": lp["expert_gate_up_scale"], "down_scale": lp["expert_down_scale"]}
-            return moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **scales)
+            y = moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **scales)
+            return y if residual is None else residual + y
         gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
         gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")
         act = ACTIVATIONS[cfg.hidden_act](gate) * up
-        return lp.plus_lora(lp.matmul(act, "down_proj"), act, "down_proj")
+        return lp.project(act, "down_proj", residual)
 
     def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
         """The embedding rows of `token_ids` [T] -> [T, E] in `dtype` (dequantized rows when the
@@ -350,6 +357,16 @@ class _LayerWeights(dict):
             return y
         matmul = functools.partial(_plain_or_tiled, row_tile=self._row_tile)
         return y + lora_delta(x, a, self._lora[f"{target}.b"], self._onehot, matmul).astype(y.dtype)
+
+    def project(self, x: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
+        """x @ W_name plus its LoRA delta, plus `residual` [T, out] when given: a quantized
+        projection without adapters adds it in the matmul's epilogue (the native CPU kernel
+        writes [T, out] once instead of twice), the same bits as `residual + y`."""
+        if residual is not None and name in self._stacked and f"{name}.a" not in self._lora:
+            return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
+                                    precision=self._precision, residual=residual)
+        y = self.plus_lora(self.matmul(x, name), x, name)
+        return y if residual is None else residual + y
 
     def matmul(self, x: jax.Array, name: str) -> jax.Array:
         if name in self._stacked:

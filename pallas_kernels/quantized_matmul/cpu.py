@@ -26,6 +26,7 @@ from pallas_kernels._native_cpu import build
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _SYMBOL = "JaxserveQuantizedMatmulCpu"
+_RESIDUAL = "Residual"  # the target with a residual operand: name and symbol take this suffix
 PRECISIONS = ("highest", "bf16")
 
 
@@ -43,8 +44,9 @@ def _register() -> tuple[str | None, str]:
         return None, why
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                    platform="cpu")
+        for suffix in ("", _RESIDUAL):
+            jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(getattr(lib, _SYMBOL + suffix)),
+                                        platform="cpu")
     except (OSError, AttributeError) as e:
         return None, f"loading the CPU quantized matmul {path} failed: {e}"
     return name, why
@@ -77,6 +79,7 @@ def quantized_matmul_cpu(
     *,
     precision: str = "highest",
     transposed: bool = False,  # w [N, K] (unstacked): a tied embedding as the LM head
+    residual: jax.Array | None = None,  # [M, N], x.dtype: added to the result
 ) -> jax.Array:  # [M, N], x.dtype
     """The reference's contract (reference.py), computed by the native kernel. With
     `transposed`, w is [N, K] (output channels as rows) and read in that layout.
@@ -85,6 +88,8 @@ def quantized_matmul_cpu(
     place. `layer` is clamped (negative counts from the end) as `dynamic_index_in_dim` does.
     precision "bf16" (x rounded to bf16 before the products) lets rows past 8 run on bf16
     dot-product instructions (AVX512-BF16) at twice the f32 FMA rate; bf16 x always does.
+    With `residual`, the result is `residual + product` as that separate add gives it (same
+    bits), written once instead of written, read back and added.
     """
     name, why = _register()
     if name is None:
@@ -97,5 +102,11 @@ def quantized_matmul_cpu(
     if transposed and w.ndim != 2:
         raise ValueError(f"transposed takes an unstacked w [N, K], got shape {w.shape}")
     n = w.shape[0] if transposed else w.shape[-1]
-    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype), vmap_method="sequential")
-    return call(x, w, scale, layer, bf16_products=precision == "bf16", w_transposed=transposed)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    attrs = {"bf16_products": precision == "bf16", "w_transposed": transposed}
+    if residual is None:
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w, scale, layer, **attrs)
+    if residual.shape != out.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be {out.shape} {x.dtype}, got {residual.shape} {residual.dtype}")
+    call = jax.ffi.ffi_call(name + _RESIDUAL, out, vmap_method="sequential")
+    return call(x, w, scale, layer, residual, **attrs)

@@ -14,7 +14,7 @@ QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 BACKENDS = ("auto", "reference", "cpu")
 
 
-def _validate(x, w, scale, layer, transposed) -> None:
+def _validate(x, w, scale, layer, transposed, residual) -> None:
     check_shape("x", x, (None, None), "[M, K]")
     k = x.shape[1]
     if transposed:
@@ -33,6 +33,10 @@ def _validate(x, w, scale, layer, transposed) -> None:
         raise ValueError(f"w must be int8, float8_e4m3fn or float8_e5m2, got {w.dtype}")
     if scale.dtype != jnp.float32:
         raise ValueError(f"scale must be float32, got {scale.dtype}")
+    if residual is not None:
+        check_shape("residual", residual, (x.shape[0], w.shape[0] if transposed else w.shape[-1]), "[M, N]")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual must be {x.dtype} like x, got {residual.dtype}")
 
 
 def _native_cpu_choice(w_dtype, build: bool = True) -> tuple[bool | None, str]:
@@ -66,6 +70,7 @@ def quantized_matmul(
     backend: str = "auto",
     precision: str = "highest",
     transposed: bool = False,
+    residual: jax.Array | None = None,  # [M, N], x.dtype
 ) -> jax.Array:  # [M, N], x.dtype
     """`(x @ w) * scale` with f32 accumulation (see reference.py for the contract).
 
@@ -80,27 +85,34 @@ def quantized_matmul(
     quantization). bf16 x is the same under both.
     transposed: w is [N, K] (a row per output channel, unstacked): a tied embedding used as
     the LM head, read where it lies rather than through a transposed copy.
+    residual: added to the result (`residual + out`, the same bits): a skip connection, which
+    the native CPU kernel adds in its epilogue instead of a separate pass over [M, N].
     """
-    _validate(x, w, scale, layer, transposed)
+    _validate(x, w, scale, layer, transposed, residual)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in native_cpu.PRECISIONS:
         raise ValueError(f"precision must be one of {native_cpu.PRECISIONS}, got {precision!r}")
+    kw = {"precision": precision, "transposed": transposed}
     if backend == "reference":
-        return quantized_matmul_reference(x, w, scale, layer, precision=precision, transposed=transposed)
+        return quantized_matmul_reference(x, w, scale, layer, residual=residual, **kw)
     if backend == "cpu":
-        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, precision=precision, transposed=transposed)
-    # The layer travels as an operand of every branch (a traced index inside the layer scan).
+        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, residual=residual, **kw)
+    # The layer (a traced index inside the layer scan) and the residual travel as operands of
+    # every branch.
     stacked = layer is not None
     index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
+    operands = (x, w, scale, index) + (() if residual is None else (residual,))
 
-    def reference(x, w, scale, index):
-        return quantized_matmul_reference(x, w, scale, index if stacked else None,
-                                          precision=precision, transposed=transposed)
+    def reference(x, w, scale, index, *res):
+        return quantized_matmul_reference(x, w, scale, index if stacked else None, residual=_one(res), **kw)
 
-    def native(x, w, scale, index):
-        return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None,
-                                               precision=precision, transposed=transposed)
+    def native(x, w, scale, index, *res):
+        return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None, residual=_one(res), **kw)
 
-    return by_target_platform((x, w, scale, index), reference=reference, tpu=None, gpu=None,
+    return by_target_platform(operands, reference=reference, tpu=None, gpu=None,
                               cpu=native if _native_cpu_choice(w.dtype)[0] else None)
+
+
+def _one(xs: tuple) -> jax.Array | None:
+    return xs[0] if xs else None

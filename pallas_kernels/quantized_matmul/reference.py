@@ -12,6 +12,10 @@ taking a copy of the slice.
 dtype): the products of a bf16 activation and an int8 (or float8) weight are exact in f32, so
 this is what a bf16 dot-product instruction computes. "highest" (the default) keeps f32 x.
 
+`residual` ([M, N], x's dtype) is added to the result (rounded to x's dtype first), as
+`residual + quantized_matmul(...)` would: a layer's skip connection, which the native CPU
+kernel folds into its epilogue.
+
 `transposed=True` takes w as [N, K] (a row per output channel: a tied embedding read as the
 LM head), unstacked; XLA folds the transposition into the dot.
 """
@@ -38,9 +42,11 @@ def quantized_matmul_reference(
     *,
     precision: str = "highest",  # or "bf16": x rounded to bf16 before the products
     transposed: bool = False,  # w [N, K] (unstacked), contracted along its second axis
+    residual: jax.Array | None = None,  # [M, N], x.dtype: added to the result
 ) -> jax.Array:  # [M, N], x.dtype
     w, scale = select_layer(w, scale, layer)
     xp = x.astype(jnp.bfloat16) if precision == "bf16" else x
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
     acc = jax.lax.dot_general(xp, w.astype(xp.dtype), dims, preferred_element_type=jnp.float32)
-    return (acc * scale.astype(jnp.float32)).astype(x.dtype)
+    out = (acc * scale.astype(jnp.float32)).astype(x.dtype)
+    return out if residual is None else residual + out
