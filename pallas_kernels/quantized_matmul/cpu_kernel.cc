@@ -776,22 +776,27 @@ struct Progress {  // shared with pool tasks, which may start after the call ret
   std::atomic<int64_t> done{0};
 };
 
-void run(const Problem& p, int64_t items, ffi::ThreadPool& pool) {
+// fn(i) for i in [0, count), on the calling thread and the pool's threads, as many as the
+// pool has (one per core): more would share cores (measured slower).
+template <typename F>
+void parallel_for(int64_t count, ffi::ThreadPool& pool, const F& fn) {
   auto progress = std::make_shared<Progress>();
-  // Pool tasks hold `progress` only; they touch the buffers just while holding an item, and
-  // the call returns only when every item is done.
-  auto work = [&p, items](Progress& pr) {
-    for (int64_t i; (i = pr.next.fetch_add(1)) < items;) {
-      run_item(p, i);
+  // Pool tasks hold `progress` only; they touch fn (and the buffers) just while holding an
+  // item, and the call returns only when every item is done.
+  auto work = [&fn, count](Progress& pr) {
+    for (int64_t i; (i = pr.next.fetch_add(1)) < count;) {
+      fn(i);
       pr.done.fetch_add(1);
     }
   };
-  // The calling thread plus pool threads, as many as the pool has (one per core): more
-  // would share cores (measured slower).
-  const int64_t helpers = std::clamp<int64_t>(pool.num_threads() - 1, 0, items - 1);
+  const int64_t helpers = std::clamp<int64_t>(pool.num_threads() - 1, 0, count - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([progress, work]() { work(*progress); });
   work(*progress);
-  while (progress->done.load() < items) std::this_thread::yield();
+  while (progress->done.load() < count) std::this_thread::yield();
+}
+
+void run(const Problem& p, int64_t items, ffi::ThreadPool& pool) {
+  parallel_for(items, pool, [&p](int64_t i) { run_item(p, i); });
 }
 
 // The direct path's split: column parts of at most kDirectCols (one part when N fits, so
@@ -835,6 +840,40 @@ void packed_items(Problem& p, int64_t workers, std::vector<PackedItem>& out) {
   }
 }
 
+// What a call's activations are prepared from and into (see prepare_rows).
+struct Prep {
+  const float* xf = nullptr;        // x [M, K] f32, or
+  const uint16_t* xh = nullptr;     // x [M, K] bf16
+  bool packed_bf16 = false;         // into x16 [M, Kp] bf16 (the packed bf16 path)
+  bool widen = false;               // into x32 [M, K] as f32 values of bf16 (or bf16-rounded f32)
+  uint16_t* x16 = nullptr;
+  float* x32 = nullptr;
+  int64_t K = 0, Kp = 0;
+};
+
+// Rows [m0, m1) of the activations in the form the chosen path reads.
+void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
+  const int64_t K = q.K;
+  thread_local std::vector<uint16_t> row16;
+  row16.resize(K);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* src = q.xf != nullptr ? q.xf + m * K : nullptr;  // f32 x: the row
+    if (q.packed_bf16) {  // bf16 rows padded to an even length
+      uint16_t* dst = q.x16 + m * q.Kp;
+      if (src != nullptr) round_to_bf16(src, dst, K);
+      else std::memcpy(dst, q.xh + m * K, K * sizeof(uint16_t));
+      if (q.Kp > K) dst[K] = 0;
+    } else {  // f32 values of bf16 (or bf16-rounded) activations
+      if (src != nullptr) {
+        round_to_bf16(src, row16.data(), K);
+        to_f32(row16.data(), q.x32 + m * K, K);
+      } else {
+        to_f32(q.xh + m * K, q.x32 + m * K, K);
+      }
+    }
+  }
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, const ffi::AnyBuffer* residual, ffi::Result<ffi::AnyBuffer> out,
                   bool bf16_products, bool w_transposed) {
@@ -875,36 +914,39 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   p.xb = nullptr;
   p.Kp = K + (K & 1);
   const bool bf16_x = xt == ffi::BF16 || bf16_products;
-  // The activations in the form the chosen path reads, converted once per call.
+  Prep q;
+  q.xf = xt == ffi::F32 ? static_cast<const float*>(x.untyped_data()) : nullptr;
+  q.xh = xt == ffi::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  q.K = K;
+  q.Kp = p.Kp;
+#if defined(QMM_AVX512_BF16)
+  q.packed_bf16 = M > kDirectMaxRows && bf16_x;
+#else
+  q.packed_bf16 = false;
+#endif
+  q.widen = !q.packed_bf16 && (q.xh != nullptr || bf16_x);
+  // The activations in the form the chosen path reads, prepared once per call (f32 x as
+  // given needs nothing).
   thread_local std::vector<float> x32;
   thread_local std::vector<uint16_t> x16;
-  const float* xf = xt == ffi::F32 ? static_cast<const float*>(x.untyped_data()) : nullptr;
-  const uint16_t* xh = xt == ffi::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
-#if defined(QMM_AVX512_BF16)
-  const bool packed_bf16 = M > kDirectMaxRows && bf16_x;
-#else
-  const bool packed_bf16 = false;
-#endif
-  if (packed_bf16) {  // bf16 rows padded to an even length
-    x16.assign(M * p.Kp, 0);
-    for (int64_t i = 0; i < M; ++i) {
-      if (xh) std::memcpy(x16.data() + i * p.Kp, xh + i * K, K * sizeof(uint16_t));
-      else round_to_bf16(xf + i * K, x16.data() + i * p.Kp, K);
-    }
+  if (q.packed_bf16) {
+    x16.resize(M * p.Kp);
+    q.x16 = x16.data();
     p.xb = x16.data();
     p.x = nullptr;
-  } else if (xh || bf16_x) {  // f32 values of bf16 (or bf16-rounded) activations
+  } else if (q.widen) {
     x32.resize(M * K);
-    if (xh) {
-      to_f32(xh, x32.data(), M * K);
-    } else {
-      x16.resize(M * K);
-      round_to_bf16(xf, x16.data(), M * K);
-      to_f32(x16.data(), x32.data(), M * K);
-    }
+    q.x32 = x32.data();
     p.x = x32.data();
   } else {
-    p.x = xf;
+    p.x = q.xf;
+  }
+  if (q.x16 != nullptr || q.x32 != nullptr) {
+    // In parallel past ~64k values (a prefill's rows); row blocks of 16.
+    const int64_t blocks = M * K >= (1 << 16) ? (M + 15) / 16 : 1;
+    const int64_t per = (M + blocks - 1) / blocks;
+    if (blocks == 1) prepare_rows(q, 0, M);
+    else parallel_for(blocks, pool, [&q, per, M](int64_t b) { prepare_rows(q, b * per, std::min(M, (b + 1) * per)); });
   }
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   int64_t items;
