@@ -989,26 +989,26 @@ ffi::Error ImplResidual(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return Matmul(pool, x, w, scale, layer, &residual, out, bf16_products, w_transposed);
 }
 
+// The operands both targets take first.
+auto bind_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()          // x [M, K] f32 / bf16
+      .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
+      .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
+      .Arg<ffi::Buffer<ffi::S32>>();  // layer [] (0 when unstacked)
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpu, Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K] f32 / bf16
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
+                              bind_operands()
                                   .Ret<ffi::AnyBuffer>()          // out [M, N]
                                   .Attr<bool>("bf16_products")
                                   .Attr<bool>("w_transposed"));  // w [N, K] (unstacked)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpuResidual, ImplResidual,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x [M, K] f32 / bf16
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
+                              bind_operands()
                                   .Arg<ffi::AnyBuffer>()          // residual [M, N], x's dtype
                                   .Ret<ffi::AnyBuffer>()          // out [M, N] = residual + x @ w * scale
                                   .Attr<bool>("bf16_products")

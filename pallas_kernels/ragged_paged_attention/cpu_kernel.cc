@@ -456,7 +456,6 @@ inline void prefetch_page(const Problem& p, const int32_t* table, int64_t at, in
   }
 }
 
-// ksc / vsc: the pages' scales [P, S, Hkv] for quantized KV, unused (null) otherwise.
 // The keys an item reads: from `first` (a page boundary) up to `hi` (exclusive); and each
 // token's own bounds: key pos[i] and the window's lowest key lo[i].
 struct ItemKeys {
@@ -476,6 +475,7 @@ ItemKeys item_keys(const Problem& p, int64_t item, int64_t* pos, int64_t* lo) {
   return {key_lo - key_lo % ps, key_hi};
 }
 
+// ksc / vsc: the pages' scales [P, S, Hkv] for quantized KV, unused (null) otherwise.
 // `next`: the item this thread takes after this one (-1: none); its first pages are asked
 // for while this item's last ones are read, so that an item does not start on cold pages.
 template <typename Q, typename KV>
@@ -522,7 +522,8 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     for (int64_t ahead = 1; ahead <= kPagesAhead; ++ahead) {
       const int64_t at = start - off + ahead * ps;
       if (at <= last_page) prefetch_page(p, table, at, key_hi, kp, vp, ksc, vsc);
-      else if (next_table != nullptr) prefetch_page(p, next_table, after.first + (at - last_page - ps), after.hi, kp, vp, ksc, vsc);
+      else if (next_table != nullptr)  // the next item's pages, in its order
+        prefetch_page(p, next_table, after.first + (at - last_page - ps), after.hi, kp, vp, ksc, vsc);
     }
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
