@@ -363,15 +363,17 @@ class _LayerWeights(dict):
         projection without adapters adds it in the matmul's epilogue (the native CPU kernel
         writes [T, out] once instead of twice), the same bits as `residual + y`."""
         if residual is not None and name in self._stacked and f"{name}.a" not in self._lora:
-            return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
-                                    precision=self._precision, residual=residual)
+            return self.matmul(x, name, residual)
         y = self.plus_lora(self.matmul(x, name), x, name)
         return y if residual is None else residual + y
 
-    def matmul(self, x: jax.Array, name: str) -> jax.Array:
+    def matmul(self, x: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
+        """x @ W_name (+ `residual`, which only a quantized projection takes: see `project`)."""
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
-                                    precision=self._precision)
+                                    precision=self._precision, residual=residual)
+        if residual is not None:
+            raise ValueError(f"{name} is not a quantized projection: `project` adds its residual")
         return tiled_matmul(x, self[name], self._row_tile)
 
 

@@ -89,14 +89,18 @@ inline uint16_t f32_to_bf16(float x) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(b >> 16);
 }
 
+#if defined(QMM_AVX512)
+inline __m512 bf16x16_to_f32(__m256i h) {  // 16 bf16 widened (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // dst[i] = src[i] as f32, for n values (bf16 widened, or f32 rounded to bf16 and back).
 void to_f32(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(QMM_AVX512)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
 }
@@ -157,9 +161,8 @@ void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int6
 #if defined(QMM_AVX512_BF16)
         __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
         if (res16 != nullptr) {
-          const __m512 r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, res16 + o + j)), 16));
-          const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-          h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(r, y)));
+          const __m512 r = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, res16 + o + j));
+          h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(r, bf16x16_to_f32(h))));
         }
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + o + j, m, h);
 #else
@@ -414,7 +417,8 @@ struct PackedF32 {
 
 // Two rows of f32 values exact in bf16 (widened int8) as the dwords VDPBF16PS reads:
 // bf16(hi) << 16 | bf16(lo). The exact bf16 is the f32's upper half: a shift and a word
-// blend instead of a rounding conversion (1.26x the packing rate measured).
+// blend instead of a rounding conversion (1.26x in a C test of the conversion alone; no
+// change end to end, where packing waits on the weight's bytes).
 inline __m512i bf16_pair(__m512 lo, __m512 hi) {
   return _mm512_mask_blend_epi16(0x55555555u, _mm512_castps_si512(hi), _mm512_srli_epi32(_mm512_castps_si512(lo), 16));
 }
@@ -844,10 +848,8 @@ void packed_items(Problem& p, int64_t workers, std::vector<PackedItem>& out) {
 struct Prep {
   const float* xf = nullptr;        // x [M, K] f32, or
   const uint16_t* xh = nullptr;     // x [M, K] bf16
-  bool packed_bf16 = false;         // into x16 [M, Kp] bf16 (the packed bf16 path)
-  bool widen = false;               // into x32 [M, K] as f32 values of bf16 (or bf16-rounded f32)
-  uint16_t* x16 = nullptr;
-  float* x32 = nullptr;
+  uint16_t* x16 = nullptr;          // into x16 [M, Kp] bf16 (the packed bf16 path), or
+  float* x32 = nullptr;             // into x32 [M, K] as f32 values of bf16 (or bf16-rounded f32)
   int64_t K = 0, Kp = 0;
 };
 
@@ -858,7 +860,7 @@ void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
   row16.resize(K);
   for (int64_t m = m0; m < m1; ++m) {
     const float* src = q.xf != nullptr ? q.xf + m * K : nullptr;  // f32 x: the row
-    if (q.packed_bf16) {  // bf16 rows padded to an even length
+    if (q.x16 != nullptr) {  // bf16 rows padded to an even length
       uint16_t* dst = q.x16 + m * q.Kp;
       if (src != nullptr) round_to_bf16(src, dst, K);
       else std::memcpy(dst, q.xh + m * K, K * sizeof(uint16_t));
@@ -920,21 +922,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   q.K = K;
   q.Kp = p.Kp;
 #if defined(QMM_AVX512_BF16)
-  q.packed_bf16 = M > kDirectMaxRows && bf16_x;
+  const bool packed_bf16 = M > kDirectMaxRows && bf16_x;
 #else
-  q.packed_bf16 = false;
+  const bool packed_bf16 = false;
 #endif
-  q.widen = !q.packed_bf16 && (q.xh != nullptr || bf16_x);
   // The activations in the form the chosen path reads, prepared once per call (f32 x as
   // given needs nothing).
   thread_local std::vector<float> x32;
   thread_local std::vector<uint16_t> x16;
-  if (q.packed_bf16) {
+  if (packed_bf16) {
     x16.resize(M * p.Kp);
     q.x16 = x16.data();
     p.xb = x16.data();
     p.x = nullptr;
-  } else if (q.widen) {
+  } else if (q.xh != nullptr || bf16_x) {
     x32.resize(M * K);
     q.x32 = x32.data();
     p.x = x32.data();
