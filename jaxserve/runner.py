@@ -278,7 +278,7 @@ class ModelRunner:
         h_last, h_all = self.run_backbone(arrays)  # dispatched: the device runs while the host goes on
         if flags.use_bitmask and self.channel is None:
             mask_s = self._fill_bitmask(so, tensors)
-        out = self.sample(h_last, tensors, R, flags)
+        out = self.sample(h_last, tensors, R, flags, arrays.num_rows)
         prompt_lps = self._prompt_logprobs(so, h_all, T)
         token_ids = np.asarray(out.token_ids)
         lp = None
@@ -387,7 +387,7 @@ class ModelRunner:
     def run_step(self, arrays: StepArrays, tensors: SamplingTensors, num_rows: int,
                  flags: SamplerFlags) -> SamplerOutput:
         """The device part of a step (what every multi-host process runs)."""
-        return self.sample(self.run_backbone(arrays)[0], tensors, num_rows, flags)
+        return self.sample(self.run_backbone(arrays)[0], tensors, num_rows, flags, arrays.num_rows)
 
     def kv_cache_lost(self) -> bool:
         """True when a failed call had already consumed the donated cache buffers."""
@@ -460,17 +460,18 @@ class ModelRunner:
         return h_last, h_all
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
-               flags: SamplerFlags) -> SamplerOutput:
-        """Logits of the first `num_rows` rows, then the sampler: two executables, because
-        XLA:CPU fusing the sampler's reductions into the logits matmul makes the pair ~40%
-        slower than running them apart."""
+               flags: SamplerFlags, live_rows: int | None = None) -> SamplerOutput:
+        """Logits of the first `num_rows` rows (`live_rows` of them real, the rest padding;
+        default all), then the sampler: two executables, because XLA:CPU fusing the sampler's
+        reductions into the logits matmul makes the pair ~40% slower than running them apart."""
+        live = self._put(np.int32(num_rows if live_rows is None else live_rows))
         if self.input_sharding is not None:
             tensors = self._put(tensors)
         logits_exe = self.executables.get(ShapeKey("logits", num_rows))
         if logits_exe is not None:
-            logits = logits_exe(self.state, h_last)
+            logits = logits_exe(self.state, h_last, live)
         else:
-            logits = logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=num_rows)
+            logits = logits_jit(self.graphdef, self.mesh, self.state, h_last, live, num_rows=num_rows)
         exe = self.executables.get(ShapeKey("head", num_rows, flags))
         if exe is not None:
             return exe(logits, tensors)
@@ -479,7 +480,8 @@ class ModelRunner:
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
         h_last = self.run_backbone(arrays)[0]
-        return logits_jit(self.graphdef, self.mesh, self.state, h_last, num_rows=h_last.shape[0])
+        return logits_jit(self.graphdef, self.mesh, self.state, h_last, self._put(np.int32(h_last.shape[0])),
+                          num_rows=h_last.shape[0])
 
     def forward_numpy(self, arrays: StepArrays) -> np.ndarray:
         return np.asarray(self.forward(arrays))[: arrays.num_reqs]

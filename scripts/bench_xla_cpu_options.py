@@ -55,7 +55,7 @@ def step_programs(dtype: str, reps: int) -> None:
         try:
             bb = backbone_jit.lower(runner.graphdef, runner.attention_backend, None, runner.state, runner.kv_cache,
                                     tok, pos, md, lidx).compile(compiler_options=opts)
-            lg = logits_jit.lower(runner.graphdef, None, runner.state, h_abs, num_rows=rows).compile(
+            lg = logits_jit.lower(runner.graphdef, None, runner.state, h_abs, np.int32(rows), num_rows=rows).compile(
                 compiler_options=opts)
             exes[name] = (bb, lg)
         except Exception as e:  # an option this jaxlib does not know
@@ -68,7 +68,7 @@ def step_programs(dtype: str, reps: int) -> None:
             h, kv = bb(runner.state, kv, tok, pos, md, lidx)
             jax.block_until_ready(h)
             t1 = time.perf_counter()
-            jax.block_until_ready(lg(runner.state, h))
+            jax.block_until_ready(lg(runner.state, h, np.int32(rows)))
             if rep >= 2:  # the first calls page in buffers
                 times[name][0].append(t1 - t0)
                 times[name][1].append(time.perf_counter() - t1)

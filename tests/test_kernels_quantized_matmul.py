@@ -148,6 +148,32 @@ def test_residual_is_added_in_the_epilogue_with_the_same_bits(m, x_dtype, transp
         quantized_matmul(x, w, scale, residual=res.astype(jnp.float16), transposed=transposed)
 
 
+@pytest.mark.parametrize("m,transposed", [(4, False), (24, False), (24, True)])
+def test_only_the_live_rows_are_computed_with_the_full_results_bits(m, transposed):
+    """`rows` (a traced count, as the model passes its real tokens): the live rows are the bits
+    of the whole computation (the path follows the padded M, so a row's bits do not depend on
+    how many rows are live), the padded ones 0; with a residual too. The reference computes
+    every row."""
+    k, n = 96, 200
+    x, w, scale = operands(m, k, n, seed=m)
+    if transposed:
+        w = w.T
+    res = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, n), dtype=np.float32))
+    for precision in ("highest", "bf16"):
+        kw = {"backend": "cpu", "precision": precision, "transposed": transposed}
+        full = np.asarray(quantized_matmul(x, w, scale, residual=res, **kw))
+        live_fn = jax.jit(lambda x, r, live, kw=kw: quantized_matmul(x, w, scale, residual=r, rows=live, **kw))
+        for live in (0, 1, 3, m - 1, m, m + 7):
+            got = np.asarray(live_fn(x, res, jnp.int32(live)))
+            np.testing.assert_array_equal(got[:live], full[:live])
+            assert not got[live:].any(), f"padded rows past {live} not zero"
+        ref = quantized_matmul(x, w, scale, residual=res, rows=2, backend="reference", precision=precision,
+                               transposed=transposed)
+        np.testing.assert_allclose(np.asarray(ref), full, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="rows"):
+        quantized_matmul(x, w, scale, rows=jnp.zeros(2, jnp.int32), transposed=transposed)
+
+
 def test_vmap_over_activations():
     x, w, scale = operands(6, 40, 24)
     xs = x.reshape(3, 2, 40)

@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 STORE_DIR = "executables"
 MAX_ENTRIES = 4
 # Part of every identity: entries written by an earlier format are not loaded. 2: entries
-# never hold executables that were loaded from the persistent cache (`not_saveable`).
-STORE_FORMAT = 2
+# never hold executables that were loaded from the persistent cache (`not_saveable`). 3: the
+# logits program takes the count of live rows.
+STORE_FORMAT = 3
 # Environment that changes what XLA emits for the same program.
 _COMPILER_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 

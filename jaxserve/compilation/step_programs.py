@@ -87,7 +87,7 @@ class StepPrograms:
             ).compile()
         if key.kind == "logits":
             h = sds((max_reqs, self.hidden_size), self.dtype, rep)
-            return logits_jit.lower(self.graphdef, self.mesh, self.state, h, num_rows=key.size).compile()
+            return logits_jit.lower(self.graphdef, self.mesh, self.state, h, i32(), num_rows=key.size).compile()
         if key.kind == "prompt_logprobs":
             T = key.size
             h = sds((T, self.hidden_size), self.dtype, rep)
@@ -128,13 +128,15 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
     return h_last, h_all, kv_cache
 
 
-def _logits(graphdef, mesh, state, h_last, *, num_rows):
+def _logits(graphdef, mesh, state, h_last, live_rows, *, num_rows):
+    """Logits [num_rows, V] of h_last's first rows; `live_rows` (int32 []) of them are real
+    (the rest pad the request bucket: a quantized head skips them where it can, 0 there)."""
     model = nnx.merge(graphdef, state)
     # The slice is materialised before the head's matmul: XLA:GPU (jax 0.10.2) fails to
     # compile a one-row slice fused into a GEMM with a transposed (tied) embedding ("Reshape
     # input and output shapes must be the same, got 1x16 -> 16x8"). It costs an [R, E] copy.
     h = jax.lax.optimization_barrier(h_last[:num_rows])  # [R, E]
-    logits = model.compute_logits(h)  # [R, V]
+    logits = model.compute_logits(h, live_rows)  # [R, V]
     if mesh is not None:  # the sampler receives replicated logits, as its warmup assumed
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
     return logits

@@ -206,6 +206,9 @@ class LlamaForCausalLM(nnx.Module):
         if local_rope is not None and uniform:  # every layer global, or every layer local
             rope, local_rope = (local_rope if windows[0] else rope), None
 
+        # The step's real tokens (the rest of the bucket is padding): quantized projections
+        # skip the padded rows' work where the kernel can (the native CPU one).
+        live_rows = md.cu_q_lens[md.num_seqs[0]]
         lora_weights = lora.weights if lora is not None else {}
         onehot = lora.onehot(num_slots(lora_weights), dtype) if lora is not None else None  # [T, N]
 
@@ -218,7 +221,7 @@ class LlamaForCausalLM(nnx.Module):
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
             page_offset = per["layer_id"] * P
             lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile,
-                               lora_lp, onehot)
+                               lora_lp, onehot, live_rows)
             if cfg.sandwich_norms:  # the branch's output is normed before the skip connection
                 attn, pool = self._attention(
                     h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
@@ -305,14 +308,15 @@ class LlamaForCausalLM(nnx.Module):
         scale = jnp.take(self.embed_qscale[...], token_ids, axis=0)  # [T]
         return (rows.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
-    def compute_logits(self, h: jax.Array) -> jax.Array:
-        """h: [R, E] final-normed hidden states -> logits [R, V] in f32."""
+    def compute_logits(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        """h: [R, E] final-normed hidden states -> logits [R, V] in f32. `live_rows` (int32
+        []): h's first rows that are real; a quantized head may skip the rest (0 there)."""
         if self.lm_head_qscale is not None:
-            logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...],
+            logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...], rows=live_rows,
                                       precision=self.matmul_precision).astype(jnp.float32)
         elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows (or [E, V]), a scale per token
             logits = quantized_matmul(h, self.embed[...], self.embed_qscale[...], transposed=not self.embed_columns,
-                                      precision=self.matmul_precision).astype(jnp.float32)
+                                      rows=live_rows, precision=self.matmul_precision).astype(jnp.float32)
         else:
             tied = self.lm_head is None  # the embedding [V, E] as the head
             head = self.embed[...] if tied else self.lm_head[...]  # [V, E] or [E, V]
@@ -337,10 +341,13 @@ _DENSE_QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class _LayerWeights(dict):
     """One layer's weights inside the scan: the sliced ones as a dict, plus `matmul(x, name)`
     that runs a quantized projection from the stacked weights by layer index, and
-    `plus_lora(y, x, name)` that adds the adapters' delta of a target to its output."""
+    `plus_lora(y, x, name)` that adds the adapters' delta of a target to its output.
+    `live_rows` (traced): the step's real tokens; a quantized projection's rows past them are
+    padding, which the native CPU kernel skips (zeros there)."""
 
     def __init__(self, sliced: dict[str, Any], stacked: dict[str, Any], layer: jax.Array, precision: str,
-                 row_tile: int = 0, lora: dict[str, jax.Array] | None = None, onehot: jax.Array | None = None):
+                 row_tile: int = 0, lora: dict[str, jax.Array] | None = None, onehot: jax.Array | None = None,
+                 live_rows: jax.Array | None = None):
         super().__init__(sliced)
         self._stacked = stacked
         self._layer = layer
@@ -348,6 +355,7 @@ class _LayerWeights(dict):
         self._row_tile = row_tile
         self._lora = lora or {}  # "<target>.a" [in, N, r], "<target>.b" [N, r, out]
         self._onehot = onehot  # [T, N]
+        self._live_rows = live_rows  # int32 []
 
     def plus_lora(self, y: jax.Array, x: jax.Array, target: str) -> jax.Array:
         """y [T, out] + the LoRA delta of `target` on its input x [T, in] (y itself when no
@@ -371,7 +379,7 @@ class _LayerWeights(dict):
         """x @ W_name (+ `residual`, which only a quantized projection takes: see `project`)."""
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
-                                    precision=self._precision, residual=residual)
+                                    precision=self._precision, residual=residual, rows=self._live_rows)
         if residual is not None:
             raise ValueError(f"{name} is not a quantized projection: `project` adds its residual")
         return tiled_matmul(x, self[name], self._row_tile)

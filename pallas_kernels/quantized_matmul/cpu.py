@@ -80,9 +80,14 @@ def quantized_matmul_cpu(
     precision: str = "highest",
     transposed: bool = False,  # w [N, K] (unstacked): a tied embedding as the LM head
     residual: jax.Array | None = None,  # [M, N], x.dtype: added to the result
+    rows: jax.Array | int | None = None,  # int32 scalar: the live rows (None: all M)
 ) -> jax.Array:  # [M, N], x.dtype
     """The reference's contract (reference.py), computed by the native kernel. With
     `transposed`, w is [N, K] (output channels as rows) and read in that layout.
+
+    `rows`: only x's first `rows` rows are computed (clamped to [0, M]); the rest of the
+    result is 0. A padded batch (a token bucket) pays for its live rows only, and a live row's
+    bits are those of the full computation (the path still follows M).
 
     The stacked weight and the layer index are operands: the kernel reads layer `layer` in
     place. `layer` is clamped (negative counts from the end) as `dynamic_index_in_dim` does.
@@ -99,14 +104,15 @@ def quantized_matmul_cpu(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
     if transposed and w.ndim != 2:
         raise ValueError(f"transposed takes an unstacked w [N, K], got shape {w.shape}")
     n = w.shape[0] if transposed else w.shape[-1]
     out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
     attrs = {"bf16_products": precision == "bf16", "w_transposed": transposed}
     if residual is None:
-        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w, scale, layer, **attrs)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w, scale, layer, rows, **attrs)
     if residual.shape != out.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must be {out.shape} {x.dtype}, got {residual.shape} {residual.dtype}")
     call = jax.ffi.ffi_call(name + _RESIDUAL, out, vmap_method="sequential")
-    return call(x, w, scale, layer, residual, **attrs)
+    return call(x, w, scale, layer, rows, residual, **attrs)

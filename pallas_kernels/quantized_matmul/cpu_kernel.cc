@@ -6,6 +6,10 @@
 // residual + that, as the separate add would give it (the product rounded to out's dtype,
 // then the sum rounded), without writing the product and reading it back.
 //
+// `rows` (int32 []): the live rows. Only rows [0, rows) are computed, the rest of out is
+// written 0: a padded batch pays for its real tokens only. Which path runs still follows M
+// (the padded shape), so a live row's bits do not depend on how many rows are live.
+//
 // x [M, K] f32 or bf16, w [K, N] int8 or stacked [L, K, N] with an int32 `layer` operand
 // (read in place: no slice is copied), or with `w_transposed` w [N, K] (a tied embedding
 // read as the LM head, without a transposed copy), scale [N] or [L, N] f32, out [M, N] in
@@ -130,6 +134,7 @@ struct Problem {
   void* out;            // [M, N]
   const void* residual;  // [M, N] in out's dtype, added to the result; or null
   bool out_bf16;
+  bool packed_path;  // M (the padded shape) > kDirectMaxRows: the packed path, however few rows are live
   // Direct path: items of krows weight rows by cw columns, kparts x nparts of them; with
   // several k-parts, their partial sums [kparts][M][N] and per column part a count of the
   // k-parts done. Packed path: rows per m-block, m-blocks.
@@ -763,7 +768,7 @@ void packed_item(const Problem& p, int64_t item) {
 
 void run_item(const Problem& p, int64_t item) {
 #if defined(QMM_AVX512)
-  if (p.M > kDirectMaxRows) {
+  if (p.packed_path) {
 #if defined(QMM_AVX512_BF16)
     if (p.xb != nullptr) return p.wt ? packed_item<PackedBf16T>(p, item) : packed_item<PackedBf16>(p, item);
 #endif
@@ -877,7 +882,7 @@ void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                  ffi::Buffer<ffi::S32> layer, const ffi::AnyBuffer* residual, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual, ffi::Result<ffi::AnyBuffer> out,
                   bool bf16_products, bool w_transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || sd.size() + 1 != wd.size())
@@ -888,16 +893,22 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   const int64_t K = w_transposed ? wd[1] : wd[stacked ? 1 : 0], N = w_transposed ? wd[0] : wd[stacked ? 2 : 1];
   if (xd[1] != K || sd[sd.size() - 1] != N || (stacked && sd[0] != L) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("x, w and scale shapes disagree");
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("rows must be an int32 scalar");
   const auto xt = x.element_type();
   if ((xt != ffi::F32 && xt != ffi::BF16) || out->element_type() != xt)
     return ffi::Error::InvalidArgument("x and out must be float32 or bfloat16, alike");
-  const int64_t M = xd[0];
+  const int64_t padded_m = xd[0];
   if (residual != nullptr) {
     const auto rd = residual->dimensions();
-    if (residual->element_type() != xt || rd.size() != 2 || rd[0] != M || rd[1] != N)
+    if (residual->element_type() != xt || rd.size() != 2 || rd[0] != padded_m || rd[1] != N)
       return ffi::Error::InvalidArgument("residual must be [M, N] in x's dtype");
   }
-  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (padded_m == 0 || N == 0) return ffi::Error::Success();
+  // Rows past the live ones are 0 and cost nothing else.
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, padded_m);
+  const size_t elt = xt == ffi::BF16 ? 2 : 4;
+  std::memset(static_cast<char*>(out->untyped_data()) + M * N * elt, 0, (padded_m - M) * N * elt);
+  if (M == 0) return ffi::Error::Success();
   // The layer as dynamic_index_in_dim takes it: negative counts from the end, then clamped.
   int64_t l = layer.typed_data()[0];
   if (l < 0) l += L;
@@ -912,6 +923,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   p.scale = scale.typed_data() + l * N;
   p.out = out->untyped_data();
   p.out_bf16 = xt == ffi::BF16;
+  p.packed_path = padded_m > kDirectMaxRows;
   p.residual = residual != nullptr ? residual->untyped_data() : nullptr;
   p.xb = nullptr;
   p.Kp = K + (K & 1);
@@ -922,7 +934,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   q.K = K;
   q.Kp = p.Kp;
 #if defined(QMM_AVX512_BF16)
-  const bool packed_bf16 = M > kDirectMaxRows && bf16_x;
+  const bool packed_bf16 = p.packed_path && bf16_x;
 #else
   const bool packed_bf16 = false;
 #endif
@@ -955,7 +967,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   thread_local std::vector<PackedItem> packed;
   std::unique_ptr<std::atomic<int64_t>[]> parts_done;
 #if defined(QMM_AVX512)
-  if (M > kDirectMaxRows) {
+  if (p.packed_path) {
     packed_items(p, workers, packed);
     p.packed = packed.data();
     items = static_cast<int64_t>(packed.size());
@@ -980,14 +992,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
-  return Matmul(pool, x, w, scale, layer, nullptr, out, bf16_products, w_transposed);
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> out,
+                bool bf16_products, bool w_transposed) {
+  return Matmul(pool, x, w, scale, layer, live, nullptr, out, bf16_products, w_transposed);
 }
 
 ffi::Error ImplResidual(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                        ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
-                        bool bf16_products, bool w_transposed) {
-  return Matmul(pool, x, w, scale, layer, &residual, out, bf16_products, w_transposed);
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::AnyBuffer residual,
+                        ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
+  return Matmul(pool, x, w, scale, layer, live, &residual, out, bf16_products, w_transposed);
 }
 
 // The operands both targets take first.
@@ -997,7 +1010,8 @@ auto bind_operands() {
       .Arg<ffi::AnyBuffer>()          // x [M, K] f32 / bf16
       .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
       .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
-      .Arg<ffi::Buffer<ffi::S32>>();  // layer [] (0 when unstacked)
+      .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
+      .Arg<ffi::Buffer<ffi::S32>>();  // rows []: the live rows (the rest of out is 0)
 }
 
 }  // namespace

@@ -14,8 +14,10 @@ QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 BACKENDS = ("auto", "reference", "cpu")
 
 
-def _validate(x, w, scale, layer, transposed, residual) -> None:
+def _validate(x, w, scale, layer, transposed, residual, rows) -> None:
     check_shape("x", x, (None, None), "[M, K]")
+    if rows is not None and (jnp.ndim(rows) != 0 or not jnp.issubdtype(jnp.result_type(rows), jnp.integer)):
+        raise ValueError(f"rows must be an integer scalar (the live rows of x), got {rows!r}")
     k = x.shape[1]
     if transposed:
         if layer is not None:
@@ -71,6 +73,7 @@ def quantized_matmul(
     precision: str = "highest",
     transposed: bool = False,
     residual: jax.Array | None = None,  # [M, N], x.dtype
+    rows: jax.Array | int | None = None,  # int32 scalar: the live rows of x (None: all)
 ) -> jax.Array:  # [M, N], x.dtype
     """`(x @ w) * scale` with f32 accumulation (see reference.py for the contract).
 
@@ -87,8 +90,12 @@ def quantized_matmul(
     the LM head, read where it lies rather than through a transposed copy.
     residual: added to the result (`residual + out`, the same bits): a skip connection, which
     the native CPU kernel adds in its epilogue instead of a separate pass over [M, N].
+    rows: how many of x's rows are live (a padded batch's real tokens, traced). Rows at and
+    past it are don't-care: the native CPU kernel skips their work and writes 0 there; the
+    reference (and so every TPU/GPU program) computes them as usual. Live rows are the same
+    bits either way.
     """
-    _validate(x, w, scale, layer, transposed, residual)
+    _validate(x, w, scale, layer, transposed, residual, rows)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in native_cpu.PRECISIONS:
@@ -97,18 +104,20 @@ def quantized_matmul(
     if backend == "reference":
         return quantized_matmul_reference(x, w, scale, layer, residual=residual, **kw)
     if backend == "cpu":
-        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, residual=residual, **kw)
+        return native_cpu.quantized_matmul_cpu(x, w, scale, layer, residual=residual, rows=rows, **kw)
     # The layer (a traced index inside the layer scan) and the residual travel as operands of
     # every branch.
     stacked = layer is not None
     index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
-    operands = (x, w, scale, index) + (() if residual is None else (residual,))
+    live = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    operands = (x, w, scale, index, live) + (() if residual is None else (residual,))
 
-    def reference(x, w, scale, index, *res):
+    def reference(x, w, scale, index, live, *res):
         return quantized_matmul_reference(x, w, scale, index if stacked else None, residual=_one(res), **kw)
 
-    def native(x, w, scale, index, *res):
-        return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None, residual=_one(res), **kw)
+    def native(x, w, scale, index, live, *res):
+        return native_cpu.quantized_matmul_cpu(x, w, scale, index if stacked else None, residual=_one(res),
+                                               rows=live, **kw)
 
     return by_target_platform(operands, reference=reference, tpu=None, gpu=None,
                               cpu=native if _native_cpu_choice(w.dtype)[0] else None)
