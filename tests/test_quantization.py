@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -157,6 +158,7 @@ def test_skip_connections_added_in_the_matmul_epilogue_keep_the_bits(tmp_path, m
         return kernel(*args, residual=residual, **kw)
 
     monkeypatch.setattr(native_cpu, "quantized_matmul_cpu", counting)
+    jax.clear_caches()  # an earlier test's engine may have traced this very program
     fused = _greedy_logprobs(quant)
     assert any(fused_calls), "no projection took the residual"
 
@@ -166,8 +168,39 @@ def test_skip_connections_added_in_the_matmul_epilogue_keep_the_bits(tmp_path, m
 
     monkeypatch.setattr(llama._LayerWeights, "project", added_after)
     fused_calls.clear()
+    jax.clear_caches()  # else the second engine is handed the first one's traced program
     assert _greedy_logprobs(quant) == fused
-    assert not any(fused_calls)
+    assert fused_calls and not any(fused_calls)
+
+
+def test_padded_rows_skipped_by_the_quantized_matmuls_keep_the_bits(tmp_path, monkeypatch):
+    """The model passes each step's count of real tokens (and the logits their real rows) to
+    the quantized matmuls, which skip the padding: the same tokens and logprobs, bit for bit,
+    as computing every padded row (decode steps here run 2 rows in a bucket of 4)."""
+    from jaxserve.models import llama
+
+    loaded = _tiny_loaded(tmp_path)
+    quant = dataclasses.replace(loaded, params=quantize_params(loaded.params, "int8"))
+    matmul, counted = llama.quantized_matmul, []
+
+    def counting(*args, rows=None, **kw):
+        counted.append(rows is not None)
+        return matmul(*args, rows=rows, **kw)
+
+    monkeypatch.setattr(llama, "quantized_matmul", counting)
+    jax.clear_caches()  # an earlier test's engine may have traced this very program
+    skipped = _greedy_logprobs(quant)
+    assert counted and all(counted), "a quantized projection was not given the live rows"
+
+    def every_row(*args, rows=None, **kw):
+        counted.append(False)
+        return matmul(*args, **kw)
+
+    monkeypatch.setattr(llama, "quantized_matmul", every_row)
+    counted.clear()
+    jax.clear_caches()
+    assert _greedy_logprobs(quant) == skipped
+    assert counted and not any(counted)
 
 
 def test_configuration_errors_name_the_value():
