@@ -134,7 +134,7 @@ struct Problem {
   void* out;            // [M, N]
   const void* residual;  // [M, N] in out's dtype, added to the result; or null
   bool out_bf16;
-  bool packed_path;  // M (the padded shape) > kDirectMaxRows: the packed path, however few rows are live
+  bool packed_path;  // the padded M > kDirectMaxRows: packed, however few rows are live
   // Direct path: items of krows weight rows by cw columns, kparts x nparts of them; with
   // several k-parts, their partial sums [kparts][M][N] and per column part a count of the
   // k-parts done. Packed path: rows per m-block, m-blocks.
@@ -882,8 +882,8 @@ void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual, ffi::Result<ffi::AnyBuffer> out,
-                  bool bf16_products, bool w_transposed) {
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual,
+                  ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || sd.size() + 1 != wd.size())
     return ffi::Error::InvalidArgument("expected x [M, K], w [K, N] or [L, K, N], scale [N] or [L, N]");
