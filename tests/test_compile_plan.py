@@ -194,6 +194,21 @@ def test_a_start_with_other_settings_names_what_differs_from_the_saved_executabl
     assert "1 planned shapes have no executable (first: backbone[T=48])" in caplog.text
 
 
+def test_executables_saved_by_other_source_code_are_not_loaded(tmp_path, monkeypatch):
+    """The store's identity carries a digest of the sources that build the programs: equal
+    settings under changed code give another entry, so a start never runs an old program."""
+    from jaxserve.compilation import executable_store
+
+    settings = ("cpu", 1, "cpu", {"shapes": ["backbone[T=8]"]}, {})
+    before = executable_store.Identity.of(*settings)
+    assert before.program["source"] == executable_store.source_digest()
+    assert executable_store.Identity.of(*settings).digest() == before.digest()
+    monkeypatch.setattr(executable_store, "source_digest", lambda: "other code")
+    after = executable_store.Identity.of(*settings)
+    assert after.digest() != before.digest()
+    assert any("source" in d for d in after.differences(dataclasses.asdict(before)))
+
+
 def test_a_full_disk_while_saving_executables_is_logged_and_leaves_nothing(tmp_path, caplog, monkeypatch):
     import errno
     import types

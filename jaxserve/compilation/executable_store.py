@@ -5,7 +5,8 @@ every planned shape to find its key (~160 ms a shape on a CPU host) before it lo
 So after warmup the engine also serializes its step executables into
 `<cache dir>/executables/<digest of the identity>/`, with the manifest `jaxserve compile
 --out` writes. A later start whose identity is equal (software versions, device kind and
-count, model config, engine settings, the kernels chosen, XLA's flags) deserializes them
+count, model config, engine settings, the kernels chosen, XLA's flags, the source code that
+builds the programs) deserializes them
 instead: nothing is traced, lowered or compiled. A start that finds no entry for its identity
 compiles as before and logs what differs from the entry saved last, so an operator can see
 why a restart was slow. At most `MAX_ENTRIES` identities are kept (the oldest go).
@@ -14,11 +15,13 @@ why a restart was slow. At most `MAX_ENTRIES` identities are kept (the oldest go
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from jaxserve.compilation.aot import (
@@ -61,7 +64,8 @@ class Identity:
         env = {k: os.environ.get(k, "") for k in _COMPILER_ENV}
         # As a manifest reads it back (tuples become lists), so equal settings compare equal.
         program = json.loads(json.dumps({**fingerprint, "kernels": kernels, "compiler_env": env,
-                                         "store_format": STORE_FORMAT}, default=str))
+                                         "store_format": STORE_FORMAT, "source": source_digest()},
+                                        default=str))
         return cls(platform, num_devices, device_kind, program, software_versions(platform))
 
     def digest(self) -> str:
@@ -71,6 +75,22 @@ class Identity:
     def differences(self, manifest: dict[str, Any]) -> list[str]:
         return manifest_differences(manifest, platform=self.platform, num_devices=self.num_devices,
                                     device_kind=self.device_kind, fingerprint=self.program)
+
+
+@functools.cache
+def source_digest(roots: tuple[str, ...] = ("jaxserve", "pallas_kernels")) -> str:
+    """A digest of the Python and C++ sources of the packages that build the step programs.
+    Code that changes a program without changing its settings (a model or kernel change, an
+    upgrade) must not load executables saved by other code: they would run the old program,
+    or fail on a changed signature. Read once per process (~1 MB of sources)."""
+    h = hashlib.sha256()
+    base = Path(__file__).resolve().parents[2]
+    for root in roots:
+        for f in sorted((base / root).rglob("*")):
+            if f.suffix in (".py", ".cc") and f.is_file():
+                h.update(str(f.relative_to(base)).encode() + b"\0")
+                h.update(f.read_bytes())
+    return h.hexdigest()[:20]
 
 
 def not_saveable(platform: str, records: tuple[ShapeRecord, ...]) -> list[str]:
