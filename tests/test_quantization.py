@@ -143,6 +143,15 @@ def test_quantized_engine_equals_the_engine_on_dequantized_weights(tmp_path, met
         np.testing.assert_allclose(glp, wlp, atol=2e-4)
 
 
+def _logprobs_patched(quant, monkeypatch, obj, name, fn):
+    """`_greedy_logprobs(quant)` of a fresh engine with `obj.name` patched to `fn`. jax's trace
+    cache is cleared first: otherwise the engine is handed a program an earlier engine traced
+    (equal graphdefs), and the patch never runs."""
+    monkeypatch.setattr(obj, name, fn)
+    jax.clear_caches()
+    return _greedy_logprobs(quant)
+
+
 def test_skip_connections_added_in_the_matmul_epilogue_keep_the_bits(tmp_path, monkeypatch):
     """o_proj and down_proj add the residual stream in the native kernel's epilogue: the same
     tokens and logprobs, bit for bit, as the model adding it after the matmul."""
@@ -157,19 +166,15 @@ def test_skip_connections_added_in_the_matmul_epilogue_keep_the_bits(tmp_path, m
         fused_calls.append(residual is not None)
         return kernel(*args, residual=residual, **kw)
 
-    monkeypatch.setattr(native_cpu, "quantized_matmul_cpu", counting)
-    jax.clear_caches()  # an earlier test's engine may have traced this very program
-    fused = _greedy_logprobs(quant)
+    fused = _logprobs_patched(quant, monkeypatch, native_cpu, "quantized_matmul_cpu", counting)
     assert any(fused_calls), "no projection took the residual"
 
     def added_after(self, x, name, residual=None):
         y = self.plus_lora(self.matmul(x, name), x, name)
         return y if residual is None else residual + y
 
-    monkeypatch.setattr(llama._LayerWeights, "project", added_after)
     fused_calls.clear()
-    jax.clear_caches()  # else the second engine is handed the first one's traced program
-    assert _greedy_logprobs(quant) == fused
+    assert _logprobs_patched(quant, monkeypatch, llama._LayerWeights, "project", added_after) == fused
     assert fused_calls and not any(fused_calls)
 
 
@@ -187,19 +192,14 @@ def test_padded_rows_skipped_by_the_quantized_matmuls_keep_the_bits(tmp_path, mo
         counted.append(rows is not None)
         return matmul(*args, rows=rows, **kw)
 
-    monkeypatch.setattr(llama, "quantized_matmul", counting)
-    jax.clear_caches()  # an earlier test's engine may have traced this very program
-    skipped = _greedy_logprobs(quant)
-    assert counted and all(counted), "a quantized projection was not given the live rows"
-
     def every_row(*args, rows=None, **kw):
         counted.append(False)
         return matmul(*args, **kw)
 
-    monkeypatch.setattr(llama, "quantized_matmul", every_row)
+    skipped = _logprobs_patched(quant, monkeypatch, llama, "quantized_matmul", counting)
+    assert counted and all(counted), "a quantized projection was not given the live rows"
     counted.clear()
-    jax.clear_caches()
-    assert _greedy_logprobs(quant) == skipped
+    assert _logprobs_patched(quant, monkeypatch, llama, "quantized_matmul", every_row) == skipped
     assert counted and not any(counted)
 
 
