@@ -9,6 +9,7 @@ binary it was built against.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -76,3 +77,16 @@ def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
         return None, f"building the {what} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}", ""
     os.replace(tmp, out)  # atomic: concurrent builders leave one complete file
     return out, f"native CPU kernel {out.name}", name
+
+
+def instruction_set(path: Path | None, symbol: str) -> str:
+    """What the built kernel at `path` says its inner loops were compiled for (its
+    `<symbol>() -> const char*`), or why it cannot say."""
+    if path is None:
+        return "not built"
+    try:
+        fn = getattr(ctypes.cdll.LoadLibrary(str(path)), symbol)
+    except (OSError, AttributeError) as e:
+        return f"unknown ({e})"
+    fn.restype = ctypes.c_char_p
+    return fn().decode()

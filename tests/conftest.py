@@ -25,17 +25,47 @@ if _ACCEL_CUDA.is_dir() and str(_ACCEL_CUDA) not in sys.path:
     sys.path.append(str(_ACCEL_CUDA))
 
 
-def pytest_report_header(config) -> str | None:
-    """The whole suite in one process loads ~1,000 XLA:CPU executables of ~120 memory maps each:
-    under Linux's default vm.max_map_count (65530) XLA crashes late in the run (the Makefile
-    raises the limit where it may)."""
+MATRIX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+                "avx_vnni", "avx2")
+
+
+def pytest_report_header(config) -> list[str]:
+    """Which machine a log came from: the CPU, its matrix-unit flags and the paths the native
+    CPU kernels were built for (rounding differs between them, so a red near-tie names its CPU).
+    Also the memory-map limit: the whole suite in one process loads ~1,000 XLA:CPU executables
+    of ~120 maps each, and under Linux's default (65530) XLA crashes late in the run."""
+    lines = [_cpu_line()]
+    try:
+        from pallas_kernels.quantized_matmul import cpu as qmm_cpu
+        from pallas_kernels.ragged_paged_attention import cpu as attn_cpu
+
+        lines.append(f"native CPU kernels: quantized matmul {qmm_cpu.isa()}, attention {attn_cpu.isa()}")
+    except Exception as e:  # noqa: BLE001 - a header never stops the run
+        lines.append(f"native CPU kernels: unknown ({e})")
     try:
         limit = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
     except (OSError, ValueError):
-        return None
+        return lines
     if limit < 262144:
-        return f"WARNING: vm.max_map_count is {limit}; a full run may crash XLA (raise it to 262144)"
-    return f"vm.max_map_count: {limit}"
+        lines.append(f"WARNING: vm.max_map_count is {limit}; a full run may crash XLA (raise it to 262144)")
+    else:
+        lines.append(f"vm.max_map_count: {limit}")
+    return lines
+
+
+def _cpu_line() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    have = [f for f in MATRIX_FLAGS if f in flags]
+    return f"CPU: {model} ({os.cpu_count()} cores); matrix units: {' '.join(have) or 'none of ' + ' '.join(MATRIX_FLAGS)}"
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from logprob_checks import check_greedy_close, top_from_array
 
 HF_MAX_NEW = 32  # tokens of each transformers reference continuation
 
@@ -20,13 +21,10 @@ PROMPTS = [
 
 
 def assert_greedy_match(ours: list[int], ours_logp: np.ndarray, theirs: list[int], theirs_logp: np.ndarray):
-    """Equal tokens, or at the first difference each side's token is in the other's top-5."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            assert a in np.argsort(-theirs_logp[j])[:5] and b in np.argsort(-ours_logp[j])[:5], (
-                f"token {j}: ours {a} vs transformers {b} is not a near-tie")
-            return
-    assert len(ours) == len(theirs)
+    """Equal tokens, or at the first difference each side's token is in the other's top-5
+    (`logprob_checks.check_greedy_close` on [N, V] logprob arrays)."""
+    check_greedy_close(theirs, top_from_array(theirs_logp), ours, top_from_array(ours_logp),
+                       name="ours vs transformers", top_k=5)
 
 
 def hf_greedy(hf_model, ids: list[int], max_new: int) -> tuple[list[int], np.ndarray]:

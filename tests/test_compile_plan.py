@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from logprob_checks import check_outputs_close
 
 from jaxserve.compilation.buckets import token_buckets
 from jaxserve.compilation.compile_plan import (
@@ -301,7 +302,7 @@ def test_serving_while_compiling_steps_within_the_compiled_shapes(smollm):
             return super().get(key, default)
 
     engine = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 16), num_pages=32,
-                                 max_model_len=128, max_logprobs=0, structured_outputs=False,
+                                 max_model_len=128, max_logprobs=3, structured_outputs=False,
                                  compilation_cache_dir=None, serve_while_compiling=True), loaded=smollm)
     engine.runner.executables = Recording()
     release = threading.Event()
@@ -319,11 +320,11 @@ def test_serving_while_compiling_steps_within_the_compiled_shapes(smollm):
 
     def run(tag):
         for i, p in enumerate(prompts):
-            engine.add_prompt(prompt_token_ids=p, params=SamplingParams(max_tokens=6, temperature=0.0),
+            engine.add_prompt(prompt_token_ids=p, params=SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
                               request_id=f"{tag}{i}")
         done = {}
         while engine.has_unfinished_requests():
-            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            done |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
         return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
     early = run("early")
@@ -333,5 +334,7 @@ def test_serving_while_compiling_steps_within_the_compiled_shapes(smollm):
     assert not engine.compiling_in_background and len(engine.runner.executables) == len(engine.plan.shapes())
     late = run("late")
     assert engine.scheduler.step_tokens == 32 and engine.runner.executables.misses == []
-    assert late == early and all(len(t) == 6 for t in early)
+    # other step limits chunk the prompts otherwise: equal tokens up to a near-tie
+    check_outputs_close(early, late)
+    assert all(len(c.token_ids) == 6 for c in early)
     assert engine.compiles_after_warmup == 0 and engine.warmup_report.num_shapes == len(engine.plan.shapes())

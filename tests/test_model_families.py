@@ -18,12 +18,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hf_reference import FAMILY_CONFIGS, hf_greedy, save_tiny_family  # noqa: E402
+from logprob_checks import check_greedy_close, check_runs_close, top_from_array, top_k_of  # noqa: E402
 
 SHARED = [(7 * i + 3) % 128 for i in range(26)]  # a shared 26-token prefix
 PROMPTS = [SHARED + [5, 9, 11], SHARED + [60, 2], [17, 4, 99]]
 MAX_NEW = 12
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), num_pages=96, page_size=4, max_model_len=128,
-              max_logprobs=0, structured_outputs=False, compilation_cache_dir=None)
+              max_logprobs=5, structured_outputs=False, compilation_cache_dir=None)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,16 @@ def test_llm_greedy_matches_transformers(family_dirs, family):
 
     path, hf = family_dirs[family]
     llm = LLM(model=path, dtype="float32", **ENGINE)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)  # 29 tokens: two prefill chunks
     rest = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], params)
     outs = first + rest
     assert outs[1].usage.cached_tokens >= 24, "the shared prefix was not served from the prefix cache"
     for prompt, out in zip(PROMPTS, outs):
-        want, _ = hf_greedy(hf, prompt, MAX_NEW)
-        assert list(out.outputs[0].token_ids) == want, f"{family}: prompt of {len(prompt)} tokens"
+        want, want_logp = hf_greedy(hf, prompt, MAX_NEW)  # equal up to a near-tie (vLLM's rule)
+        check_greedy_close(want, top_from_array(want_logp), out.outputs[0].token_ids,
+                           top_k_of(out.outputs[0].logprobs), name=f"{family}: prompt of {len(prompt)} tokens",
+                           top_k=5)
     assert llm.engine.scheduler.stats().num_used_blocks == 0
 
 
@@ -85,10 +88,10 @@ def test_tensor_and_expert_parallel_match_single_device(family_dirs):
     for family, layouts in LAYOUTS.items():
         path = family_dirs[family][0]
         for layout in layouts:
-            base, _ = result[f"{path}-{layout.rpartition(':')[0] + ':' if ':' in layout else ''}tp1"]
-            tokens, compiles = result[f"{path}-{layout}"]
-            assert tokens == base, f"{family} {layout}: {tokens} != {base}"
-            assert compiles == 0, f"{family} {layout}: {compiles} compilations after warmup"
+            base = result[f"{path}-{layout.rpartition(':')[0] + ':' if ':' in layout else ''}tp1"]
+            got = result[f"{path}-{layout}"]
+            check_runs_close(base, got, name=f"{family} {layout}")  # equal up to a near-tie
+            assert got[2] == 0, f"{family} {layout}: {got[2]} compilations after warmup"
 
 
 def test_expert_parallel_needs_experts_that_divide(family_dirs):

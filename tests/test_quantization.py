@@ -241,11 +241,13 @@ def test_convert_stores_a_quantized_checkpoint_that_restores_quantized(tmp_path,
 
 
 def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
-    """int8 pages and their scales served from the prefix cache and swapped out and back: the
-    same greedy tokens as an unpressured engine without prefix caching (logprobs differ a
-    little: a token's K/V computed in another batch shape may round to another int8 step), and
-    a swap round trip copies pages and scales bit for bit."""
+    """int8 pages and their scales served from the prefix cache and swapped out and back give
+    the greedy tokens of an unpressured engine without prefix caching, up to a near-tie: a
+    token's K/V computed in another batch shape may round to another int8 step, so at the first
+    difference each side's token must be in the other's top 3 (vLLM's check_logprobs_close), and
+    logprobs before it stay within 0.1. A swap round trip copies pages and scales bit for bit."""
     from hf_reference import PROMPTS
+    from logprob_checks import check_outputs_close
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
@@ -253,7 +255,7 @@ def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
 
     system = "You are a careful assistant. Answer briefly and precisely, and never invent facts.\n\n"
     prompts = [smollm.tokenizer(system + p)["input_ids"] for p in PROMPTS[:6]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def run(**cfg):
         e = Engine(EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, token_buckets=(8, 64),
@@ -282,10 +284,11 @@ def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
     got, stats = run(num_pages=9, preemption_mode="swap", num_host_pages=64)
     assert stats.preemptions["swap"] > 0 and stats.num_used_blocks == 0
     assert sum(o.usage.cached_tokens for o in got[1:]) > 0
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        np.testing.assert_allclose([lp.logprob for lp in g.outputs[0].logprobs],
-                                   [lp.logprob for lp in w.outputs[0].logprobs], atol=0.1)
+    diverged = check_outputs_close([w.outputs[0] for w in want], [g.outputs[0] for g in got])
+    for g, w, d in zip(got, want, diverged):
+        n = len(g.outputs[0].token_ids) if d is None else d
+        np.testing.assert_allclose([lp.logprob for lp in g.outputs[0].logprobs[:n]],
+                                   [lp.logprob for lp in w.outputs[0].logprobs[:n]], atol=0.1)
 
 
 @pytest.mark.parametrize("layout", ["heads", "lanes"])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from logprob_checks import check_outputs_close
 
 from jaxserve.sampler import SamplingTensors, apply_bitmask, bitmask_width, sample_jit
 from scheduler import SamplingParams
@@ -148,7 +149,7 @@ def test_the_random_schemas_were_many_and_distinct():
 # ---------------------------------------------------------------------- the other kinds
 def test_regex_choice_grammar_and_unconstrained_in_one_batch(engine):
     compiles = engine.compiles_after_warmup
-    alone = run(engine, [("The capital of France is", SamplingParams(temperature=0, max_tokens=12))])[0]
+    alone = run(engine, [("The capital of France is", SamplingParams(temperature=0, max_tokens=12, logprobs=3))])[0]
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
     reqs = [
         ("My phone number is", SamplingParams(temperature=0.7, seed=3, max_tokens=20,
@@ -156,7 +157,7 @@ def test_regex_choice_grammar_and_unconstrained_in_one_batch(engine):
         ("Is water wet? Answer:", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8,
                                                  structured_outputs={"choice": ["yes", "no", "maybe"]})),
         ("A tuple of numbers:", SamplingParams(temperature=0, max_tokens=40, structured_outputs={"grammar": lark})),
-        ("The capital of France is", SamplingParams(temperature=0, max_tokens=12)),
+        ("The capital of France is", SamplingParams(temperature=0, max_tokens=12, logprobs=3)),
         ("Any JSON:", SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json_object": True})),
     ]
     regex, choice, grammar, free, obj = run(engine, reqs)
@@ -168,8 +169,9 @@ def test_regex_choice_grammar_and_unconstrained_in_one_batch(engine):
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*,?", grammar.outputs[0].text)
     if obj.outputs[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.outputs[0].text), dict)
-    # an unconstrained request is untouched by sharing masked steps
-    assert free.outputs[0].token_ids == alone.outputs[0].token_ids
+    # an unconstrained request is untouched by sharing masked steps (its tokens up to a near-tie:
+    # another batch shape may round otherwise; the mask's own bit-exactness is tested above)
+    check_outputs_close([alone.outputs[0]], [free.outputs[0]])
     assert engine.compiles_after_warmup == compiles
 
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from logprob_checks import check_runs_close
 
 _CHILD = textwrap.dedent("""
     import json, sys
@@ -59,15 +60,13 @@ def test_tensor_parallel_matches_single_device(tmp_path):
     res = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(res.stdout.strip().splitlines()[-1])
-    assert result["smollm-tp3"][0] == result["smollm-tp1"][0]
+    # the layouts sum in other orders: tokens equal up to a near-tie (vLLM's rule)
+    check_runs_close(result["smollm-tp1"], result["smollm-tp3"], name="smollm tp3")
     for h, path in paths.items():
-        base = result[f"{path}-tp1"][0]
         for tp in TINY_CASES[h]:
-            tokens, compiles = result[f"{path}-tp{tp}"]
-            assert tokens == base, f"{path} tp={tp}: {tokens} != {base}"
-            assert compiles == 0
-    assert result["int8-tp4"] == result["int8-tp1"]
-    assert all(compiles == 0 for _, compiles in result.values())
+            check_runs_close(result[f"{path}-tp1"], result[f"{path}-tp{tp}"], name=f"{path} tp={tp}")
+    check_runs_close(result["int8-tp1"], result["int8-tp4"], name="int8 tp4")
+    assert all(compiles == 0 for *_, compiles in result.values())
 
 
 def test_tp_that_does_not_divide_heads_is_a_clear_error(smollm):

@@ -4,23 +4,28 @@ warmup. Imported in the child process, after `jax_num_cpu_devices` is set."""
 
 from __future__ import annotations
 
+from logprob_checks import top_k_of
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine import Engine
 from scheduler import SamplingParams
 
 
 def greedy(loaded, tp: int, prompts: list[list[int]], **engine_kwargs) -> list:
-    """[tokens of each prompt (10 greedy tokens), compilations after warmup]."""
+    """[tokens of each prompt (10 greedy tokens), their top-3 logprobs per position ({id: logprob}),
+    compilations after warmup]: layouts differ in summation order, so callers compare by
+    `logprob_checks.check_greedy_close`."""
     e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=128,
-                            tensor_parallel_size=tp, max_logprobs=0, compilation_cache_dir=None,
+                            tensor_parallel_size=tp, max_logprobs=3, compilation_cache_dir=None,
                             structured_outputs=False, **engine_kwargs), loaded=loaded)
     e.warmup(progress=False)
     for i, ids in enumerate(prompts):
-        e.add_prompt(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        e.add_prompt(None, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
                       prompt_token_ids=ids, request_id=str(i))
     outs = {}
     while e.has_unfinished_requests():
         for o in e.step():
             if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-    return [[outs[str(i)] for i in range(len(prompts))], e.compiles_after_warmup]
+                outs[o.request_id] = o.outputs[0]
+    done = [outs[str(i)] for i in range(len(prompts))]
+    return [[list(c.token_ids) for c in done], [top_k_of(c.logprobs) for c in done], e.compiles_after_warmup]

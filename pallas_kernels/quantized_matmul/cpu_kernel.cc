@@ -1028,3 +1028,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpuResidual, ImplResidual,
                                   .Ret<ffi::AnyBuffer>()          // out [M, N] = residual + x @ w * scale
                                   .Attr<bool>("bf16_products")
                                   .Attr<bool>("w_transposed"));
+
+// The instruction set this build's inner loops were compiled for (the test log and `jaxserve
+// info` name it, so a result says which path produced it).
+extern "C" const char* JaxserveQuantizedMatmulCpuIsa() {
+#if defined(QMM_AVX512_BF16)
+  return "avx512+avx512_bf16";
+#elif defined(QMM_AVX512)
+  return "avx512";
+#else
+  return "generic (compiler-vectorised)";
+#endif
+}

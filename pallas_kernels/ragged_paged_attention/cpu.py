@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._native_cpu import build
+from pallas_kernels._native_cpu import build, instruction_set
 from pallas_kernels.ragged_paged_attention import window
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -50,6 +50,11 @@ def _register() -> tuple[str | None, str]:
     except (OSError, AttributeError) as e:
         return None, f"loading the CPU attention kernel {path} failed: {e}"
     return name, why
+
+
+def isa() -> str:
+    """The instruction set the native kernel was built for (builds it on first call)."""
+    return instruction_set(_build()[0], _SYMBOL + "Isa")
 
 
 def available() -> tuple[bool, str]:

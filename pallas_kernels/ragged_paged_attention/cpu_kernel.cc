@@ -761,3 +761,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuan
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap"));
+
+// The instruction set this build's inner loops were compiled for (the test log and `jaxserve
+// info` name it, so a result says which path produced it).
+extern "C" const char* JaxserveRaggedPagedAttentionCpuIsa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic (compiler-vectorised)";
+#endif
+}
