@@ -7,7 +7,7 @@
 
 from jaxserve.config import EngineConfig
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from scheduler import SamplingParams, StructuredOutputsParams
 
 
@@ -24,5 +24,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]

@@ -184,3 +184,18 @@ class IncrementalDetokenizer:
             self._parts.append(text)
             self._joined = None
         return DetokenizerDelta(text, stop_str)
+
+
+class TokenText:
+    """id -> the token's text as OpenAI shows it in logprobs (one token decoded alone; a
+    piece of a multi-byte character shows as U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self._tok.decode([token_id]) if self._tok is not None else str(token_id)
+        return s

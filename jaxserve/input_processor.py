@@ -125,6 +125,18 @@ class InputProcessor:
             raise InputError(f"{param}: the prompt is {n} tokens, which leaves no room for output within "
                              f"max_model_len {limit}", param, "context_length_exceeded")
 
+    def check_room(self, num_prompt_tokens: int, max_tokens: int | None,
+                   field_names: Mapping[str, str] | None = None) -> None:
+        """A `max_tokens` the context cannot hold is the client's error (vLLM answers 400), not a
+        request silently cut short: prompt + max_tokens must fit within max_model_len."""
+        limit = self.limits.max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            name = (field_names or {}).get("max_tokens", "max_tokens")
+            raise InputError(
+                f"'{name}' is too large: {max_tokens}. This model's maximum context length is {limit} tokens "
+                f"and your request has {num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
+                f"{num_prompt_tokens}).", name, "context_length_exceeded")
+
     def encode(self, text: str, add_special_tokens: bool = True, tokenizer: Any = None,
                param: str = "prompt") -> list[int]:
         """The text's ids (`tokenizer`: a thread's own copy; default the engine's)."""
@@ -205,6 +217,8 @@ class InputProcessor:
         self.check_prompt_ids(prompt_token_ids, param)
         if fill_max_tokens:
             params = dataclasses.replace(params, max_tokens=self.limits.max_model_len - len(prompt_token_ids))
+        else:
+            self.check_room(len(prompt_token_ids), params.max_tokens, field_names)
         if not params_checked:
             self.check_params(params, field_names)
         if grammar is None and params.structured_outputs is not None:

@@ -18,14 +18,16 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
-from jaxserve.detokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.detokenizer import IncrementalDetokenizer, Tokenizer, TokenText
 from jaxserve.outputs import (
     CompletionOutput,
     OutputKind,
+    PositionLogprobs,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
     Usage,
+    position_logprobs,
 )
 from scheduler import FinishReason, RequestUpdate, SamplingParams
 
@@ -47,7 +49,7 @@ class _Parent:
     kind: OutputKind = OutputKind.CUMULATIVE
     num_completion_tokens: int = 0
     prompt_sent: bool = False  # DELTA: the prompt's ids went out with the first output
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: filled as prefill runs
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # params.prompt_logprobs: filled as prefill runs
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ def child_ids(request_id: str, n: int) -> list[str]:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
+        self._token_text = TokenText(tokenizer) if tokenizer is not None else None  # logprobs' decoded_token
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
 
@@ -132,7 +135,8 @@ class OutputProcessor:
         for seq_id, (first, entries) in (prompt_logprobs or {}).items():
             child = self._children.get(seq_id)
             if child is not None and child.parent.prompt_logprobs is not None:
-                child.parent.prompt_logprobs[first : first + len(entries)] = entries
+                child.parent.prompt_logprobs[first : first + len(entries)] = [
+                    position_logprobs(e, self._token_text) for e in entries]
         touched: dict[str, _Parent] = {}
         stopped: list[tuple[str, str]] = []
         for up in updates:
@@ -141,6 +145,8 @@ class OutputProcessor:
                 continue
             _touch(child.parent, touched)
             lps = logprobs.get(up.request_id)
+            if lps is not None:
+                lps = [position_logprobs(lp, self._token_text) for lp in lps]
             if len(up.new_token_ids) > 1 and child.parent.params.stop and child.detok is not None:
                 stop_str = self._apply_each(child, up, lps, now)
             else:
@@ -151,7 +157,7 @@ class OutputProcessor:
                    if p.kind is not OutputKind.FINAL_ONLY or p.num_unfinished == 0]
         return ProcessedOutputs(outputs, stopped)
 
-    def _apply_each(self, child: _Child, up: RequestUpdate, lps: list[TokenLogprob] | None, now: float) -> str | None:
+    def _apply_each(self, child: _Child, up: RequestUpdate, lps: list[PositionLogprobs] | None, now: float) -> str | None:
         """Several new tokens (verified speculative drafts) under stop strings: one at a
         time, so the output ends at the token that completed a stop string, as it would
         have token by token; the tokens after it are dropped."""
@@ -164,7 +170,7 @@ class OutputProcessor:
                 return stop_str
         return None
 
-    def _apply(self, child: _Child, up: RequestUpdate, lps: list[TokenLogprob] | None, now: float) -> str | None:
+    def _apply(self, child: _Child, up: RequestUpdate, lps: list[PositionLogprobs] | None, now: float) -> str | None:
         """Adds one sequence's update to its completion; returns a stop string it matched."""
         parent = child.parent
         comp = parent.completions[child.index]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
 
 class OutputKind(enum.Enum):
@@ -24,7 +25,9 @@ class OutputKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-    """Logprob of one sampled token, its rank (1 = most likely) and the top-n alternatives."""
+    """The runner's compact form of one position's logprobs (internal: the engine turns it into
+    vLLM's `dict[int, Logprob]` for its outputs): the token's logprob, its rank (1 = most
+    likely) and the top-n alternatives."""
 
     token_id: int
     logprob: float
@@ -32,19 +35,61 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's `Logprob`: one token's log probability at a position, its rank among the
+    vocabulary (1 = most likely) and its text decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, vLLM's shape: {token id: Logprob}, the position's own token first, then the
+# top-k by rank (the token appears once when it is among them).
+PositionLogprobs = dict[int, Logprob]
+
+
+def position_logprobs(lp: TokenLogprob, decode: Callable[[int], str] | None = None) -> PositionLogprobs:
+    """The compact form as vLLM's dict (`decode`: token id -> text, for `decoded_token`)."""
+    text = decode or (lambda _: None)
+    entry = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
+    for rank, (tid, value) in enumerate(lp.top, 1):
+        if tid not in entry:
+            entry[tid] = Logprob(value, rank, text(tid))
+    return entry
+
+
+def top_logprobs(entry: PositionLogprobs, num_top: int) -> list[tuple[int, Logprob]]:
+    """The `num_top` most likely tokens of a position, best first (what the request asked
+    for: its own token is among them only when its rank is within `num_top`)."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 62)
+    return ranked[:num_top]
+
+
+def compact_logprobs(token_id: int, entry: PositionLogprobs, num_top: int) -> TokenLogprob:
+    """The inverse of `position_logprobs`, for renderers of wire formats (the fronts):
+    `num_top` is what the request asked for (the dict alone cannot tell whether its own token
+    one rank past the others is one of the top or beside them)."""
+    own = entry[token_id]
+    return TokenLogprob(token_id, own.logprob, own.rank if own.rank is not None else 0,
+                        tuple((t, lp.logprob) for t, lp in top_logprobs(entry, num_top)))
+
+
 @dataclasses.dataclass
 class CompletionOutput:
-    """One of the `n` sequences of a request; cumulative fields plus this step's delta."""
+    """One of the `n` sequences of a request; cumulative fields plus this step's delta.
+    `logprobs` (when the request asked): one `PositionLogprobs` per token id, as vLLM's."""
 
     index: int
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    delta_logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -91,7 +136,7 @@ class RequestOutput:
     # so fronts answer as for bad input; None: the engine failed it (a device step failed).
     error_param: str | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token, None first (nothing comes
-    # before it), then each token's logprob given the tokens before it, its rank and the top
-    # alternatives (as `CompletionOutput.logprobs`). Sent with the prompt's ids (every output
-    # when cumulative, the first one when DELTA); all entries are filled by then.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # before it), then {token id: Logprob} for the token given the tokens before it and the
+    # top alternatives (as `CompletionOutput.logprobs`). Sent with the prompt's ids (every
+    # output when cumulative, the first one when DELTA); all entries are filled by then.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

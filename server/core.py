@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import TokenText
 from jaxserve.input_processor import InputError, InputProcessor
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
-from server.core_types import GenerateInput, ModelInfo, PromptInput, ServerInfo, TokenText
+from server.core_types import GenerateInput, ModelInfo, PromptInput, ServerInfo
 from server.engine_loop import EngineDead, EngineLoop, new_error_id
 from server.errors import ErrorKind, ServeError, invalid
 from server.frontend import FrontendBusy, FrontendPool
@@ -453,7 +454,8 @@ class ServingCore:
         buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))
         gen = Generation(key, request.params.n, buffer, reservation, on_close=self._leave,
                          abort=lambda k, ticket: self.loop_runner.abort(k, ticket=ticket),
-                         structured_param=req.structured_param)
+                         structured_param=req.structured_param, num_logprobs=request.params.logprobs or 0,
+                         num_prompt_logprobs=request.params.prompt_logprobs or 0)
         self._enter(gen)
         try:
             await self.loop_runner.add_request(key, request, buffer, arrival_time=time.monotonic(), ticket=gen.ticket,

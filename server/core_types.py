@@ -73,18 +73,3 @@ class ServerInfo:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     num_preemptions: int | None = None
-
-
-class TokenText:
-    """id -> the token's text as OpenAI shows it in logprobs (one token decoded alone; a
-    piece of a multi-byte character shows as U+FFFD, as in vLLM)."""
-
-    def __init__(self, tokenizer: Any):
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self._cache[token_id] = self._tok.decode([token_id]) if self._tok is not None else str(token_id)
-        return s

@@ -16,7 +16,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, Usage
+from jaxserve.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+    compact_logprobs,
+)
 from server.admission import Reservation
 from server.engine_loop import new_error_id
 from server.errors import ErrorKind, ServeError
@@ -28,9 +35,10 @@ logger = logging.getLogger("jaxserve.server")
 class Generation:
     def __init__(self, key: str, n: int, buffer: StreamBuffer, reservation: Reservation,
                  on_close: Callable[[Generation], None], abort: Callable[[str, object], Any],
-                 structured_param: str | None = None):
+                 structured_param: str | None = None, num_logprobs: int = 0, num_prompt_logprobs: int = 0):
         self.key = key  # the engine's (tenant-scoped) id
         self.n = n
+        self.num_logprobs, self.num_prompt_logprobs = num_logprobs, num_prompt_logprobs  # top-k asked for
         self.buffer = buffer
         self.reservation = reservation
         self.ticket = object()
@@ -68,6 +76,7 @@ class Generation:
                     if out.error_param is not None:  # the request's own input failed while it ran
                         raise self._bad_input(out.error, out.error_param)
                     raise self._failure(out.error)  # its device step failed
+                out = self._compact(out)
                 self._note(out)
                 yield out
                 if out.finished:
@@ -78,6 +87,18 @@ class Generation:
             if isinstance(term, EngineFailed):
                 raise ServeError(ErrorKind.UNAVAILABLE if term.fatal else ErrorKind.INTERNAL, term.client_message,
                                  code="engine_stopped" if term.fatal else "engine_failure")
+
+    def _compact(self, out: RequestOutput) -> RequestOutput:
+        """The fronts render logprobs from the compact form (token, logprob, rank, top-k):
+        the engine's vLLM-shaped dicts turned back, with the top-k the request asked for."""
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = [None if e is None else compact_logprobs(t, e, self.num_prompt_logprobs)
+                                   for t, e in zip(out.prompt_token_ids, out.prompt_logprobs)]
+        for c in out.outputs:
+            if c.delta_logprobs:
+                c.delta_logprobs = [compact_logprobs(t, e, self.num_logprobs)
+                                    for t, e in zip(c.delta_token_ids, c.delta_logprobs)]
+        return out
 
     def _note(self, out: RequestOutput) -> None:
         self.last_usage = out.usage

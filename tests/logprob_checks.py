@@ -23,9 +23,6 @@ def top_k_of(logprobs: Sequence[Any]) -> list[dict[int, float]]:
     `dict[int, Logprob]` entries) or from plain mappings of token id to logprob."""
     out = []
     for entry in logprobs:
-        if hasattr(entry, "top"):  # the engine's TokenLogprob
-            out.append({**{int(t): float(v) for t, v in entry.top}, int(entry.token_id): float(entry.logprob)})
-            continue
         out.append({int(t): float(getattr(v, "logprob", v)) for t, v in entry.items()})
     return out
 
@@ -79,6 +76,11 @@ def check_outputs_close(want: Sequence[Any], got: Sequence[Any], *, top_k: int |
 def _best(top: TopK, k: int | None) -> set[int]:
     ranked = sorted(top.items(), key=lambda kv: -kv[1])
     return {t for t, _ in (ranked if k is None else ranked[:k])}
+
+
+def sampled_logprobs(completion: Any) -> list[float]:
+    """Each sampled token's own logprob from a `CompletionOutput` (vLLM's shape)."""
+    return [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
 
 
 def check_runs_close(want: Sequence[Any], got: Sequence[Any], *, name: str = "") -> None:

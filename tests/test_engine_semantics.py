@@ -139,6 +139,6 @@ def test_degenerate_top_p_and_logprobs_zero_without_max_logprobs(smollm):
             last = o
     c = last.outputs[0]
     assert all(0 <= t < vocab for t in c.token_ids)
-    assert len(c.logprobs) == 4 and all(lp.top == () and lp.rank == 1 for lp in c.logprobs)
+    assert len(c.logprobs) == 4 and all(list(e) == [t] and e[t].rank == 1 for t, e in zip(c.token_ids, c.logprobs))
     with pytest.raises(ValueError, match="logprobs must be <= 0"):
         e.add_prompt(PROMPT, SamplingParams(logprobs=1))

@@ -70,6 +70,18 @@ def test_prompt_text_and_conversations(proc):
         proc.check_messages([{"role": "user", "content": "x" * 60}])
 
 
+def test_max_tokens_past_the_room_left_is_the_clients_error(proc):
+    """vLLM answers 400: prompt + max_tokens must fit within max_model_len (32 here); the
+    client's own field name is the param; exactly the room left is fine."""
+    assert proc.process([1, 2, 3], SamplingParams(max_tokens=29)).params.max_tokens == 29
+    with pytest.raises(InputError, match=r"'max_tokens' is too large: 30\. .* 32 tokens .* 3 input tokens") as e:
+        proc.process([1, 2, 3], SamplingParams(max_tokens=30))
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    with pytest.raises(InputError) as e:
+        proc.process([1, 2, 3], SamplingParams(max_tokens=40), field_names={"max_tokens": "max_completion_tokens"})
+    assert e.value.param == "max_completion_tokens"
+
+
 def test_room_left_and_seeds(proc):
     req = proc.process([1, 2, 3], SamplingParams(n=3, seed=2**63 - 2, max_tokens=1), fill_max_tokens=True)
     assert req.params.max_tokens == 32 - 3 and req.prompt_token_ids == (1, 2, 3)

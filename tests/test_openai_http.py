@@ -199,13 +199,14 @@ def test_echo_logprobs_scores_the_prompt_as_the_legacy_api_and_vllm_frame_it(srv
     assert c.text == prompt and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in plp[1:]], abs=1e-4)
+    assert lp.token_logprobs[1:] == pytest.approx([e[t].logprob for t, e in zip(ids[1:], plp[1:])], abs=1e-4)
     assert "".join(lp.tokens) == prompt and lp.text_offset == sorted(lp.text_offset)
     for i, top in enumerate(lp.top_logprobs[1:], 1):  # the top 2 and the prompt's own token
         assert 2 <= len(top) <= 3 and top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i], abs=1e-4)
     vllm = c.model_extra["prompt_logprobs"]
-    assert vllm[0] is None and vllm[1][str(ids[1])]["logprob"] == pytest.approx(plp[1].logprob, abs=1e-4)
-    assert vllm[1][str(ids[1])]["rank"] == plp[1].rank
+    assert vllm[0] is None and vllm[1][str(ids[1])]["logprob"] == pytest.approx(plp[1][ids[1]].logprob, abs=1e-4)
+    assert vllm[1][str(ids[1])]["rank"] == plp[1][ids[1]].rank
+    assert vllm[1][str(ids[1])]["decoded_token"] == plp[1][ids[1]].decoded_token
     # streamed, with generated tokens after the prompt
     with httpx.stream("POST", base + "/v1/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
                       json={"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "echo": True,
@@ -214,7 +215,7 @@ def test_echo_logprobs_scores_the_prompt_as_the_legacy_api_and_vllm_frame_it(srv
     tokens = [t for ch in chunks for t in (ch["choices"][0]["logprobs"] or {}).get("tokens", [])]
     values = [v for ch in chunks for v in (ch["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
     assert len(tokens) == len(ids) + 4 and values[0] is None and None not in values[1:]
-    assert values[1:len(ids)] == pytest.approx([e.logprob for e in plp[1:]], abs=1e-4)
+    assert values[1:len(ids)] == pytest.approx([e[t].logprob for t, e in zip(ids[1:], plp[1:])], abs=1e-4)
     assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(prompt)
     r = client.completions.create(model=model, prompt=prompt, max_tokens=2, n=2, echo=True, temperature=0.8, seed=1)
     assert [c.text.startswith(prompt) for c in r.choices] == [True, True]
@@ -538,9 +539,9 @@ def test_the_request_trace_replays_what_was_served(srv, base):
 def _top5(lps, vocab: int) -> np.ndarray:
     """Our sampled tokens' top-5 logprobs as a [N, V] array (-inf elsewhere), for the near-tie rule."""
     out = np.full((len(lps), vocab), -np.inf)
-    for i, lp in enumerate(lps):
-        for tok, v in lp.top:
-            out[i, tok] = v
+    for i, entry in enumerate(lps):  # vLLM's shape: {token id: Logprob}
+        for tok, v in entry.items():
+            out[i, tok] = v.logprob
     return out
 
 

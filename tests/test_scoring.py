@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.compilation.compile_cache import EVENTS
+from jaxserve.outputs import top_logprobs
 from scheduler import SamplingParams
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256)  # shared with test_engine_semantics
@@ -39,15 +40,19 @@ def _check_against_hf(out, ref: np.ndarray, k: int) -> None:
     lps = out.prompt_logprobs
     assert len(lps) == len(ids) and lps[0] is None
     for i in range(1, len(ids)):
-        e, row = lps[i], ref[i - 1]
-        assert e.token_id == ids[i]
+        entry, row = lps[i], ref[i - 1]  # vLLM's shape: {token id: Logprob}, the prompt's token first
+        assert next(iter(entry)) == ids[i]
+        e = entry[ids[i]]
         assert abs(e.logprob - row[ids[i]]) < 2e-3, (i, e.logprob, row[ids[i]])
+        assert e.decoded_token is not None
         hf_rank = int((row > row[ids[i]] + 2e-3).sum()) + 1  # ranks may differ only within a near tie
         assert hf_rank <= e.rank <= int((row > row[ids[i]] - 2e-3).sum()) + 1, (i, e.rank)
-        assert len(e.top) == k
+        best = top_logprobs(entry, k)
+        assert [lp.rank for _, lp in best] == list(range(1, k + 1))
+        assert len(entry) == k + (e.rank > k)  # the top k, and the prompt's token when beside them
         top = np.sort(row)[::-1][:k]
-        assert np.allclose([lp for _, lp in e.top], top, atol=2e-3), (i, e.top, top)
-        for tid, _ in e.top:  # the same set, except a token tied with the k-th
+        assert np.allclose([lp.logprob for _, lp in best], top, atol=2e-3), (i, best, top)
+        for tid, _ in best:  # the same set, except a token tied with the k-th
             assert row[tid] >= top[-1] - 2e-3
 
 
@@ -79,7 +84,8 @@ def test_prompt_logprobs_beside_other_requests_and_through_delta_outputs(engine)
     entries are the same as alone; a DELTA stream sends them once, with the first output."""
     from jaxserve.outputs import OutputKind
 
-    alone = _score(engine, SHORT, 2, "alone").prompt_logprobs
+    alone_out = _score(engine, SHORT, 2, "alone")
+    alone, ids = alone_out.prompt_logprobs, alone_out.prompt_token_ids
     engine.add_prompt(LONG, SamplingParams(max_tokens=8), request_id="other")
     engine.add_prompt(SHORT, SamplingParams(max_tokens=4, prompt_logprobs=2), request_id="delta",
                       output_kind=OutputKind.DELTA)
@@ -88,8 +94,12 @@ def test_prompt_logprobs_beside_other_requests_and_through_delta_outputs(engine)
     while engine.has_unfinished_requests():
         sent += [o.prompt_logprobs for o in engine.step() if o.request_id == "delta"]
     assert sent[0] is not None and all(s is None for s in sent[1:])
-    assert [e and (e.token_id, e.rank) for e in sent[0]] == [e and (e.token_id, e.rank) for e in alone]
-    assert np.allclose([e.logprob for e in sent[0][1:]], [e.logprob for e in alone[1:]], atol=1e-4)
+    def own(lps):  # (rank, logprob) of each prompt token's own entry
+        return [(e[t].rank, e[t].logprob) for t, e in zip(ids[1:], lps[1:])]
+
+    assert sent[0][0] is None and alone[0] is None
+    assert [r for r, _ in own(sent[0])] == [r for r, _ in own(alone)]
+    assert np.allclose([v for _, v in own(sent[0])], [v for _, v in own(alone)], atol=1e-4)
 
 
 def test_prompt_logprobs_are_checked(engine):
@@ -116,8 +126,8 @@ def _target_alone_and_in_a_batch(engine) -> tuple[tuple, tuple]:
             done.update((o.request_id, o) for o in engine.step() if o.finished)
         out = done[ids[[r is target for r in requests].index(True)]]
         c = out.outputs[0]
-        return (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs],
-                [lp and lp.logprob for lp in out.prompt_logprobs])
+        return (c.token_ids, [[(t, lp.logprob, lp.rank) for t, lp in e.items()] for e in c.logprobs],
+                [e and [(t, lp.logprob) for t, lp in e.items()] for e in out.prompt_logprobs])
 
     return run([target]), run(others[:11] + [target] + others[11:])
 
@@ -134,3 +144,26 @@ def test_batch_invariant_mode_is_bitwise_equal_alone_and_in_a_batch(smollm):
     assert alone == batched
     alone, batched = _target_alone_and_in_a_batch(Engine(EngineConfig(**cfg), loaded=smollm))
     assert alone[0] == batched[0] and alone[1:] != batched[1:]  # same tokens, other low bits
+
+
+def test_vllm_logprob_access_patterns(engine):
+    """Code written for vLLM's outputs runs unchanged: `out.prompt_logprobs[i][tok].logprob`
+    (None first), `c.logprobs[j][tok]` holding the sampled token and the top-k as `Logprob`s
+    with rank and decoded_token; prompt_logprobs=0 holds the prompt's token alone."""
+    from jaxserve import Logprob
+
+    out = _score(engine, SHORT, 0, "vllm-shape")
+    assert out.prompt_logprobs[0] is None
+    for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert list(entry) == [tok] and isinstance(entry[tok], Logprob) and entry[tok].logprob <= 0
+    engine.add_prompt(SHORT, SamplingParams(max_tokens=4, temperature=0, logprobs=3), request_id="sampled")
+    done = None
+    while engine.has_unfinished_requests():
+        done = next((o for o in engine.step() if o.finished), done)
+    c = done.outputs[0]
+    tok_text = engine.tokenizer.decode
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert next(iter(entry)) == tok and entry[tok].rank == 1 and len(entry) == 3  # greedy: its token is the best
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert all(lp.decoded_token == tok_text([t]) for t, lp in entry.items())
+        assert max(entry.values(), key=lambda lp: lp.logprob) is entry[tok]

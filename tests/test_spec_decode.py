@@ -93,8 +93,8 @@ def _run(engine, requests) -> dict[str, list]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [(c.token_ids, c.finish_reason, [(lp.token_id, round(lp.logprob, 3))
-                                                                        for lp in c.logprobs or ()])
+                done[out.request_id] = [(c.token_ids, c.finish_reason, [(t, round(e[t].logprob, 3))
+                                                                        for t, e in zip(c.token_ids, c.logprobs or ())])
                                         for c in out.outputs]
     assert engine.scheduler.stats().num_used_blocks == 0, "KV blocks leaked"
     return [done[i] for i in ids]
@@ -212,7 +212,7 @@ def collect(e, requests):
             if out.finished:
                 c = out.outputs[0]
                 done[out.request_id] = [c.text, c.token_ids, c.finish_reason, c.stop_reason,
-                                        [round(lp.logprob, 3) for lp in c.logprobs or ()]]
+                                        [round(e[t].logprob, 3) for t, e in zip(c.token_ids, c.logprobs or ())]]
     assert e.scheduler.stats().num_used_blocks == 0
     return [done[i] for i in ids]
 

@@ -47,7 +47,7 @@ def _outputs(engine) -> list:
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, [round(lp.logprob, 4) for lp in c.logprobs])
+                done[out.request_id] = (c.token_ids, [round(e[t].logprob, 4) for t, e in zip(c.token_ids, c.logprobs)])
     return [done[i] for i in ids]
 
 

@@ -30,10 +30,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from jaxserve.detokenizer import TokenText
 from jaxserve.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
 from server.core import ServingCore
-from server.core_types import GenerateInput, PromptInput, TokenText
+from server.core_types import GenerateInput, PromptInput
 from server.errors import ErrorKind, ServeError, invalid
 from server.generation import Generation
 from server.http_api.protocol import (
