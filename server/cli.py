@@ -50,7 +50,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout,
                      help="seconds a client may read nothing before its stream is aborted")
     lim.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
-                     help="concurrent calls per HTTP/2 connection")
+                     help="API calls one connection may have open; more get RESOURCE_EXHAUSTED naming it")
     lim.add_argument("--keepalive-time", type=float, default=d.keepalive_time,
                      help="seconds between keepalive pings on a connection")
     lim.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout,

@@ -76,7 +76,9 @@ class GrpcFront(pb_grpc.JaxServeServicer):
         o = self.core.options
         self.interceptor = AuthInterceptor(
             self.core.auth, o.max_open_calls, on_denied=self.core.count_auth_failure,
-            on_open_refused=lambda: self.core.count_refusal("max_open_calls"))
+            on_open_refused=lambda: self.core.count_refusal("max_open_calls"),
+            max_streams_per_connection=o.max_concurrent_streams,
+            on_stream_refused=lambda: self.core.count_refusal("max_concurrent_streams"))
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=o.grpc_options())
         pb_grpc.add_JaxServeServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -31,7 +31,7 @@ class ServerOptions:
     max_queued_requests: int = 256  # requests allowed to wait beyond max_num_seqs
     max_queued_tokens: int | None = None  # work in flight (prompt + n x max_tokens); None: 4 x KV cache
     stream_idle_timeout: float = 60.0  # a stream whose client reads nothing for this long is aborted
-    max_concurrent_streams: int = 128  # per HTTP/2 connection
+    max_concurrent_streams: int = 128  # API calls one connection may have open; more: RESOURCE_EXHAUSTED
     keepalive_time: float = 60.0  # seconds between server pings on an idle connection
     keepalive_timeout: float = 20.0  # a ping not acknowledged in this long closes the connection
     max_connection_idle: float | None = None  # close connections with no call for this long
@@ -59,7 +59,12 @@ class ServerOptions:
             ("grpc.max_receive_message_length", 4 * self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.so_reuseport", 0),
-            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            # No HTTP/2 stream limit: a client may open streams before the server's SETTINGS
+            # reach it, and the transport resets the ones past the limit (UNAVAILABLE "Stream
+            # removed", no reason). The interceptor refuses a connection's calls past
+            # max_concurrent_streams instead, RESOURCE_EXHAUSTED naming the limit; a refused
+            # call costs its headers and one small frame.
+            ("grpc.max_concurrent_streams", 2**31 - 1),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout)),
             ("grpc.keepalive_permit_without_calls", 1),  # clients may keep idle connections alive

@@ -9,6 +9,7 @@ as a table. The engine-thread death and the second SIGTERM run in a subprocess s
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import re
@@ -205,6 +206,36 @@ def test_1000_concurrent_streams(srv):
     wait_until(lambda: settled(srv), timeout=20)
     report("1000 streams", seconds=dt, streams_per_s=n / dt, rss_before_mib=rss0, rss_peak_mib=peak,
            rss_after_mib=rss_mib(), used_blocks_after=used_blocks(srv))
+
+
+def test_stream_flood_over_few_connections_is_refused_by_name_never_reset(srv):
+    """1000 streams over 4 connections at once (250 each, past the 128 calls a connection may
+    have open), fired before the server's SETTINGS could slow the client down: every call ends
+    OK or RESOURCE_EXHAUSTED naming the limit that refused it; no stream is reset (UNAVAILABLE),
+    nothing is left behind."""
+    n, k = 1000, 4
+
+    async def body():
+        chans = [grpc.aio.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                 for _ in range(k)]  # not awaited ready: the calls race the connection's setup
+        try:
+            stubs = [pb_grpc.JaxServeStub(c) for c in chans]
+            calls = [stubs[i % k].Generate(req(f"#{i} hi", max_tokens=1, ignore_eos=True),
+                                           metadata=md("alice" if i % 2 else "bob")) for i in range(n)]
+            return await asyncio.gather(*(read_stream(c) for c in calls))
+        finally:
+            for c in chans:
+                await c.close()
+
+    results = run(body())
+    codes = collections.Counter(r.code for r in results)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    refused = [r.details for r in results if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert codes[grpc.StatusCode.OK] > 0 and refused, codes
+    assert all("max" in d and any(c.isdigit() for c in d) for d in refused), set(refused)
+    wait_until(lambda: settled(srv), timeout=20)
+    report("stream flood over 4 connections", ok=codes[grpc.StatusCode.OK], refused=len(refused),
+           reasons=len(set(refused)))
 
 
 # A ~1 KB HTTP/2 window per stream: the server's writes block after ~1 KB unread (and the

@@ -208,9 +208,12 @@ def test_open_health_calls_are_bounded():
 
 
 def test_concurrent_streams_per_connection_are_capped():
-    """`max_concurrent_streams` reaches gRPC: on one connection at most that many calls run at
-    once (the client queues the rest, or HTTP/2 refuses them)."""
+    """`max_concurrent_streams` reaches the interceptor: on one connection at most that many
+    API calls run at once, the rest are refused with RESOURCE_EXHAUSTED naming the limit (the
+    transport resets none), and the count returns to zero when they end."""
     from server.app import ServerOptions
+    from server.auth import AuthInterceptor
+    from server.tenants import Authenticator
 
     state = {"running": 0, "most": 0}
 
@@ -221,8 +224,11 @@ def test_concurrent_streams_per_connection_are_capped():
         state["running"] -= 1
         return pb.ModelInfo(model="slow")
 
+    opts = ServerOptions(max_concurrent_streams=2)
+    interceptor = AuthInterceptor(Authenticator(), max_streams_per_connection=opts.max_concurrent_streams)
+
     async def body():
-        server = grpc.aio.server(options=ServerOptions(max_concurrent_streams=2).grpc_options())
+        server = grpc.aio.server(interceptors=[interceptor], options=opts.grpc_options())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("jaxserve.v1.JaxServe", {
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 slow, request_deserializer=pb.GetModelInfoRequest.FromString,
@@ -231,18 +237,21 @@ def test_concurrent_streams_per_connection_are_capped():
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await ch.channel_ready()
                 stub = pb_grpc.JaxServeStub(ch)
                 results = await asyncio.gather(*(stub.GetModelInfo(pb.GetModelInfoRequest()) for _ in range(6)),
                                                return_exceptions=True)
+                again = await stub.GetModelInfo(pb.GetModelInfoRequest())  # the slots came back
         finally:
             await server.stop(0)
-        return results
+        return results, again
 
-    results = asyncio.run(body())
-    assert state["most"] == 2
-    assert all(getattr(r, "model", None) == "slow" or r.code() == grpc.StatusCode.UNAVAILABLE for r in results)
-    assert any(getattr(r, "model", None) == "slow" for r in results)
+    results, again = asyncio.run(body())
+    assert state["most"] == 2 and again.model == "slow"
+    refused = [r for r in results if getattr(r, "model", None) != "slow"]
+    assert len(refused) == 4, results
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "(max 2, --max-concurrent-streams)" in r.details()
+               for r in refused)
+    assert interceptor.connection_calls == {}
 
 
 def test_lora_allow_lists():
