@@ -108,13 +108,17 @@ class JaxServeServer:
         max_conns = 2 * (seqs + o.max_queued_requests) + o.max_open_calls
         limits = ConnectionLimits(max_head_bytes=o.http_max_head_bytes, head_timeout=o.http_head_timeout,
                                   max_connections_per_peer=o.http_max_connections_per_peer,
-                                  max_connections=max_conns)
+                                  max_connections=max_conns, proves=self._proves_http_head)
         self.http = HttpServer(OpenAIFront(self.core).app, o.host, o.http_port, tls_cert_file=o.tls_cert_file,
                                tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file,
                                limits=limits)
         self.http_port = await self.http.start()
         logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if o.tls_cert_file else "http",
                     o.host, self.http_port)
+
+    def _proves_http_head(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A request head with a valid API key (any head when no keys are required)."""
+        return self.core.auth.authenticate([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]) is not None
 
     async def load(self) -> None:
         await self.core.load()

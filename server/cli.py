@@ -68,7 +68,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--http-head-timeout", type=float, default=d.http_head_timeout,
                      help="seconds an HTTP client has to send a request head; past it 408 and closed")
     lim.add_argument("--http-max-connections-per-peer", type=int, default=d.http_max_connections_per_peer,
-                     help="HTTP connections one client address may hold; past it 503 and closed")
+                     help="HTTP connections one address may hold that have not sent an authenticated request; "
+                          "past it the oldest such is closed (503)")
     lim.add_argument("--frontend-threads", type=int, default=None,
                      help="threads that tokenize and apply chat templates (default: a quarter of the cores, 1 to 4; "
                           "they take CPU from the engine)")

@@ -40,7 +40,7 @@ class ServerOptions:
     max_open_calls: int = 64  # health / reflection calls open at once (they need no key)
     http_max_head_bytes: int = 64 * 1024  # request line + headers; more: 431 and the connection closed
     http_head_timeout: float = 10.0  # seconds to send a request head; more: 408 and closed
-    http_max_connections_per_peer: int = 64  # HTTP connections one address may hold; more: 503
+    http_max_connections_per_peer: int = 64  # pending (no authenticated request yet) per address; more: oldest closed
     frontend_threads: int | None = None  # tokenization / chat-template workers; None: cores / 4 (1..4)
     tokenizer_backlog_chars: int = 1_000_000  # characters queued for tokenization; more: RESOURCE_EXHAUSTED
     shutdown_timeout: float = 30.0

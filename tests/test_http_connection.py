@@ -86,18 +86,28 @@ def test_a_head_not_finished_in_time_is_408_and_closed(server):
     assert _error(_raw(server, b""))[0] == 408
 
 
-def test_connections_per_peer_do_not_lock_out_others(server):
-    held = [socket.create_connection(("127.0.0.1", server)) for _ in range(LIMITS.max_connections_per_peer)]
-    try:
-        status, err = _error(_raw(server, b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n"))
-        assert status == 503 and err["code"] == "max_connections_per_peer"
-        # another address is served meanwhile
-        transport = httpx.HTTPTransport(local_address="127.0.0.2")
-        with httpx.Client(transport=transport) as c:
-            assert c.get(f"http://127.0.0.1:{server}/json").status_code == 200
-    finally:
-        for s in held:
-            s.close()
+def test_stalled_connections_from_one_address_make_room_for_its_next_client(server):
+    """Behind a proxy every client has one address: connections that never send a request
+    cannot lock its next client out. Past the cap of pending connections the oldest pending one
+    is closed (503 naming the limit) and the new client is served; a connection that has sent
+    a request is not pending and is never closed for the address's sake."""
+    with httpx.Client() as served:
+        assert served.get(f"http://127.0.0.1:{server}/json").status_code == 200  # a kept-alive connection
+        held = [socket.create_connection(("127.0.0.1", server), timeout=5)
+                for _ in range(LIMITS.max_connections_per_peer)]
+        try:
+            time.sleep(0.05)
+            resp = _raw(server, b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert resp.startswith(b"HTTP/1.1 200"), resp[:200]
+            evicted = b""
+            while chunk := held[0].recv(65536):
+                evicted += chunk
+            status, err = _error(evicted)
+            assert status == 503 and err["code"] == "max_connections_per_peer"
+            assert served.get(f"http://127.0.0.1:{server}/json").status_code == 200  # still open, never counted
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_http10_streams_are_close_delimited(server):

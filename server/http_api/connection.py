@@ -9,11 +9,17 @@ key) would refuse every tenant. Here:
 - **Request head**: at most `max_head_bytes` (request line and headers) and
   `head_timeout` seconds from the connection (or the previous response) to the end of the
   headers; past either the answer is 431 or 408 and the connection is closed.
-- **Connections**: at most `max_connections_per_peer` per peer address and
-  `max_connections` in all; the next is answered 503 at once and closed. Connections are not
-  requests: tenants' requests are bounded by admission (per tenant), and the head timeout
-  frees connections that never send a request, so one address holding connections cannot
-  take the whole server.
+- **Pending connections**: a connection is pending until it has sent a complete request head
+  that `proves` accepts (one carrying a valid API key; any head when no keys are required).
+  One address may hold `max_connections_per_peer` pending connections; a new one past that
+  closes the address's OLDEST pending connection (503), so stalled or keyless connections
+  behind a proxy or NAT make room for the proxy's next client instead of locking it out. A
+  connection that has proven itself is never counted per address: authenticated requests are
+  bounded per tenant by admission (429), never by the address they come from. What one address
+  can still do: hold `max_connections_per_peer` pending connections, each for at most
+  `head_timeout` seconds (the head deadline, re-armed after every response, also ends idle
+  keep-alive connections); that cannot refuse anyone else's request.
+- **All connections**: at most `max_connections`; the next is answered 503 at once and closed.
 - **HTTP/1.0**: a response without Content-Length (a stream) is sent as is and ended by
   closing the connection (RFC 9112 forbids chunked coding towards a 1.0 client).
 
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -36,8 +42,11 @@ _FIRST_READ = 256 * 1024  # asyncio's largest single read: a body may come in it
 class ConnectionLimits:
     max_head_bytes: int = 64 * 1024
     head_timeout: float = 10.0
-    max_connections_per_peer: int = 64
+    max_connections_per_peer: int = 64  # pending (not yet proven) connections one address may hold
     max_connections: int | None = None  # all peers together; None: no cap
+    # A complete request head's (name, value) pairs (lower-case names) -> whether it proves its
+    # connection (a valid API key); None: any complete head does.
+    proves: Callable[[list[tuple[bytes, bytes]]], bool] | None = None
 
 
 def refusal(status: int, reason: str, message: str, code: str) -> bytes:
@@ -81,12 +90,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `ConnectionLimits` (set by `with_limits`)."""
 
     limits = ConnectionLimits()
-    _peers: Counter = Counter()  # replaced per server by with_limits
+    # peer address -> its pending connections, oldest first (replaced per server by with_limits)
+    _pending: dict[str, dict[LimitedHttpProtocol, None]] = {}
 
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpProtocol]:
-        """A protocol class for one server: its limits and its own per-peer counts."""
-        return type("LimitedHttpProtocol", (cls,), {"limits": limits, "_peers": Counter()})
+        """A protocol class for one server: its limits and its own pending connections."""
+        return type("LimitedHttpProtocol", (cls,), {"limits": limits, "_pending": {}})
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -94,26 +104,34 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = self._raw_head_bytes = 0
         self._head_timer = None
         self._refused = False
-        if self._peer is not None:
-            self._peers[self._peer] += 1
-            if self._peers[self._peer] > self.limits.max_connections_per_peer:
-                return self._refuse(503, "Service Unavailable",
-                                    f"too many connections from this address (at most "
-                                    f"{self.limits.max_connections_per_peer})", "max_connections_per_peer")
         cap = self.limits.max_connections
         if cap is not None and len(self.connections) > cap:
             return self._refuse(503, "Service Unavailable", f"the server has {cap} connections open; retry later",
                                 "max_connections")
+        if self._peer is not None:
+            pending = self._pending.setdefault(self._peer, {})
+            pending[self] = None
+            if len(pending) > self.limits.max_connections_per_peer:
+                oldest = next(iter(pending))
+                oldest._refuse(503, "Service Unavailable",
+                               f"closed to make room: this address holds more than "
+                               f"{self.limits.max_connections_per_peer} connections that have not sent an "
+                               "authenticated request", "max_connections_per_peer")
+                oldest._leave_pending()
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
-        if self._peer is not None:
-            self._peers[self._peer] -= 1
-            if self._peers[self._peer] <= 0:
-                del self._peers[self._peer]
-            self._peer = None
+        self._leave_pending()
+        self._peer = None
         super().connection_lost(exc)
+
+    def _leave_pending(self) -> None:
+        pending = self._pending.get(self._peer) if self._peer is not None else None
+        if pending is not None:
+            pending.pop(self, None)
+            if not pending:
+                del self._pending[self._peer]
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -156,6 +174,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._cancel_head_timer()
+        if self.limits.proves is None or self.limits.proves(self.headers):
+            self._leave_pending()
         super().on_headers_complete()
         if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = _CloseDelimitedCycle  # before its task first runs
