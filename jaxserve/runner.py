@@ -475,7 +475,7 @@ class ModelRunner:
         exe = self.executables.get(ShapeKey("head", num_rows, flags))
         if exe is not None:
             return exe(logits, tensors)
-        return sample_jit(logits, tensors, flags=flags)
+        return sample_jit(logits, tensors, flags=flags, one_row_at_a_time=self.row_tile > 0)
 
     def forward(self, arrays: StepArrays) -> jax.Array:
         """Logits [max_reqs, V] (f32) of each sequence's last token; for tests and tools."""
@@ -519,7 +519,7 @@ class ModelRunner:
             input_sharding=self.input_sharding, index_sharding=None, hidden_size=self.config.hidden_size,
             vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
             max_pages_per_seq=self.max_pages_per_seq,
-            lora=abstract(self.lora.weights) if self.lora is not None else None)
+            lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""

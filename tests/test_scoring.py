@@ -110,39 +110,70 @@ def test_prompt_logprobs_are_checked(engine):
 
 
 # ---------------------------------------------------------------------- batch invariance
-def _target_alone_and_in_a_batch(engine) -> tuple[tuple, tuple]:
-    """One seeded request with logprobs and prompt logprobs: alone, then placed in the middle
-    of 24 requests that prefill (in chunks: 256 tokens a step) and decode around it."""
-    target = (LONG[:160], SamplingParams(max_tokens=20, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1))
+TARGET = (LONG[:160], SamplingParams(max_tokens=20, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1))
+
+
+def _others(n: int) -> list[tuple[str, SamplingParams]]:
+    """n requests of other lengths, budgets and sampling settings: their prefills (in chunks
+    of 256 tokens a step) run beside the target's decodes, and they end at other steps (so
+    the request and token buckets change under it)."""
     rng = np.random.default_rng(0)
-    others = [(" ".join(["word"] * int(n)) + f" {i}",
-               SamplingParams(max_tokens=int(m), temperature=float(t), seed=i, logprobs=1 if i % 3 else None))
-              for i, (n, m, t) in enumerate(zip(rng.integers(5, 150, 23), rng.integers(2, 30, 23), rng.random(23)))]
-
-    def run(requests) -> tuple:
-        ids = [engine.add_prompt(p, sp) for p, sp in requests]
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((o.request_id, o) for o in engine.step() if o.finished)
-        out = done[ids[[r is target for r in requests].index(True)]]
-        c = out.outputs[0]
-        return (c.token_ids, [[(t, lp.logprob, lp.rank) for t, lp in e.items()] for e in c.logprobs],
-                [e and [(t, lp.logprob) for t, lp in e.items()] for e in out.prompt_logprobs])
-
-    return run([target]), run(others[:11] + [target] + others[11:])
+    return [(" ".join(["word"] * int(w)) + f" {i}",
+             SamplingParams(max_tokens=int(m), temperature=float(t), seed=i, logprobs=1 if i % 3 else None))
+            for i, (w, m, t) in enumerate(zip(rng.integers(5, 150, n), rng.integers(2, 30, n), rng.random(n)))]
 
 
-def test_batch_invariant_mode_is_bitwise_equal_alone_and_in_a_batch(smollm):
-    """The same request alone and among 24 others (other token and request buckets, prefill
-    chunks beside its decodes): bitwise-equal tokens, logprobs and prompt logprobs with
-    batch_invariant=True; the default mode differs in the low bits (the test can fail)."""
+def _target_in(engine, requests: list, at: int) -> tuple:
+    """Runs `requests` together; the tokens, logprobs and prompt logprobs of requests[at]
+    (and the prompt tokens it found cached)."""
+    ids = [engine.add_prompt(p, sp) for p, sp in requests]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    out = done[ids[at]]
+    c = out.outputs[0]
+    return ((c.token_ids, c.logprobs and [[(t, lp.logprob, lp.rank) for t, lp in e.items()] for e in c.logprobs],
+             out.prompt_logprobs and [e and [(t, lp.logprob) for t, lp in e.items()] for e in out.prompt_logprobs]),
+            out.usage.cached_tokens)
+
+
+def _placed(others: list, n: int, at: int, target=TARGET) -> list:
+    """The target at position `at` of a batch of n requests."""
+    rest = others[: n - 1]
+    return rest[:at] + [target] + rest[at:]
+
+
+def test_batch_invariant_mode_is_bitwise_equal_alone_and_in_any_batch(smollm):
+    """The same seeded request (sampled, logprobs and prompt logprobs) alone and at several
+    positions of batches of 2, 3, 25 and 64 requests (prefill chunks beside its decodes,
+    other token and request buckets, requests ending under it), and with its prompt found in
+    the prefix cache: bitwise-equal tokens, logprobs and prompt logprobs with
+    batch_invariant=True. The default mode differs in the low bits on the batch of 25 (the
+    comparison can fail)."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine import Engine
 
-    cfg = dict(max_num_seqs=32, max_num_batched_tokens=256, num_pages=160, max_model_len=256)
-    alone, batched = _target_alone_and_in_a_batch(Engine(EngineConfig(batch_invariant=True, **cfg), loaded=smollm))
-    assert alone == batched
-    alone, batched = _target_alone_and_in_a_batch(Engine(EngineConfig(**cfg), loaded=smollm))
+    cfg = dict(max_num_seqs=64, max_num_batched_tokens=256, num_pages=600, max_model_len=256)
+    engine = Engine(EngineConfig(batch_invariant=True, **cfg), loaded=smollm)
+    others = _others(63)
+    alone, _ = _target_in(engine, [TARGET], 0)
+    for n, at in ((2, 1), (3, 0), (25, 12), (64, 63)):
+        got, _ = _target_in(engine, _placed(others, n, at), at)
+        assert got == alone, f"batch of {n}, position {at}"
+
+    # Prefix caching: prompt logprobs bypass the cache, so the cached case scores tokens only.
+    target = (TARGET[0], SamplingParams(max_tokens=20, temperature=0.8, seed=3, logprobs=2))
+    engine.reset_prefix_cache()
+    uncached, hits = _target_in(engine, [target], 0)
+    assert hits == 0
+    _target_in(engine, [(TARGET[0], SamplingParams(max_tokens=1))], 0)  # leaves its prompt's pages cached
+    cached, hits = _target_in(engine, _placed(others, 25, 24, target), 24)
+    assert hits > 0 and cached == uncached
+    assert uncached[:2] == alone[:2]
+
+    default = Engine(EngineConfig(**cfg), loaded=smollm)
+    alone, _ = _target_in(default, [TARGET], 0)
+    batched, _ = _target_in(default, _placed(others, 25, 12), 12)
     assert alone[0] == batched[0] and alone[1:] != batched[1:]  # same tokens, other low bits
 
 

@@ -26,7 +26,7 @@ from jaxserve import parallel
 from jaxserve.compilation.compile_plan import ShapeKey
 from jaxserve.lora.ops import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.sampler import SamplingTensors, sample, token_logprobs
+from jaxserve.sampler import SamplingTensors, per_row, sample, token_logprobs
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
 
@@ -60,6 +60,7 @@ class StepPrograms:
     attention_backend: str
     max_pages_per_seq: int
     lora: dict[str, jax.ShapeDtypeStruct] | None = None  # the LoRA slots (`LoRABatch.weights`); None: off
+    batch_invariant: bool = False  # the sampler one row at a time (`sampler.per_row`)
 
     @property
     def dtype(self) -> Any:
@@ -97,7 +98,7 @@ class StepPrograms:
         if key.kind == "head":
             logits = sds((key.size, self.vocab_size), jnp.float32, rep)
             t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
-            return sample_jit.lower(logits, t, flags=key.flags).compile()
+            return sample_jit.lower(logits, t, flags=key.flags, one_row_at_a_time=self.batch_invariant).compile()
         if key.kind == "swap":
             ids = sds((key.size,), jnp.int32, self.index_sharding)
             pages = tuple(sds(p.shape, p.dtype, self.index_sharding)
@@ -152,18 +153,22 @@ def _prompt_logprobs(graphdef, mesh, state, h_all, rows, targets, *, num_top):
     logits = model.compute_logits(model.final_hidden(jnp.take(h_all, rows, axis=0)))  # [P, V]
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
-    return token_logprobs(logits, targets, num_top)
+    score = functools.partial(token_logprobs, k=num_top)
+    return per_row(score, logits, targets) if model.row_tile else score(logits, targets)
 
 
-def _sample(logits, tensors, *, flags):
-    # The logits are donated and the processed ones returned, so scatters run in place.
-    return sample(logits, tensors, **flags._asdict(), keep_processed=True)
+def _sample(logits, tensors, *, flags, one_row_at_a_time=False):
+    """The sampler over [R, V] logits; `one_row_at_a_time` (batch-invariant mode): each row
+    by the same [1, V] program whatever R is. The logits are donated and the processed ones
+    returned, so scatters run in place."""
+    fn = functools.partial(sample, **flags._asdict(), keep_processed=True)
+    return per_row(fn, logits, tensors) if one_row_at_a_time else fn(logits, tensors)
 
 
 backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
 prompt_logprobs_jit = jax.jit(_prompt_logprobs, static_argnums=(0, 1), static_argnames=("num_top",))
-sample_jit = jax.jit(_sample, static_argnames=("flags",), donate_argnums=(0,))
+sample_jit = jax.jit(_sample, static_argnames=("flags", "one_row_at_a_time"), donate_argnums=(0,))
 
 
 def _gather_pages(kv, ids):

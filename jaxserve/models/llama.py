@@ -84,9 +84,12 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, row_tile: int = 0) -> jax.Array:
     """RMSNorm computed in f32 (as HF does), scaled by (offset + weight) (Gemma's offset is 1),
-    cast back to the input dtype."""
+    cast back to the input dtype. `row_tile` > 0 (batch-invariant mode): over fixed row tiles
+    (`tiled_rows`), so a row's sum of squares runs in one order whatever the token bucket."""
+    if row_tile:
+        return tiled_rows(lambda t: rms_norm(t, weight, eps, offset), x, row_tile)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
@@ -225,15 +228,15 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.sandwich_norms:  # the branch's output is normed before the skip connection
                 attn, pool = self._attention(
                     h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
-                h = h + rms_norm(attn, lp["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-                x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-                y = rms_norm(self._mlp(x, lp, moe_fn), lp["post_ffn_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+                h = h + self._norm(attn, lp["post_attn_norm"])
+                x = self._norm(h, lp["post_norm"])
+                y = self._norm(self._mlp(x, lp, moe_fn), lp["post_ffn_norm"])
                 return (h + y, pool), None
             # h + branch, handed to the branch's last projection (a quantized one adds it in
             # its epilogue on CPU; the same bits as the add).
             h, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
-            x = rms_norm(h, lp["post_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            x = self._norm(h, lp["post_norm"])
             return (self._mlp(x, lp, moe_fn, residual=h), pool), None
 
         (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer, lora_weights))
@@ -246,8 +249,12 @@ class LlamaForCausalLM(nnx.Module):
 
     def final_hidden(self, h: jax.Array) -> jax.Array:
         """The final norm: [N, E] last-layer hidden states -> what `compute_logits` takes."""
+        return self._norm(h, self.final_norm[...])
+
+    def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        """The model's RMSNorm of x [T, ...] (row-tiled in batch-invariant mode)."""
         cfg = self.config
-        return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_weight_offset)
+        return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset, self.row_tile)
 
     def _attention(self, h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn,
                    residual=None):
@@ -257,7 +264,7 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config
         T = h.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = rms_norm(h, lp["input_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+        x = self._norm(h, lp["input_norm"])
         qkv = lp.matmul(x, "qkv_proj")  # [T, (Hq + 2 Hkv) * D], interleaved per shard
         if cfg.attention_bias:
             qkv = qkv + lp["qkv_bias"]
@@ -267,8 +274,8 @@ class LlamaForCausalLM(nnx.Module):
         k = k.reshape(T, Hkv, D)
         v = v.reshape(T, Hkv, D)
         if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+            q = self._norm(q, lp["q_norm"])
+            k = self._norm(k, lp["k_norm"])
         q = apply_rope(q, *cos_sin)
         k = apply_rope(k, *cos_sin)
         pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S, **_scales(pool)))
@@ -391,25 +398,36 @@ def _plain_or_tiled(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
 
 def tiled_matmul(x: jax.Array, w: jax.Array, row_tile: int, transposed: bool = False) -> jax.Array:
     """x [N, K] @ w [K, F] (`transposed`: w is [F, K], as a tied head's embedding); with
-    `row_tile` > 0, as a loop over [row_tile, K] tiles (rows padded up to a whole tile).
-    XLA:CPU's GEMM sums a row in an order that depends on the row count and the row's
-    position, so the plain product of one row changes with the batch around it; one fixed
-    tile shape fixes the order. The trip count is hidden from XLA (an optimization barrier),
-    so it never unrolls or drops the loop for one shape and not another, and a transposed
+    `row_tile` > 0, over [row_tile, K] tiles (`tiled_rows`). XLA:CPU's GEMM sums a row in an
+    order that depends on the row count and the row's position, so the plain product of one
+    row changes with the batch around it; one fixed tile shape fixes the order. A transposed
     weight is contracted on its own dim 1 (written as `w.T`, XLA hoisted a transposed copy
     out of some loops and not others, and the two dots summed differently). The loop costs
     the parallelism a large GEMM has (about 2x on a 2048-row prefill on this CPU)."""
     if not row_tile:
         return x @ (w.T if transposed else w)
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
-    n, k = x.shape
+    out_dtype = jnp.result_type(x, w)
+    return tiled_rows(lambda t: jax.lax.dot_general(t, w, dims).astype(out_dtype), x, row_tile)
+
+
+def tiled_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array, row_tile: int) -> jax.Array:
+    """fn applied to x [N, ...] as a loop over [row_tile, ...] tiles (rows padded up to a whole
+    tile), so that every row is computed by one program whatever N is: batch-invariant mode.
+    XLA:CPU reduces rows in an order that depends on the row count (a log-softmax row of a
+    [3, V] array measured 1 ulp from the same row alone), so a row-wise op compiled once per
+    bucket is not the same arithmetic in every bucket. The trip count is hidden from XLA (an
+    optimization barrier), so it never unrolls or drops the loop for one shape and not
+    another. `fn` must be row-wise (row i of its output depends on row i of its input only)."""
+    n = x.shape[0]
     tiles = -(-n // row_tile)
-    xp = jnp.pad(x, ((0, tiles * row_tile - n), (0, 0)))  # [tiles * row_tile, K]
-    out = jnp.zeros((tiles * row_tile, w.shape[0 if transposed else 1]), jnp.result_type(x, w))
+    xp = jnp.pad(x, ((0, tiles * row_tile - n),) + ((0, 0),) * (x.ndim - 1))  # [tiles * row_tile, ...]
+    tile_out = jax.eval_shape(fn, jax.ShapeDtypeStruct((row_tile, *x.shape[1:]), x.dtype))
+    out = jnp.zeros((tiles * row_tile, *tile_out.shape[1:]), tile_out.dtype)
 
     def tile(i, out):
-        t = jax.lax.dynamic_slice(xp, (i * row_tile, 0), (row_tile, k))
-        return jax.lax.dynamic_update_slice(out, jax.lax.dot_general(t, w, dims).astype(out.dtype), (i * row_tile, 0))
+        t = jax.lax.dynamic_slice_in_dim(xp, i * row_tile, row_tile, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, fn(t), i * row_tile, 0)
 
     trips = jax.lax.optimization_barrier(jnp.int32(tiles))
     return jax.lax.fori_loop(0, trips, tile, out)[:n]
