@@ -118,7 +118,12 @@ class Engine:
         self.lora_registry = (LoRARegistry(mc, config.max_lora_rank, resolve_dtype(self.dtype))
                               if config.enable_lora else None)
         self.lora_stats: dict[str, list[int]] = {}  # adapter name -> [requests, output tokens]
+        t0 = time.perf_counter()
         self.runner = self._make_runner()
+        # Where start-up went, in seconds: weights, tokenizer, params to device, KV cache,
+        # runner (all of the runner's construction); warmup is reported apart.
+        self.startup_seconds = {**self.model.seconds, **self.runner.startup_seconds,
+                                "runner": time.perf_counter() - t0}
         self.kernels = self._choose_kernels()
         self.attention = self.kernels.attention
         self._check_batch_invariant(config, mc)

@@ -122,6 +122,7 @@ class ModelRunner:
         self.embed_columns = (self.mesh is None and "embed_scale" in loaded.params
                               and jax.devices()[0].platform == "cpu"
                               and jnp.dtype(loaded.params["embed"].dtype) == jnp.int8)
+        t0 = time.perf_counter()
         if self.mesh is None:
             self.config = loaded.config
             params = jax.tree.map(host_to_device, self._serving_params(loaded.params, loaded.config))
@@ -135,7 +136,11 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(self._model(params))
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype
+        t1 = time.perf_counter()
         self.kv_cache = self._new_kv_cache()
+        # Start-up split for reports (`Engine.startup_seconds`): params placed on the devices
+        # (fused, sharded) and the model built; the KV cache allocated.
+        self.startup_seconds = {"params_to_device": t1 - t0, "kv_cache": time.perf_counter() - t1}
         self.lora: LoRASlots | None = None
         self.lora_registry = None
         if lora is not None:

@@ -1,10 +1,11 @@
 """Start-up: weight loading against the storage, and time from `jaxserve serve` to SERVING.
 
-Loading (`--part load`): writes a random ~0.85 B-parameter bf16 Llama checkpoint in two
-safetensors shards once (`--checkpoint-dir`), then times, each in a fresh process, numpy
+Loading (`--part load`): writes a random ~0.92 B-parameter bf16 Llama checkpoint in two
+safetensors shards with a tokenizer once (`--checkpoint-dir`), then times, each in a fresh process, numpy
 reading the same files into fresh memory, `load_model(dir, dtype="bfloat16")` and
 `LLM(model=dir, dtype="bfloat16", warmup=False)`; prints GB/s against numpy's and peak RSS
-over the process's RSS before loading, against the checkpoint's size. Then what process 0 of
+over the process's RSS before loading, against the checkpoint's size, and where the time went
+(weights; tokenizer; params to device; KV cache; the runner's whole construction). Then what process 0 of
 a 2- and a 4-process group (one device each) reads of the same checkpoint: its slices.
 
 Starts (`--part start`): fresh `jaxserve serve` processes timed end to end (interpreter and
@@ -42,9 +43,9 @@ CLI = [sys.executable, "-m", "jaxserve.cli"]
 
 
 # ---------------------------------------------------------------------- loading
-CKPT_CONFIG = {  # a Llama shape of ~0.85 B parameters (1.7 GB in bf16)
+CKPT_CONFIG = {  # a Llama shape of ~0.92 B parameters (1.85 GB in bf16), with SmolLM2's vocabulary
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
-    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 49152,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -63,11 +64,16 @@ def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+CKPT_MARKER = "done-v2"  # v2: SmolLM2's vocabulary and its tokenizer files
+
+
 def write_checkpoint(path: str, shards: int = 2) -> int:
-    """A random bf16 checkpoint in `shards` safetensors files (written once); its data bytes."""
+    """A random bf16 checkpoint in `shards` safetensors files, with the embedded model's
+    tokenizer files (tokenizer.json, tokenizer_config.json with its chat template), written
+    once; its data bytes."""
     shapes = _tensor_shapes(CKPT_CONFIG)
     total = sum(math.prod(s) * 2 for s in shapes.values())
-    if os.path.isfile(os.path.join(path, "done")):
+    if os.path.isfile(os.path.join(path, CKPT_MARKER)):
         return total
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -93,7 +99,12 @@ def write_checkpoint(path: str, shards: int = 2) -> int:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(CKPT_CONFIG, f)
-    open(os.path.join(path, "done"), "w").close()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxserve.loading import gguf_loader, loader, tokenizer
+
+    meta = gguf_loader.GGUFFile(loader.embedded_model_path()).metadata
+    tokenizer.tokenizer_from_gguf_metadata(meta).save_pretrained(path)
+    open(os.path.join(path, CKPT_MARKER), "w").close()
     return total
 
 
@@ -127,9 +138,11 @@ else:
     base = rss(); t0 = time.perf_counter()
     if what == "load":
         m = load_model(path, dtype="bfloat16")
+        extra = {"split": m.seconds}
     else:
         llm = LLM(model=path, dtype="bfloat16", warmup=False, num_pages=16, max_model_len=512,
                   compilation_cache_dir=None)
+        extra = {"split": llm.engine.startup_seconds}
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": seconds, "peak_over_start": peak - base, **extra}))
@@ -164,6 +177,9 @@ def measure_loading(path: str, repeats: int) -> None:
         numpy_gbs = numpy_gbs or gbs
         print(f"{label:36} {sec:6.2f} s  {gbs:5.2f} GB/s ({gbs / numpy_gbs:4.0%} of numpy's)  peak RSS over start "
               f"{peak / 1e9:5.2f} GB ({peak / size:4.2f}x the checkpoint)  [median of {repeats}]")
+        if "split" in rows[what][0]:  # medians of each part
+            parts = {k: statistics.median(r["split"][k] for r in rows[what]) for k in rows[what][0]["split"]}
+            print(" " * 38 + "  ".join(f"{k} {v:.2f} s" for k, v in parts.items()))
     for n in (2, 4):  # what one process of a multi-host group reads: its devices' slices
         runs = [run(f"part{n}") for _ in range(repeats)]
         sec = statistics.median(r["seconds"] for r in runs)

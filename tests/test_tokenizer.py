@@ -76,3 +76,32 @@ def test_tokenizer_special_ids_and_chat_template(smollm):
                                    add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n")
     assert "<|im_start|>user\nhi<|im_end|>" in text
+
+
+def test_hf_dir_with_the_generic_fast_class_loads_as_autotokenizer_does(smollm, tmp_path):
+    """A directory whose tokenizer_config names the generic fast class is read by that class
+    directly (no AutoTokenizer import chain): the same class, ids, decoding and chat template
+    as AutoTokenizer's; another class still goes through AutoTokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from jaxserve.loading.tokenizer import tokenizer_from_hf_dir
+
+    smollm.tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    ours, auto = tokenizer_from_hf_dir(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ours) is type(auto)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🤖 <|im_end|>"}]
+    for text in BASE:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        assert ours.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == (
+        auto.eos_token_id, auto.bos_token_id, auto.all_special_ids)
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(tokenizer_from_hf_dir(str(tmp_path))).__name__ == type(
+        AutoTokenizer.from_pretrained(str(tmp_path))).__name__ == "GPT2Tokenizer"

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,6 +37,10 @@ class LoadedModel:
     source: str  # "gguf" | "hf" | "orbax"
     path: str
     quantization: str | None = None  # "int8" | "fp8": the method the params' quantized weights hold
+    # Seconds spent on "weights" (reading and assembling the params), "tokenizer" (building
+    # it; most of it importing transformers) and the whole "load", for start-up reports
+    # (`Engine.startup_seconds`).
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def embedded_model_path() -> str:
@@ -102,6 +107,7 @@ def load_model(path: str | None = None, dtype: str = "float32", quantization: st
     loaded = _load_model(path, dtype, quantization, quantize_lm_head, part)
     freeze_params(loaded.params)
     seconds = time.perf_counter() - t0
+    loaded.seconds["load"] = seconds
     nbytes = sum(a.nbytes for a in jax.tree.leaves(loaded.params))
     log.info("%s: %.2f GB of params loaded in %.2f s (%.2f GB/s)", loaded.path, nbytes / 1e9, seconds,
              nbytes / 1e9 / max(seconds, 1e-9))
@@ -136,19 +142,22 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
         _check_head(method, quantize_lm_head, path)
         if published is None:
             _log_quantizing(path, method, quantization)
-        params = gguf_loader.load_gguf_params(gf, cfg, np_dtype, method, quantize_lm_head)
-        tok = tokenizer.tokenizer_from_gguf_metadata(gf.metadata)
-        return LoadedModel(cfg, params, tok, name, "gguf", path, method)
+        params, weights = _timed(lambda: gguf_loader.load_gguf_params(gf, cfg, np_dtype, method, quantize_lm_head))
+        tok, tok_s = _timed(lambda: tokenizer.tokenizer_from_gguf_metadata(gf.metadata))
+        return LoadedModel(cfg, params, tok, name, "gguf", path, method, {"weights": weights, "tokenizer": tok_s})
     if checkpoint.is_orbax_dir(path):
         cfg, _saved_dtype = checkpoint.load_checkpoint_config(path)
         saved, quantized = checkpoint.load_checkpoint_quantization(path)
         method = resolve_quantization(quantization, saved, f"{path} (jaxserve checkpoint)")
         _check_head(method, quantize_lm_head, path)
+        t0 = time.perf_counter()
         params = checkpoint.restore_params(path, quantized_param_shapes(cfg, quantized), np_dtype, saved, quantized)
         if method is not None and (saved is None or quantize_lm_head):
             _log_quantizing(path, method, quantization)
             params = quantize_loaded_params(params, cfg, method, quantize_lm_head)
-        return LoadedModel(cfg, params, checkpoint.load_checkpoint_tokenizer(path), name, "orbax", path, method)
+        weights = time.perf_counter() - t0
+        tok, tok_s = _timed(lambda: checkpoint.load_checkpoint_tokenizer(path))
+        return LoadedModel(cfg, params, tok, name, "orbax", path, method, {"weights": weights, "tokenizer": tok_s})
     if hf_loader.is_hf_dir(path):
         cfg = hf_loader.hf_config(path)
         published = hf_loader.hf_quantization(path)
@@ -157,13 +166,19 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
         _check_head(method, quantize_lm_head, path)
         if published is None:
             _log_quantizing(path, method, quantization)
-        params = hf_loader.load_hf_params(path, cfg, np_dtype, method, quantize_lm_head,
-                                          published and published.method, part=part)
-        return LoadedModel(cfg, params, tokenizer.tokenizer_from_hf_dir(path), name, "hf", path, method)
+        params, weights = _timed(lambda: hf_loader.load_hf_params(path, cfg, np_dtype, method, quantize_lm_head,
+                                                                  published and published.method, part=part))
+        tok, tok_s = _timed(lambda: tokenizer.tokenizer_from_hf_dir(path))
+        return LoadedModel(cfg, params, tok, name, "hf", path, method, {"weights": weights, "tokenizer": tok_s})
     raise ModelFileNotFoundError(
         f"{path} is neither a GGUF file, an HF directory (config.json + *.safetensors) "
         f"nor a jaxserve checkpoint ({checkpoint.MARKER})"
     )
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    return fn(), time.perf_counter() - t0
 
 
 def _check_head(method: str | None, quantize_lm_head: bool, path: str) -> None:
