@@ -432,7 +432,8 @@ class ServingCore:
             grammar = await self._compile_grammar(params, req.structured_param or "structured_outputs")
         try:
             request = self.processor.process(ids, params, prompt=req.prompt.text, fill_max_tokens=req.fill_max_tokens,
-                                             grammar=grammar, param=req.prompt.param, params_checked=True)
+                                             grammar=grammar, param=req.prompt.param, field_names=req.field_names,
+                                             params_checked=True)
         except InputError as e:
             raise _invalid(e) from None
         p = request.params

@@ -308,6 +308,7 @@ def test_models_tokenize_detokenize_version_health(srv, client, base, model):
     ({"prompt": [10 ** 9]}, 400, "prompt"),
     ({"prompt": [10 ** 9], "echo": True}, 400, "prompt"),
     ({"prompt": "x " * 600, "max_tokens": 16}, 400, "prompt"),  # over max_model_len 512
+    ({"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),  # more than the room left in 512
     ({"prompt": "x", "stop": ["a"] * 40}, 400, "stop"),
     ({"prompt": "x", "top_k": 2 ** 40}, 400, "top_k"),
     ({"prompt": "x", "stop_token_ids": [2 ** 40]}, 400, "stop_token_ids"),
@@ -345,6 +346,8 @@ def test_completion_errors_are_openai_json_naming_the_parameter(srv, base, body,
      "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
 ])
 def test_chat_errors_name_the_parameter(srv, base, body, param):
     r = post(base, "/v1/chat/completions", body)

@@ -174,6 +174,16 @@ def test_logit_bias_over_grpc(srv, stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias[5]" in e.value.details()
 
 
+def test_max_tokens_past_the_room_left_is_invalid_argument(srv, stub):
+    """vLLM's 400 as gRPC: max_tokens that prompt + max_tokens cannot fit in max_model_len is
+    INVALID_ARGUMENT naming the field and the lengths."""
+    limit = srv.server.engine.max_model_len
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, text_req("x", max_tokens=limit + 1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'max_tokens' is too large" in e.value.details() and f"{limit} tokens" in e.value.details()
+
+
 def test_explicit_zero_is_not_unset(srv, stub):
     # temperature 0 must be greedy (proto3 optional): two runs agree; n=2 gives twin sequences.
     req = text_req("Once upon a time", max_tokens=8, temperature=0.0, n=2)

@@ -223,7 +223,8 @@ class OpenAIFront:
         rid = self._request_id(request, req.request_id, "chatcmpl")
         gen = await self.core.generate(tenant, GenerateInput(rid, prompt, params, fill_max_tokens=limit is None,
                                                       structured_param=structured_param,
-                                                      field_names={"logprobs": "top_logprobs"},
+                                                      field_names={"logprobs": "top_logprobs",
+                                                                   "max_tokens": req.output_limit_field},
                                                       lora_name=self._lora_of(req.model)))
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(gen.__aexit__)
