@@ -32,7 +32,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer(Protocol):
-    """The part of a transformers tokenizer the detokenizer uses."""
+    """The part of a tokenizer (transformers' or `FastTokenizer`) the detokenizer uses."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 

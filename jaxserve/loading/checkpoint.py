@@ -118,7 +118,7 @@ def restore_params(path: str, target_shapes: dict[str, Any], dtype: Any, quantiz
 
 
 def load_checkpoint_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    from jaxserve.loading.tokenizer import tokenizer_from_hf_dir
 
     tok_dir = os.path.join(path, "tokenizer")
-    return AutoTokenizer.from_pretrained(tok_dir) if os.path.isdir(tok_dir) else None
+    return tokenizer_from_hf_dir(tok_dir) if os.path.isdir(tok_dir) else None

@@ -38,7 +38,7 @@ class LoadedModel:
     path: str
     quantization: str | None = None  # "int8" | "fp8": the method the params' quantized weights hold
     # Seconds spent on "weights" (reading and assembling the params), "tokenizer" (building
-    # it; most of it importing transformers) and the whole "load", for start-up reports
+    # it) and the whole "load", for start-up reports
     # (`Engine.startup_seconds`).
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 

@@ -1,5 +1,7 @@
 """Tokenizers: rebuilt from GGUF metadata (vocab, merges, special ids, chat template), or read
-from an HF directory's tokenizer files. Always a transformers `PreTrainedTokenizerFast`."""
+from an HF directory's tokenizer files. A `FastTokenizer` (transformers' generic fast tokenizer's
+behaviour without importing transformers) wherever the checkpoint's tokenizer is that generic
+class; transformers' own class otherwise."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 from typing import Any
 
 from jaxserve.loading.errors import CheckpointError
+from jaxserve.loading.fast_tokenizer import SPECIAL_TOKEN_ATTRIBUTES, FastTokenizer
 
 # Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name.
 _LLAMA3_SPLIT = (
@@ -40,10 +43,9 @@ def _byte_level_pre_tokenizer(pre: str | None) -> Any:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Any:
-    """A `PreTrainedTokenizerFast` equivalent to the GGUF file's byte-level BPE tokenizer."""
+def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> FastTokenizer:
+    """A tokenizer equivalent to the GGUF file's byte-level BPE tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -77,18 +79,10 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Any:
         )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=special("eos"),
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
-        clean_up_tokenization_spaces=False,
-    )
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        fast.chat_template = template
-    return fast
+    specials = {"bos_token": bos, "eos_token": special("eos"), "unk_token": special("unknown"),
+                "pad_token": special("padding")}
+    return FastTokenizer(tok, specials, meta.get("tokenizer.chat_template") or None,
+                         clean_up_tokenization_spaces=False, name_or_path=str(meta.get("general.name", "")))
 
 
 # tokenizer_config.json classes that AutoTokenizer resolves to transformers' generic fast
@@ -98,26 +92,94 @@ _GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 def tokenizer_from_hf_dir(path: str) -> Any:
     """The directory's tokenizer, as AutoTokenizer builds it. When tokenizer_config.json names
-    the generic fast class (and tokenizer.json is there), that class is used directly:
-    AutoTokenizer resolves to the same class, but its import chain pulls in torch where it is
-    installed (1-2 s of start-up on a 2-core VM; the generic class alone imports in ~0.7 s)."""
+    transformers' generic fast class (Llama 3's, Qwen's, SmolLM's, ...) and tokenizer.json is
+    there, a `FastTokenizer` reads the same files without importing transformers (~0.7 s of
+    start-up on a 2-core VM; AutoTokenizer's import chain can pull in torch, 1-2 s more)."""
     if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    if _tokenizer_class(path) in _GENERIC_FAST and os.path.exists(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
+    config = _tokenizer_config(path)
+    if (config is not None and config.get("tokenizer_class") in _GENERIC_FAST and not config.get("fix_mistral_regex")
+            and os.path.exists(os.path.join(path, "tokenizer.json"))):
+        return fast_tokenizer_from_hf_dir(path, config)
     from transformers import AutoTokenizer  # seconds to import: only when there is a tokenizer
 
     return AutoTokenizer.from_pretrained(path)
 
 
-def _tokenizer_class(path: str) -> str | None:
-    """tokenizer_config.json's `tokenizer_class` (None: absent or unreadable; AutoTokenizer
-    then decides)."""
+def fast_tokenizer_from_hf_dir(path: str, config: dict[str, Any]) -> FastTokenizer:
+    """tokenizer.json with tokenizer_config.json applied as transformers' generic fast class applies
+    it: added tokens the config declares, named special tokens (added as special where tokenizer.json
+    lacks them), `split_special_tokens`, the clean-up rule, and the chat templates (the .jinja
+    files first). Like transformers, it ignores `add_bos_token`/`add_eos_token` beside
+    tokenizer.json, whose post-processor decides."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
     try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            cls = json.load(f).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
+        backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - a malformed file: name it
+        raise CheckpointError(f"cannot read {os.path.join(path, 'tokenizer.json')}: {e}") from None
+    special_map = _read_json(os.path.join(path, "special_tokens_map.json")) or {}
+    specials = {a: _token_text(config.get(a, special_map.get(a))) for a in SPECIAL_TOKEN_ATTRIBUTES}
+    added = backend.get_added_tokens_decoder()
+    have = {str(t.content) for t in added.values()}
+    new = []
+    for _, spec in sorted(((int(k), v) for k, v in (config.get("added_tokens_decoder") or {}).items())):
+        if isinstance(spec, dict) and spec.get("content") not in have:
+            new.append(AddedToken(spec["content"], single_word=spec.get("single_word", False),
+                                  lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
+                                  normalized=spec.get("normalized", True), special=spec.get("special", False)))
+            have.add(spec["content"])
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    for tok in [t for t in specials.values() if t] + [_token_text(t) for t in extra if _token_text(t)]:
+        if tok not in have:
+            new.append(AddedToken(tok, special=True))
+            have.add(tok)
+    if new:
+        backend.add_tokens(new)
+    if backend.post_processor is None:  # transformers ignores the config's add_bos/eos_token beside tokenizer.json
+        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    return FastTokenizer(backend, specials, _chat_template(path, config),
+                         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+                         name_or_path=path)
+
+
+def _chat_template(path: str, config: dict[str, Any]) -> str | dict[str, str] | None:
+    """chat_template.jinja (the default) and additional_chat_templates/*.jinja (named) over the
+    config's `chat_template` (a template, or a list of named ones)."""
+    templates: dict[str, str] = {}
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            templates["default"] = f.read()
+    extra = os.path.join(path, "additional_chat_templates")
+    for name in sorted(os.listdir(extra)) if os.path.isdir(extra) else ():
+        if name.endswith(".jinja"):
+            with open(os.path.join(extra, name), encoding="utf-8") as f:
+                templates[name[: -len(".jinja")]] = f.read()
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template if isinstance(t, dict)}
+    return template if isinstance(template, (str, dict)) else None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
         return None
-    return cls if isinstance(cls, str) else None
+    return value if isinstance(value, dict) else None
+
+
+def _tokenizer_config(path: str) -> dict[str, Any] | None:
+    """tokenizer_config.json (None: absent or unreadable; AutoTokenizer then decides)."""
+    return _read_json(os.path.join(path, "tokenizer_config.json"))
