@@ -5,9 +5,9 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from scheduler import SamplingParams, StructuredOutputsParams
 
 
@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "Engine":
-        from jaxserve.engine import Engine
+        from jaxserve.engine.llm_engine import Engine
 
         return Engine
     raise AttributeError(name)

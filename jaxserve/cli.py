@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
+from jaxserve.config.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.tuning.command import add_tune_args, cmd_tune
 
 COMMANDS_ENTRY_POINTS = "jaxserve.commands"
@@ -26,7 +26,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
     if cfg.num_processes > 1 and cfg.process_id != 0:  # a follower runs the leader's steps
-        from jaxserve.engine import run_follower_process
+        from jaxserve.engine.llm_engine import run_follower_process
 
         run_follower_process(cfg)
     llm = LLM(cfg.model, warmup=ns.warmup or cfg.num_processes > 1, **kwargs)
@@ -66,7 +66,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def cmd_warmup(ns: argparse.Namespace) -> int:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     cfg = engine_config_from_args(ns)
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def _compile_isolated(ns: argparse.Namespace, model_config, cfg, target, shapes)
     HBM plan here, with every shape's result (a crash included) in it."""
     from jaxserve.compilation.aot import MANIFEST, ShapeResult, compile_for_target
     from jaxserve.compilation.isolate import compile_isolated
-    from jaxserve.parallel import tp_model_config
+    from jaxserve.worker.parallel import tp_model_config
 
     config = cfg.with_platform_defaults(target.platform)
     rank = tp_model_config(model_config, target.num_devices, config.enable_expert_parallel)

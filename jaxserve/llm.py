@@ -8,11 +8,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
-from jaxserve.input_processor import apply_chat_template
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.input_processor import apply_chat_template
+from jaxserve.engine.llm_engine import Engine
+from jaxserve.engine.outputs import OutputKind, RequestOutput
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import OutputKind, RequestOutput
 from scheduler import SamplingParams
 
 PromptType = str | dict[str, Any]

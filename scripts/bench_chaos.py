@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import grpc  # noqa: E402
 from server_harness import ServerThread, percentile, read_stream, rss_mib, wait_until  # noqa: E402
 
-from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.config.engine_config import EngineConfig  # noqa: E402
 from server.app import ServerOptions  # noqa: E402
 from server.proto import jaxserve_pb2 as pb  # noqa: E402
 from server.proto import jaxserve_pb2_grpc as pb_grpc  # noqa: E402

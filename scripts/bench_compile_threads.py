@@ -22,8 +22,8 @@ import sys
 CHILD = r"""
 import collections, json, resource, sys, time
 import jax
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 threads, model = int(sys.argv[1]), sys.argv[2] or None
 engine = Engine(EngineConfig(model=model, compilation_cache_dir=None, reuse_executables=False,
                              warmup_threads=threads))

@@ -44,9 +44,9 @@ class StubEngine:
     """One token per request per step; the step sleeps (a device step that costs no host CPU)."""
 
     def __init__(self, step_s: float, vocab: int = 1000):
-        from jaxserve.config import EngineConfig
-        from jaxserve.input_processor import InputLimits, InputProcessor
-        from jaxserve.runner_output import StepTiming
+        from jaxserve.config.engine_config import EngineConfig
+        from jaxserve.engine.input_processor import InputLimits, InputProcessor
+        from jaxserve.worker.runner_output import StepTiming
         from scheduler.stats import SchedulerStats
 
         self.step_s = step_s
@@ -76,8 +76,8 @@ class StubEngine:
         return bool(self.reqs)
 
     def step(self):
-        from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
-        from jaxserve.runner_output import StepTiming
+        from jaxserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+        from jaxserve.worker.runner_output import StepTiming
 
         time.sleep(self.step_s)
         now = time.monotonic()
@@ -96,7 +96,7 @@ class StubEngine:
 
 
 def serve_child(step_ms: float) -> None:
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from server.app import JaxServeServer, ServerOptions
 
     async def main():

@@ -32,8 +32,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
+from jaxserve.config.engine_config import EngineConfig  # noqa: E402
+from jaxserve.engine.llm_engine import Engine  # noqa: E402
 from jaxserve.loading import load_model  # noqa: E402
 from jaxserve.lora import LoRARequest  # noqa: E402
 from jaxserve.lora.adapter import target_dims  # noqa: E402

@@ -39,9 +39,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.input_processor import apply_chat_template  # noqa: E402
+from jaxserve.config.engine_config import EngineConfig  # noqa: E402
+from jaxserve.engine.input_processor import apply_chat_template  # noqa: E402
+from jaxserve.engine.llm_engine import Engine  # noqa: E402
 from jaxserve.loading import load_model  # noqa: E402
 from jaxserve.spec_decode.ngram import NgramProposer  # noqa: E402
 from scheduler import DraftCandidate, SamplingParams  # noqa: E402

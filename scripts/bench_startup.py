@@ -122,7 +122,7 @@ if what == "numpy":
 elif what.startswith("part"):  # process 0 of a group of N, one device each (tp=N)
     import ml_dtypes
     from jaxserve.loading.hf_loader import _SafetensorsIndex, hf_config, load_hf_params
-    from jaxserve.parallel import process_load_part
+    from jaxserve.worker.parallel import process_load_part
     cfg = hf_config(path)
     base = rss(); t0 = time.perf_counter()
     index = _SafetensorsIndex(path)

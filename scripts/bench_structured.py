@@ -17,8 +17,8 @@ import argparse
 import statistics
 import time
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 from scheduler import SamplingParams
 
 RECORD = {"type": "object", "properties": {

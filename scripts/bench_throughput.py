@@ -101,7 +101,7 @@ class Result:
 
 def run_jaxserve(engine, wl: Workload, tag: str) -> Result:
     from jaxserve import SamplingParams
-    from jaxserve.outputs import OutputKind
+    from jaxserve.engine.outputs import OutputKind
 
     steps = []
     t0 = time.perf_counter()

@@ -36,10 +36,10 @@ OPTIONS: dict[str, dict] = {
 
 
 def step_programs(dtype: str, reps: int) -> None:
-    from jaxserve.batch import BatchBuilder, SequenceSpan
-    from jaxserve.compilation.step_programs import backbone_jit, logits_jit
     from jaxserve.loading.loader import load_model
-    from jaxserve.runner import ModelRunner
+    from jaxserve.worker.batch import BatchBuilder, SequenceSpan
+    from jaxserve.worker.runner import ModelRunner
+    from jaxserve.worker.step_programs import backbone_jit, logits_jit
 
     loaded = load_model(None, dtype=dtype)
     rows, ctx, page = 64, 160, 16

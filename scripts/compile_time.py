@@ -14,9 +14,9 @@ import time
 
 import jax
 
-from jaxserve.batch import BatchBuilder
 from jaxserve.loading import load_model
-from jaxserve.runner import ModelRunner
+from jaxserve.worker.batch import BatchBuilder
+from jaxserve.worker.runner import ModelRunner
 
 
 def compile_seconds(loaded, tokens: int, backend: str) -> float:

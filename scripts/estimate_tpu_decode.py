@@ -28,7 +28,7 @@ from jaxserve.compilation.targets import Target, tpu_info  # noqa: E402
 from jaxserve.loading import load_model_config  # noqa: E402
 from jaxserve.models.config import ModelConfig  # noqa: E402
 from jaxserve.models.llama import expected_param_shapes  # noqa: E402
-from jaxserve.parallel import tp_model_config  # noqa: E402
+from jaxserve.worker.parallel import tp_model_config  # noqa: E402
 from pallas_kernels.kv_layout import lanes_width  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data")

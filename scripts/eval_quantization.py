@@ -72,8 +72,8 @@ class ModeResult:
 
 
 def make_engine(loaded, settings: dict):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
 
     return Engine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, num_pages=256, max_model_len=512,
                                compilation_cache_dir=None, structured_outputs=False, max_logprobs=0,
@@ -128,7 +128,7 @@ def top1_agreement(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 
 
 def _jits():
-    from jaxserve.compilation.step_programs import _backbone, _logits
+    from jaxserve.worker.step_programs import _backbone, _logits
 
     return (jax.jit(_backbone, static_argnums=(0, 1, 2)),
             jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",)))

@@ -54,9 +54,9 @@ def representative_shapes(name: str, flags: list[str]) -> list[str]:
     import argparse
 
     from jaxserve.compilation.targets import Target
-    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+    from jaxserve.config.engine_args import add_engine_args, engine_config_from_args
     from jaxserve.loading import load_model_config
-    from jaxserve.parallel import tp_model_config
+    from jaxserve.worker.parallel import tp_model_config
 
     config_file, target_name, extra = CASES[name]
     parser = argparse.ArgumentParser()

@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any
 
-from jaxserve.config import SCHEDULING_DEFAULTS, EngineConfig
+from jaxserve.config.engine_config import SCHEDULING_DEFAULTS, EngineConfig
 from server.core import EXIT_ENGINE_FAILED, ServingCore
 from server.grpc_front import GrpcFront
 from server.options import VERSION, ServerOptions, ServerState

@@ -10,7 +10,7 @@ import time
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from jaxserve.engine_args import add_engine_args
+    from jaxserve.config.engine_args import add_engine_args
     from server.app import ServerOptions
     from server.tenants import API_KEY_ENV
 
@@ -119,7 +119,7 @@ def _setup_logging() -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxserve.engine_args import engine_config_from_args
+    from jaxserve.config.engine_args import engine_config_from_args
     from server.app import ServerOptions, serve
     from server.tenants import parse_priority_range
 
@@ -170,7 +170,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
     if cfg.num_processes > 1 and cfg.process_id != 0:
         # Multi-host follower: no gRPC port; run the leader's steps until it stops us.
-        from jaxserve.engine import run_follower_process
+        from jaxserve.engine.llm_engine import run_follower_process
 
         run_follower_process(cfg)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxserve.outputs import RequestOutput, TokenLogprob
+from jaxserve.engine.outputs import RequestOutput, TokenLogprob
 from scheduler import SamplingParams, StructuredOutputsParams
 from server.core_types import PromptInput
 from server.proto import jaxserve_pb2 as pb

@@ -28,9 +28,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from jaxserve.config import EngineConfig
-from jaxserve.detokenizer import TokenText
-from jaxserve.input_processor import InputError, InputProcessor
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.detokenizer import TokenText
+from jaxserve.engine.input_processor import InputError, InputProcessor
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
 from server.core_types import GenerateInput, ModelInfo, PromptInput, ServerInfo
@@ -94,7 +94,7 @@ class ServingCore:
         """Builds the engine (unless given) and warms it up off the event loop, then serves."""
         t0 = time.perf_counter()
         if self.engine is None:
-            from jaxserve.engine import Engine
+            from jaxserve.engine.llm_engine import Engine
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
         t1 = time.perf_counter()
         logger.info("model loaded in %.1f s", t1 - t0)
@@ -449,7 +449,9 @@ class ServingCore:
         return gen
 
     async def _submit(self, tenant: Tenant, req: GenerateInput, request: Any, reservation: Any) -> Generation:
-        from jaxserve.engine import DuplicateRequestId  # with the engine, not with this module
+        from jaxserve.engine.llm_engine import (
+            DuplicateRequestId,  # with the engine, not with this module
+        )
 
         key = tenant.request_key(req.request_id)
         buffer = StreamBuffer(on_engine_done=lambda: self.admission.release(reservation))

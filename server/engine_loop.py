@@ -31,9 +31,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.input_processor import EngineRequest
-from jaxserve.outputs import OutputKind, RequestOutput
-from jaxserve.runner_output import SpecDecodeCounts
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.outputs import OutputKind, RequestOutput
+from jaxserve.worker.runner_output import SpecDecodeCounts
 from scheduler.stats import SchedulerStats
 from server.streams import Aborted, EngineFailed, StreamBuffer
 

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxserve.input_processor import apply_chat_template, conversation_chars
+from jaxserve.engine.input_processor import apply_chat_template, conversation_chars
 
 
 class FrontendBusy(Exception):

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from jaxserve.outputs import (
+from jaxserve.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,

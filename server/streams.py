@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 class Aborted:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from server import engine_loop
 from server.app import ServerOptions, serve
 

@@ -132,8 +132,8 @@ def _warm_engines():
 @pytest.fixture(scope="module")
 def warm_engine(request, smollm, _warm_engines):
     """A warmed-up engine configured by the test module's `SMALL` dict."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
 
     key = tuple(sorted(request.module.SMALL.items()))
     if key not in _warm_engines:
@@ -208,7 +208,7 @@ def embedded_server(tmp_path_factory, smollm_adapters):
     serves LoRA adapters (two slots; "sql-lora" loaded at start)."""
     from server_harness import ServerThread
 
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from server.app import ServerOptions
 
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=512,

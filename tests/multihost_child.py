@@ -17,9 +17,9 @@ import logging
 import sys
 import time
 
-from jaxserve.config import EngineConfig
-from jaxserve.distributed import exit_follower
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
+from jaxserve.worker.distributed import exit_follower
 from scheduler import SamplingParams
 
 PROMPTS = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from scheduler import SamplingParams
 from server.app import JaxServeServer, ServerOptions
 

@@ -16,8 +16,8 @@ import pytest
 
 from jaxserve.compilation.aot import CompiledMismatchError
 from jaxserve.compilation.targets import Target
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 
 SETTINGS = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(16,), num_pages=32, max_model_len=128,
                 max_logprobs=1)
@@ -27,9 +27,9 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 28, 216, 34, 28, 216, 35, 28]]
 
 SERVE_FROM_DIR = """
 import json, sys
-from jaxserve.compilation.compile_cache import EVENTS
-from jaxserve.engine import Engine
-from jaxserve.config import EngineConfig
+from jaxserve.worker.compile_cache import EVENTS
+from jaxserve.engine.llm_engine import Engine
+from jaxserve.config.engine_config import EngineConfig
 from scheduler import SamplingParams
 engine = Engine(EngineConfig(compiled_dir=sys.argv[1], compilation_cache_dir=None, **json.loads(sys.argv[2])))
 before = EVENTS.compiles

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from logprob_checks import check_outputs_close
 
-from jaxserve.compilation.buckets import token_buckets
-from jaxserve.compilation.compile_plan import (
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.worker.buckets import token_buckets
+from jaxserve.worker.compile_plan import (
     CompilePlan,
     derive_token_buckets,
     padding_fraction,
     read_traffic_log,
 )
-from jaxserve.config import EngineConfig
 
 
 def test_plan_is_m_plus_n_shapes():
@@ -103,8 +103,8 @@ def test_derived_buckets_are_optimal_on_small_case():
 _CHILD = textwrap.dedent("""
     import json, logging, random, sys, time
     import jax
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
     from scheduler import SamplingParams
     logging.basicConfig(level=logging.INFO)
     cache, page, budget, workload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -215,7 +215,7 @@ def test_a_full_disk_while_saving_executables_is_logged_and_leaves_nothing(tmp_p
     import types
 
     from jaxserve.compilation import executable_store
-    from jaxserve.compilation.compile_plan import ShapeKey
+    from jaxserve.worker.compile_plan import ShapeKey
 
     def no_space(directory, key, exe):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -231,9 +231,9 @@ def test_a_full_disk_while_saving_executables_is_logged_and_leaves_nothing(tmp_p
 
 
 def test_strict_guard_names_an_unplanned_shape(smollm):
-    from jaxserve.compilation.compile_cache import UnplannedCompilationError
-    from jaxserve.compilation.compile_plan import ShapeKey
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
+    from jaxserve.worker.compile_cache import UnplannedCompilationError
+    from jaxserve.worker.compile_plan import ShapeKey
     from scheduler import SamplingParams
 
     engine = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=24, num_pages=32, max_model_len=128,
@@ -259,7 +259,7 @@ def test_the_persistent_cache_is_keyed_by_the_host_cpu(monkeypatch):
     """XLA:CPU executables target the host CPU and JAX's cache key does not say which: another
     CPU (a shared home directory) gets its own subdirectory."""
     import pallas_kernels._native_cpu as native
-    from jaxserve.compilation.compile_cache import host_cpu_key
+    from jaxserve.worker.compile_cache import host_cpu_key
 
     here = host_cpu_key()
     monkeypatch.setattr(native, "cpu_features", lambda: "flags : sse2 avx2")
@@ -290,7 +290,7 @@ def test_serving_while_compiling_steps_within_the_compiled_shapes(smollm):
     compiled engine, and the limits rise when the background compile ends."""
     import threading
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
     from scheduler import SamplingParams
 
     class Recording(dict):

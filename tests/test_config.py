@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig, RopeScaling
 
 TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -47,7 +47,7 @@ def test_max_model_len_past_the_model_context_names_both_numbers():
 
 
 def test_unset_scheduling_limits_take_the_platforms_defaults():
-    from jaxserve.config import SCHEDULING_DEFAULTS
+    from jaxserve.config.engine_config import SCHEDULING_DEFAULTS
 
     cfg = EngineConfig()
     assert cfg.max_num_batched_tokens is None and cfg.max_num_seqs is None

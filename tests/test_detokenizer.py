@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from jaxserve.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jaxserve.compilation.compile_cache import EVENTS
+from jaxserve.worker.compile_cache import EVENTS
 from scheduler import SamplingParams
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=256)

@@ -11,8 +11,8 @@ pytest.importorskip("torch")
 from hf_reference import PROMPTS, hf_greedy  # noqa: E402
 from logprob_checks import check_greedy_close, top_from_array, top_k_of  # noqa: E402
 
-from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
+from jaxserve.config.engine_config import EngineConfig  # noqa: E402
+from jaxserve.engine.llm_engine import Engine  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 
 MAX_NEW = 24

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 from scheduler import SamplingParams
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256)

@@ -139,7 +139,7 @@ def test_the_serving_step_compiles_with_the_triton_kernel_and_fits(model, target
     """Backbone (Triton attention, split and unsplit, and KV update), logits and sampler of the
     real engine plan in bf16 over abstract weights, TP over the target's GPUs."""
     from jaxserve.compilation.aot import compile_for_target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(None if model == "smollm2" else str(LLAMA_8B))
@@ -158,8 +158,8 @@ def test_the_serving_step_compiles_with_the_triton_kernel_and_fits(model, target
 def test_the_compile_command_writes_gpu_executables_that_a_cpu_server_refuses(tmp_path, capsys):
     from jaxserve.cli import main
     from jaxserve.compilation.aot import CompiledMismatchError
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
 
     out = tmp_path / "exe"
     rc = main(["compile", "--target", "gpu:h100", "--shapes", "logits[R=8];head[R=8,greedy]", "--out", str(out),
@@ -179,7 +179,7 @@ def test_a_70b_model_needs_eight_h100s():
     """A Llama-3-70B shape in bf16: 141 GB of params do not fit one H100's 59 GiB; over eight
     (TP=8, KV heads split one per GPU) they do, with room for a cache."""
     from jaxserve.compilation.aot import compile_for_target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(LLAMA_8B.parent / "llama3_70b_config.json"))

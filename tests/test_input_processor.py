@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.input_processor import (
+from jaxserve.engine.input_processor import (
     MAX_STOP_STRINGS,
     InputError,
     InputLimits,

@@ -1,4 +1,4 @@
-"""jaxserve.kernel_choice: what each program runs, asked without building anything; the native
+"""jaxserve.worker.kernel_choice: what each program runs, asked without building anything; the native
 CPU kernels built as an explicit start-up step."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import textwrap
 
 import jax.numpy as jnp
 
-from jaxserve.kernel_choice import choose_kernels
 from jaxserve.models.config import ModelConfig
-from jaxserve.parallel import tp_model_config
+from jaxserve.worker.kernel_choice import choose_kernels
+from jaxserve.worker.parallel import tp_model_config
 from pallas_kernels.ragged_paged_attention import ops
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -26,7 +26,7 @@ def _config(name: str) -> ModelConfig:
 def test_asking_builds_nothing_and_start_up_builds_what_the_engine_uses():
     code = textwrap.dedent("""
         import jax.numpy as jnp
-        from jaxserve.kernel_choice import prepare_native_kernels
+        from jaxserve.worker.kernel_choice import prepare_native_kernels
         from pallas_kernels.quantized_matmul import cpu as qmm
         from pallas_kernels.quantized_matmul.ops import quantized_matmul_implementation
         from pallas_kernels.ragged_paged_attention import cpu as attn

@@ -374,7 +374,7 @@ def test_auto_compiled_for_a_tpu_keeps_xlas_ragged_dot():
 # ------------------------------------------------------------------ quantized rhs (weight-only)
 def quantized(w, method):
     """(int8 / fp8 values, [G, N] f32 scale, the dequantized f32 rhs) of `w` [G, K, N]."""
-    from jaxserve.quantization import dequantize_weight, quantize_weight
+    from jaxserve.models.quantization import dequantize_weight, quantize_weight
 
     q, scale = quantize_weight(np.asarray(w, np.float32), method)
     return jnp.asarray(q), jnp.asarray(scale), jnp.asarray(dequantize_weight(q, scale))

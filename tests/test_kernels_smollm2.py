@@ -14,8 +14,8 @@ import pytest
 from logprob_checks import check_greedy_close, top_from_array
 
 import pallas_kernels
-from jaxserve.batch import BatchBuilder, SequenceSpan
-from jaxserve.runner import ModelRunner
+from jaxserve.worker.batch import BatchBuilder, SequenceSpan
+from jaxserve.worker.runner import ModelRunner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
 PAGE, MAX_NEW, T_BUCKET, R_BUCKET = 16, 6, 64, 4

@@ -85,7 +85,7 @@ def sharded_dir(tmp_path_factory):
 
 def test_sharded_bf16_checkpoint_loads_exactly_and_fuses_without_copies(sharded_dir):
     from jaxserve.models.fused import fuse_projections
-    from jaxserve.runner import host_to_device
+    from jaxserve.worker.runner import host_to_device
 
     path, model = sharded_dir
     loaded = load_model(str(path), dtype="bfloat16")

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.loading.hf_loader import _SafetensorsIndex, hf_config, load_hf_params
 from jaxserve.loading.safetensors_file import SafetensorsFile
 from jaxserve.models.fused import fuse_projections
-from jaxserve.parallel import (
+from jaxserve.worker.parallel import (
     MODEL_AXIS,
     expand_kv_heads,
     param_specs,

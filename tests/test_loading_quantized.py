@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.loading import load_model
 from jaxserve.loading.errors import UnsupportedQuantizationError
-from jaxserve.quantization import dequantize_weight, quantize_params, quantize_weight
+from jaxserve.models.quantization import dequantize_weight, quantize_params, quantize_weight
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 L, V, E, I, HEADS, KV_HEADS, D = 2, 64, 64, 96, 4, 2, 16  # noqa: E741

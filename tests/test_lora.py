@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.lora import LoRARequest
 from scheduler import SamplingParams
 
@@ -88,7 +88,7 @@ def _requests(adapters):
 
 
 def test_mixed_batch_matches_peft_with_eviction_and_nothing_compiled(tiny):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     base, adapters, refs = tiny
     loras = _requests(adapters)
@@ -116,7 +116,7 @@ def test_mixed_batch_matches_peft_with_eviction_and_nothing_compiled(tiny):
 
 
 def test_prefix_cache_never_crosses_adapters(tiny):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     base, adapters, refs = tiny
     loras = _requests(adapters)
@@ -139,7 +139,7 @@ def test_prefix_cache_never_crosses_adapters(tiny):
 
 
 def test_bad_adapters_are_refused_by_name_and_change_nothing(tiny, tmp_path):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     base, adapters, refs = tiny
     engine = Engine(EngineConfig(model=base, enable_lora=True, max_loras=1, max_lora_rank=4, **TINY))
@@ -184,8 +184,8 @@ _TP_CHILD = textwrap.dedent(r"""
     import json, sys
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
     from jaxserve.lora import LoRARequest
     from scheduler import SamplingParams
 
@@ -204,7 +204,7 @@ _TP_CHILD = textwrap.dedent(r"""
                 done[ids[o.request_id]] = list(o.outputs[0].token_ids)
     # the collectives of the step with and without the adapters
     import dataclasses, re
-    from jaxserve.compilation.compile_plan import ShapeKey
+    from jaxserve.worker.compile_plan import ShapeKey
     programs = e.runner.programs()
     collectives = []
     for p in (programs, dataclasses.replace(programs, lora=None)):

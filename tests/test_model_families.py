@@ -96,7 +96,7 @@ def test_tensor_and_expert_parallel_match_single_device(family_dirs):
 
 def test_expert_parallel_needs_experts_that_divide(family_dirs):
     from jaxserve.loading import load_model
-    from jaxserve.parallel import tp_model_config
+    from jaxserve.worker.parallel import tp_model_config
 
     cfg = dataclasses.replace(load_model(family_dirs["qwen3_moe"][0], "float32").config, num_experts=6)
     with pytest.raises(ValueError, match="does not divide the model's 6 experts"):

@@ -25,7 +25,7 @@ SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16,),
 def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target, ep, params_gib):
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(DATA / config))
@@ -48,7 +48,7 @@ def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
     back every step. `jaxserve compile` reports it; expert parallelism has no such copy."""
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))
@@ -63,7 +63,7 @@ def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
 def test_moe_flagship_compiles_on_gpus_with_the_grouped_matmul_kernel(ep):
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(DATA / "qwen3_30b_a3b_config.json"))

@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxserve.batch import BatchBuilder, SequenceSpan  # noqa: E402
 from jaxserve.loading import load_model  # noqa: E402
-from jaxserve.runner import ModelRunner  # noqa: E402
+from jaxserve.worker.batch import BatchBuilder, SequenceSpan  # noqa: E402
+from jaxserve.worker.runner import ModelRunner  # noqa: E402
 
 PAGE = 4
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

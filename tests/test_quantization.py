@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models.fused import fuse_projections, fused_layer_shapes
-from jaxserve.quantization import (
+from jaxserve.models.quantization import (
     dequantize_weight,
     params_quantization,
     quantize_params,
@@ -79,7 +79,7 @@ def test_scales_shard_with_their_output_channels():
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.models.config import ModelConfig
-    from jaxserve.parallel import param_specs
+    from jaxserve.worker.parallel import param_specs
 
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=4)
@@ -104,8 +104,8 @@ def _tiny_loaded(tmp_path):
 
 
 def _greedy_logprobs(loaded, **settings):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
     from scheduler import SamplingParams
 
     e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_pages=32, max_model_len=64,
@@ -205,7 +205,7 @@ def test_padded_rows_skipped_by_the_quantized_matmuls_keep_the_bits(tmp_path, mo
 
 
 def test_configuration_errors_name_the_value():
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'fp8'\).*'int4'"):
         EngineConfig(quantization="int4")
@@ -216,7 +216,7 @@ def test_configuration_errors_name_the_value():
 
 
 def test_fp8_is_refused_on_targets_without_fp8_arithmetic():
-    from jaxserve.quantization import fp8_weights_unsupported
+    from jaxserve.compilation.targets import fp8_weights_unsupported
 
     assert fp8_weights_unsupported("gpu", "h100") is None and fp8_weights_unsupported("gpu", "h200") is None
     assert fp8_weights_unsupported("cpu") is None
@@ -250,8 +250,8 @@ def test_a_quantized_kv_cache_survives_swap_and_prefix_hits(smollm):
     from hf_reference import PROMPTS
     from logprob_checks import check_outputs_close, sampled_logprobs
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
     from scheduler import SamplingParams
 
     system = "You are a careful assistant. Answer briefly and precisely, and never invent facts.\n\n"
@@ -297,7 +297,7 @@ def test_swap_views_of_the_scales_pool_address_each_page(layout):
     (l * P + p) * S + o of head h, written and read back at the right place."""
     import jax.numpy as jnp
 
-    from jaxserve.compilation.step_programs import _scale_pages, _set_scale_pages
+    from jaxserve.worker.step_programs import _scale_pages, _set_scale_pages
     from pallas_kernels.kv_layout import kv_scales_shape
 
     L, P, S, H = 3, 5, 16, 2
@@ -328,7 +328,7 @@ def test_quantized_tied_head_is_served_column_major_on_cpu(tmp_path):
     import jax.numpy as jnp
 
     from jaxserve.models.llama import LlamaForCausalLM
-    from jaxserve.runner import ModelRunner
+    from jaxserve.worker.runner import ModelRunner
 
     loaded = _tiny_loaded(tmp_path)
     canonical = {k: v for k, v in loaded.params.items() if k != "lm_head"}

@@ -22,7 +22,7 @@ GIB = 2**30
 def _plan(config_path, target: str, shapes: list[str], **settings):
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     return compile_for_target(load_model_config(str(config_path)), EngineConfig(**{**SETTINGS, **settings}),
@@ -52,10 +52,10 @@ def _backbone_hlo(config_path, target_name: str, T: int, **settings):
     import jax
 
     from jaxserve.compilation.aot import abstract_programs
-    from jaxserve.compilation.compile_plan import ShapeKey
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
+    from jaxserve.worker.compile_plan import ShapeKey
 
     target = Target.parse(target_name)
     config = EngineConfig(**{**SETTINGS, **settings})

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplerFlags, SamplingTensors, _row_uniforms, sample_jit
+from jaxserve.worker.sampler import SamplerFlags, SamplingTensors, _row_uniforms, sample_jit
 
 V = 64
 
@@ -53,7 +53,7 @@ def test_greedy_argmax_by_chunks_is_the_first_row_max(v):
     """Large vocabularies take the chunked argmax: ties across and within chunks, the max in
     the tail, +inf, an all -inf row and a NaN entry (skipped, as XLA:CPU's max does) give the
     first index of the row max, as the two-pass rule and numpy do."""
-    from jaxserve.sampler import ARGMAX_CHUNK, _argmax_two_pass
+    from jaxserve.worker.sampler import ARGMAX_CHUNK, _argmax_two_pass
 
     assert v // ARGMAX_CHUNK >= 2
     x = _logits(8, v)
@@ -139,14 +139,14 @@ def test_penalties_match_reference(rep, pres, freq):
     out = sample_jit(logits, t, all_greedy=True, use_penalties=True)
     np.testing.assert_array_equal(out.token_ids, expected.argmax(-1))
     # Compare the processed logits themselves, via the penalised greedy path's internals.
-    from jaxserve.sampler import apply_penalties
+    from jaxserve.worker.sampler import apply_penalties
 
     got = np.asarray(jax.jit(apply_penalties)(logits, t))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_presence_frequency_ignore_prompt_tokens():
-    from jaxserve.sampler import apply_penalties
+    from jaxserve.worker.sampler import apply_penalties
 
     logits = _logits(1)
     t = _tensors(1, p=8, presence_penalty=1.0, frequency_penalty=1.0)
@@ -352,7 +352,7 @@ def test_logit_bias_adds_to_listed_tokens_before_penalties():
     """OpenAI's logit_bias: each listed id's logit moves by its value; -100 bans in practice,
     +100 forces; padding ids (-1) and unlisted tokens are untouched; the repetition penalty
     then applies to the biased logit (vLLM's order)."""
-    from jaxserve.sampler import apply_penalties
+    from jaxserve.worker.sampler import apply_penalties
 
     logits = _logits(3)
     t = _tensors(3, p=8)
@@ -381,7 +381,7 @@ def test_logit_bias_adds_to_listed_tokens_before_penalties():
 
 def test_input_batch_clears_a_finished_requests_bias_row():
     """A row reused by a request without logit_bias must not keep the last one's bias."""
-    from jaxserve.input_batch import InputBatch
+    from jaxserve.worker.input_batch import InputBatch
     from scheduler import NewRequestData, SamplingParams, ScheduledRequest
 
     ib = InputBatch([2], max_model_len=16, max_logprobs=0, seed=0)
@@ -410,7 +410,7 @@ def test_one_row_at_a_time_gives_each_row_its_alone_bits_in_any_request_bucket(v
     request buckets of 2, 3, 5, 25 and 64 rows. XLA:CPU's plain [R, V] program reduced some
     rows of these vocabularies in another order than alone (a few rows 1 ulp off from 8 or
     16 rows up, measured on a Xeon)."""
-    from jaxserve.compilation.step_programs import sample_jit as head_jit
+    from jaxserve.worker.step_programs import sample_jit as head_jit
 
     x = _logits(64, vocab, scale=3.0)
     flags = SamplerFlags(False, False, False, 2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.compilation.compile_cache import EVENTS
-from jaxserve.outputs import top_logprobs
+from jaxserve.engine.outputs import top_logprobs
+from jaxserve.worker.compile_cache import EVENTS
 from scheduler import SamplingParams
 
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, max_model_len=256)  # shared with test_engine_semantics
@@ -82,7 +82,7 @@ def test_prompt_logprobs_match_transformers_chunked_unchunked_and_after_a_prefix
 def test_prompt_logprobs_beside_other_requests_and_through_delta_outputs(engine):
     """Batched with plain requests (their spans sit between the asking one's rows) the
     entries are the same as alone; a DELTA stream sends them once, with the first output."""
-    from jaxserve.outputs import OutputKind
+    from jaxserve.engine.outputs import OutputKind
 
     alone_out = _score(engine, SHORT, 2, "alone")
     alone, ids = alone_out.prompt_logprobs, alone_out.prompt_token_ids
@@ -150,8 +150,8 @@ def test_batch_invariant_mode_is_bitwise_equal_alone_and_in_any_batch(smollm):
     the prefix cache: bitwise-equal tokens, logprobs and prompt logprobs with
     batch_invariant=True. The default mode differs in the low bits on the batch of 25 (the
     comparison can fail)."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
 
     cfg = dict(max_num_seqs=64, max_num_batched_tokens=256, num_pages=600, max_model_len=256)
     engine = Engine(EngineConfig(batch_invariant=True, **cfg), loaded=smollm)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_harness import ServerThread, batch_generate, free_port, wait_until
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from scheduler import SamplingParams
 from server.app import ServerOptions
 from server.convert import sampling_params_to_proto as sp
@@ -471,7 +471,7 @@ def test_tls(srv, tmp_path):
                     "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True, timeout=60)
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     engine = Engine(CFG, loaded=srv.server.engine.model)  # shares the weights; no generation here
     tls = ServerThread(CFG, ServerOptions(host="127.0.0.1", port=0, metrics_port=-1, http_port=0, log_interval=0,

@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import ServerThread, percentile, read_stream, rss_mib, wait_until
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from server.app import EXIT_ENGINE_FAILED, EXIT_SECOND_SIGNAL, ServerOptions
 from server.convert import sampling_params_to_proto as sp
 from server.proto import jaxserve_pb2 as pb

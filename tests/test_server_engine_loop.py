@@ -12,10 +12,16 @@ import types
 
 import pytest
 
-from jaxserve.input_processor import EngineRequest
-from jaxserve.output_processor import OutputProcessor
-from jaxserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, Usage
-from jaxserve.runner_output import StepTiming
+from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.outputs import (
+    CompletionOutput,
+    OutputKind,
+    RequestMetrics,
+    RequestOutput,
+    Usage,
+)
+from jaxserve.worker.runner_output import StepTiming
 from scheduler import FinishReason, RequestUpdate, SamplingParams
 from scheduler.stats import SchedulerStats
 from server.engine_loop import MAX_CONSECUTIVE_STEP_FAILURES, EngineDead, EngineLoop

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 from hf_reference import HF_MAX_NEW, PROMPTS, assert_greedy_match  # noqa: E402
 
-from jaxserve.batch import BatchBuilder, SequenceSpan  # noqa: E402
-from jaxserve.runner import ModelRunner  # noqa: E402
+from jaxserve.worker.batch import BatchBuilder, SequenceSpan  # noqa: E402
+from jaxserve.worker.runner import ModelRunner  # noqa: E402
 
 
 def test_gguf_tensors_equal_transformers_dequantized(smollm, hf_smollm):

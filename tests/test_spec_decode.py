@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.spec_decode import SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
 from scheduler import DraftCandidate, SamplingParams
@@ -105,7 +105,7 @@ def test_outputs_equal_the_plain_engine_across_features(tiny):
     prefill (prompts past the 32-token budget), prefix hits (a repeated prompt) and
     preemption (24 pages of 4 tokens for 8 sequences): the same tokens and logprobs, with
     drafts kept along the way and nothing compiled after warmup."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     rng = np.random.default_rng(1)
     loop = [5, 9, 17, 5, 9, 17, 5, 9]  # a repetitive prompt: the tiny model tends to loop on
@@ -159,8 +159,8 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(tiny, monkeypatch):
     two are independent draws, not the same stream): the frequencies of the three tokens
     after the first (the positions drafts can fill) pass a chi-square test, while a broken
     acceptance rule that keeps every draft fails it by far."""
-    import jaxserve.runner as runner_module
-    from jaxserve.engine import Engine
+    import jaxserve.worker.runner as runner_module
+    from jaxserve.engine.llm_engine import Engine
 
     cfg = dict(TINY, max_num_seqs=64, max_num_batched_tokens=256, num_pages=256)
     prompt = [5, 9, 17] * 8  # drafts continue the cycle; the target keeps about one in eight
@@ -183,8 +183,8 @@ def test_sampling_with_drafts_keeps_the_targets_distribution(tiny, monkeypatch):
 # the same tests alone pass. A fresh process keeps the suite's state out of it.
 _EMBEDDED_CHILD = r"""
 import json, sys
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 from jaxserve.loading import load_model
 from scheduler import SamplingParams
 
@@ -251,7 +251,7 @@ def test_embedded_model_copy_stop_strings_and_logprobs():
 def test_the_flag_reaches_the_engine_config():
     import argparse
 
-    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+    from jaxserve.config.engine_args import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -262,7 +262,7 @@ def test_the_flag_reaches_the_engine_config():
 def test_metrics_and_log_line_use_the_counters():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from jaxserve.runner_output import SpecDecodeCounts
+    from jaxserve.worker.runner_output import SpecDecodeCounts
     from scheduler import SchedulerStats
     from server.engine_loop import EngineSnapshot
     from server.metrics import _SnapshotCollector
@@ -289,7 +289,7 @@ def test_a_draft_model_gives_the_plain_engines_outputs(tiny, tmp_path):
     catch-up, chunked past the budget, and its rollback must be right for that), a sampled
     one rejects some; outputs equal the plain engine's, the draft's pages are all freed when
     the engine is idle, nothing compiles after warmup."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 128, n).tolist() for n in (5, 40, 12)]
@@ -304,7 +304,7 @@ def test_a_draft_model_gives_the_plain_engines_outputs(tiny, tmp_path):
     engine = Engine(EngineConfig(**TINY, speculative_config=json.dumps(spec), strict_compile_guard=True), loaded=tiny)
     engine.warmup()
     assert _run(engine, requests) == plain
-    from jaxserve.runner_output import SpecDecodeCounts
+    from jaxserve.worker.runner_output import SpecDecodeCounts
 
     counts = engine.spec_decode
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens  # the sampled request rejected some
@@ -319,7 +319,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
     pytest.importorskip("torch")
     import transformers
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2)
@@ -329,7 +329,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
 
 
 def test_a_failing_proposer_turns_speculation_off_and_requests_go_on(tiny):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     engine = Engine(EngineConfig(**TINY, speculative_config=NGRAM), loaded=tiny)
     want = _run(Engine(EngineConfig(**TINY), loaded=tiny), [([5, 9, 5, 9, 5], SamplingParams(max_tokens=8, temperature=0))])
@@ -349,9 +349,9 @@ def test_compile_plans_the_same_shapes_for_ngram_and_adds_a_draft_models(tmp_pat
     from hf_reference import save_tiny_llama
 
     from jaxserve.compilation.aot import compile_for_target
-    from jaxserve.compilation.compile_plan import CompilePlan
     from jaxserve.compilation.targets import Target
     from jaxserve.loading import load_model_config
+    from jaxserve.worker.compile_plan import CompilePlan
 
     assert (CompilePlan.from_config(EngineConfig(**TINY, speculative_config=NGRAM), swap_enabled=False)
             == CompilePlan.from_config(EngineConfig(**TINY), swap_enabled=False))

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from logprob_checks import check_outputs_close
 
-from jaxserve.sampler import SamplingTensors, apply_bitmask, bitmask_width, sample_jit
+from jaxserve.worker.sampler import SamplingTensors, apply_bitmask, bitmask_width, sample_jit
 from scheduler import SamplingParams
 from scheduler.structured_params import StructuredOutputsParams
 
@@ -210,10 +210,10 @@ def test_a_grammar_that_allows_no_token_ends_with_an_error(engine):
 
 def test_multi_host_step_carries_the_bitmask(monkeypatch):
     """The leader's broadcast of a masked step, replayed to a follower: same rows, same flags."""
-    from jaxserve import distributed
-    from jaxserve.batch import BatchBuilder, SequenceSpan
-    from jaxserve.compilation.compile_plan import sampler_variants
-    from jaxserve.input_batch import STOP_ID_WIDTH
+    from jaxserve.worker import distributed
+    from jaxserve.worker.batch import BatchBuilder, SequenceSpan
+    from jaxserve.worker.compile_plan import sampler_variants
+    from jaxserve.worker.input_batch import STOP_ID_WIDTH
 
     sent: list[np.ndarray] = []
     monkeypatch.setattr(distributed, "_broadcast", lambda x: sent.append(x.copy()) or x)

@@ -70,10 +70,10 @@ def test_tensor_parallel_matches_single_device(tmp_path):
 
 
 def test_tp_that_does_not_divide_heads_is_a_clear_error(smollm):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import Engine
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
     from jaxserve.models.config import ModelConfig
-    from jaxserve.parallel import tp_model_config
+    from jaxserve.worker.parallel import tp_model_config
 
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
         Engine(EngineConfig(tensor_parallel_size=2, num_pages=16), loaded=smollm)

@@ -153,7 +153,7 @@ def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
     bf16, abstract weights, TP over the target's chips (`jaxserve compile`'s own path)."""
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(None if model == "smollm2" else str(LLAMA_8B))
@@ -171,7 +171,7 @@ def test_the_serving_step_compiles_with_the_kernel_and_fits(chip, model, chips):
 def test_an_8b_model_on_one_v5e_does_not_fit_and_says_why():
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     report = compile_for_target(load_model_config(str(LLAMA_8B)), EngineConfig(**{**STEP_SETTINGS, "num_pages": 2048}),
@@ -190,7 +190,7 @@ def test_a_70b_model_on_eight_chips(target, quantization, fits):
     params and cache, one small program compiled)."""
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(LLAMA_8B.parent / "llama3_70b_config.json"))
@@ -228,7 +228,7 @@ def test_the_reference_fallback_fits_the_default_config_without_cache_sized_temp
     largest token bucket: temporaries bounded by a KV chunk per query block, no cache copy
     (the reference once needed 7.9 GB of temporaries at T=16 and ran out of HBM at T=512)."""
     from jaxserve.compilation.aot import compile_for_target
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     report = compile_for_target(load_model_config(None), EngineConfig(attention_backend="reference"),

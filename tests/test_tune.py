@@ -71,7 +71,7 @@ def test_the_search_goes_knob_by_knob_within_its_budget():
 
 
 def test_the_recommendation_replayed_meets_the_goal(smollm):
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.tuning.command import make_evaluator
 
     trace = random_workload(8, input_len=40, output_len=4, request_rate=float("inf"), vocab_size=1000, seed=1)
@@ -108,8 +108,13 @@ def test_replay_measures_what_a_client_sees():
             return bool(self.reqs)
 
         def step(self):
-            from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
-            from jaxserve.runner_output import StepTiming
+            from jaxserve.engine.outputs import (
+                CompletionOutput,
+                RequestMetrics,
+                RequestOutput,
+                Usage,
+            )
+            from jaxserve.worker.runner_output import StepTiming
 
             self.last_step = StepTiming(num_tokens=1, padded_tokens=4, num_rows=len(self.reqs))
             outs = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from scheduler import SamplingParams
 
 TINY = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=4, max_model_len=64,
@@ -52,7 +52,7 @@ def _outputs(engine) -> list:
 
 
 def test_an_update_reproduces_a_fresh_engine_with_nothing_compiled(checkpoints):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     (first, second), tensors = checkpoints
     want = _outputs(Engine(EngineConfig(model=second, **TINY)))
@@ -73,7 +73,7 @@ def test_an_update_reproduces_a_fresh_engine_with_nothing_compiled(checkpoints):
 
 
 def test_a_bad_source_names_the_tensor_and_changes_nothing(checkpoints, tmp_path):
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     (first, _), tensors = checkpoints
     engine = Engine(EngineConfig(model=first, **TINY))
@@ -96,7 +96,7 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same(checkpoints):
     awake, outputs are a fresh engine's, with nothing compiled."""
     import jax
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     (first, second), _ = checkpoints
     fresh_second = _outputs(Engine(EngineConfig(model=second, **TINY)))  # before the guard counts
@@ -134,7 +134,7 @@ def test_a_partial_update_changes_exactly_the_tensors_given(checkpoints):
     """Two tensors of the second checkpoint (layer 0's q_proj, a slice of the fused qkv, and
     layer 1's down_proj, one layer of a stacked array) into an engine on the first: it then
     answers as a fresh engine on the first checkpoint with just those two replaced."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     (first, _), second = checkpoints
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
@@ -151,7 +151,7 @@ def test_a_partial_update_changes_exactly_the_tensors_given(checkpoints):
 
 def _engine_from(tensors: dict, config_path: str):
     """A fresh engine on the first checkpoint, then fully updated to `tensors`."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     engine = Engine(EngineConfig(model=config_path, **TINY))
     engine.update_weights(tensors)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from logprob_checks import top_k_of
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.llm_engine import Engine
 from scheduler import SamplingParams
 
 

@@ -31,14 +31,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import parallel
-from jaxserve.compilation.compile_plan import CompilePlan, ShapeKey, variant_name
-from jaxserve.compilation.step_programs import StepPrograms, sds
-from jaxserve.compilation.targets import Target, software_versions
+from jaxserve.compilation.targets import Target, fp8_weights_unsupported, software_versions
 from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
-from jaxserve.config import EngineConfig, ResolvedConfig
-from jaxserve.input_batch import InputBatch
-from jaxserve.kernel_choice import choose_kernels
+from jaxserve.config.engine_config import EngineConfig, ResolvedConfig
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.lora.slots import slot_shapes, slot_specs
 from jaxserve.models.config import ModelConfig
@@ -49,12 +44,16 @@ from jaxserve.models.llama import (
     kv_cache_shape,
     kv_scales_pool_shape,
 )
-from jaxserve.quantization import (
-    fp8_weights_unsupported,
+from jaxserve.models.quantization import (
     param_dtype,
     storage_dtype,
     with_scale_shapes,
 )
+from jaxserve.worker import parallel
+from jaxserve.worker.compile_plan import CompilePlan, ShapeKey, variant_name
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.kernel_choice import choose_kernels
+from jaxserve.worker.step_programs import StepPrograms, sds
 
 MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.

@@ -32,9 +32,9 @@ from jaxserve.compilation.aot import (
     manifest_differences,
     read_manifest,
 )
-from jaxserve.compilation.compile_plan import ShapeKey
 from jaxserve.compilation.targets import software_versions
 from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
+from jaxserve.worker.compile_plan import ShapeKey
 
 logger = logging.getLogger(__name__)
 

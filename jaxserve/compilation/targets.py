@@ -202,3 +202,28 @@ def _usable_hbm(chip: str) -> int:
         if m:
             return int(float(m.group(1)) * (_GIB if m.group(2) == "G" else 2**20))
     return nominal
+
+
+def fp8_weights_unsupported(platform: str, chip: str | None = None,
+                            compute_capability: tuple[int, int] | None = None) -> str | None:
+    """Why float8 weights cannot be served on this target (None: they can).
+
+    fp8 weights need fp8 matrix units: NVIDIA compute capability >= 8.9 (Ada, Hopper: H100,
+    H200). None of the TPU generations jaxserve targets (v5e, v5p, v6e) has e4m3 arithmetic.
+    On CPU XLA emulates fp8: the weights are stored in fp8 and converted in each matmul
+    (memory, not speed; the engine logs it).
+    """
+    if platform == "cpu":
+        return None
+    if platform == "gpu":
+        if compute_capability is None and chip is not None:
+            from jaxserve.compilation.gpu_specs import GPUS
+
+            spec = GPUS.get(chip.lower())
+            compute_capability = spec.compute_capability if spec is not None else None
+        if compute_capability is not None and tuple(compute_capability) >= (8, 9):
+            return None
+        return (f"quantization='fp8' needs a GPU with fp8 matrix units (compute capability >= 8.9, e.g. "
+                f"H100/H200); {chip or 'this GPU'} has {compute_capability or 'unknown'}: use 'int8'")
+    return (f"quantization='fp8' is not supported on {platform} {chip or ''}".rstrip()
+            + ": no fp8 matrix arithmetic on TPU v5e/v5p/v6e; use 'int8'")

@@ -19,8 +19,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.compilation.compile_cache import EVENTS
-from jaxserve.compilation.compile_plan import CompilePlan, CompileTier, ShapeKey, variant_name
+from jaxserve.worker.compile_cache import EVENTS
+from jaxserve.worker.compile_plan import CompilePlan, CompileTier, ShapeKey, variant_name
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.loading.errors import CheckpointError, ModelFileNotFoundError
 from jaxserve.loading.params import quantized_weight_names
 from jaxserve.models.config import ModelConfig
-from jaxserve.quantization import SCALE_SUFFIX, check_quantization, method_of, storage_dtype
+from jaxserve.models.quantization import SCALE_SUFFIX, check_quantization, method_of, storage_dtype
 
 MARKER = "jaxserve_model.json"
 

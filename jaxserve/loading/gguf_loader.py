@@ -22,7 +22,7 @@ from jaxserve.loading.params import (
     quantized_head_name,
 )
 from jaxserve.models.config import ModelConfig
-from jaxserve.quantization import QUANTIZED_LAYER_WEIGHTS
+from jaxserve.models.quantization import QUANTIZED_LAYER_WEIGHTS
 
 # jaxserve param name -> GGUF tensor name (per layer names take the layer index).
 _GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}

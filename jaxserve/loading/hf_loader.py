@@ -317,7 +317,7 @@ def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix
     experts = [read_linear(index, f"{prefix}{module}.{j}.{per_expert}", published) for j in range(cfg.num_experts)]
     if not any(isinstance(t, QuantizedTensor) for t in experts):
         return np.stack([t.T for t in experts])
-    from jaxserve.quantization import quantize_weight
+    from jaxserve.models.quantization import quantize_weight
 
     # A quantized checkpoint that left some experts in floats: those are quantized the same way.
     experts = [t if isinstance(t, QuantizedTensor) else QuantizedTensor(*quantize_weight(t, published, axis=-1))

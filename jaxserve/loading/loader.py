@@ -18,7 +18,7 @@ from jaxserve.loading.errors import ModelFileNotFoundError
 from jaxserve.loading.params import freeze_params, quantize_loaded_params, quantized_param_shapes
 from jaxserve.loading.part import LoadPart
 from jaxserve.models.config import ModelConfig
-from jaxserve.quantization import check_quantization
+from jaxserve.models.quantization import check_quantization
 
 log = logging.getLogger(__name__)
 

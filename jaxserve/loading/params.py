@@ -1,6 +1,6 @@
 """Assembling the stacked params tree from per-layer tensors, checked against the model's shapes.
 
-Quantized weights follow `jaxserve.quantization`'s representation: `name` holds int8 /
+Quantized weights follow `jaxserve.models.quantization`'s representation: `name` holds int8 /
 float8_e4m3fn values, `name + "_scale"` one f32 per output channel. A loader's getter returns
 either a float array or a `QuantizedTensor` (a pre-quantized checkpoint's values and scales,
 already per output channel); `assemble_params` quantizes the float projections itself when a
@@ -26,7 +26,7 @@ from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import FUSED_GROUPS
 from jaxserve.models.llama import expected_param_shapes
-from jaxserve.quantization import (
+from jaxserve.models.quantization import (
     QUANTIZED_LAYER_WEIGHTS,
     SCALE_SUFFIX,
     is_quantized,
@@ -209,7 +209,7 @@ def freeze_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def quantize_loaded_params(params: dict[str, Any], cfg: ModelConfig, method: str,
                            quantize_lm_head: bool = False) -> dict[str, Any]:
-    """`jaxserve.quantization.quantize_params` done in place, one tensor at a time, so each
+    """`jaxserve.models.quantization.quantize_params` done in place, one tensor at a time, so each
     full-precision tensor is dropped as soon as its quantized copy exists."""
     layers = params["layers"]
     for name in QUANTIZED_LAYER_WEIGHTS:
@@ -230,7 +230,7 @@ def quantized_weight_names(params: dict[str, Any]) -> list[str]:
 
 
 def quantized_param_shapes(cfg: ModelConfig, quantized: Iterable[str] = ()) -> dict[str, Any]:
-    """`expected_param_shapes(cfg)` with a `_scale` entry (`jaxserve.quantization.scale_shape`)
+    """`expected_param_shapes(cfg)` with a `_scale` entry (`jaxserve.models.quantization.scale_shape`)
     beside each weight named in `quantized` ("layers.q_proj", "lm_head", "embed", ...)."""
     shapes = expected_param_shapes(cfg)
     shapes = {**shapes, "layers": dict(shapes["layers"])}

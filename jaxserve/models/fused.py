@@ -28,7 +28,7 @@ QKV = ("q_proj", "k_proj", "v_proj")
 QKV_BIAS = ("q_bias", "k_bias", "v_bias")
 GATE_UP = ("gate_proj", "up_proj")
 EXPERT_GATE_UP = ("expert_gate", "expert_up")
-# Quantized weights' per-output-channel scales (jaxserve/quantization.py) fuse like the columns.
+# Quantized weights' per-output-channel scales (jaxserve/models/quantization.py) fuse like the columns.
 _SCALES = tuple(f"{n}_scale" for n in QKV + GATE_UP + EXPERT_GATE_UP)
 FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP + _SCALES
 # (parts, fused name, the tensor-parallel shards they are interleaved for: "tp" or "experts")

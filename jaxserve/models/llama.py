@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.lora.ops import LoRABatch, lora_delta, num_slots
 from jaxserve.models import moe
 from jaxserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
 from jaxserve.models.fused import split_gate_up, split_qkv
+from jaxserve.models.lora import LoRABatch, lora_delta, num_slots
 from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.quantization import SCALE_SUFFIX, scale_name
+from jaxserve.models.quantization import SCALE_SUFFIX, scale_name
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
 # Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
@@ -154,7 +154,7 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.Dict({k: nnx.Param(v) for k, v in params["layers"].items()})
         self.final_norm = nnx.Param(params["final_norm"])  # [E]
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None  # [E, V]
-        # Quantized weights (jaxserve/quantization.py): int8/fp8 values plus one f32 scale per
+        # Quantized weights (jaxserve/models/quantization.py): int8/fp8 values plus one f32 scale per
         # output channel; a quantized tied embedding has one scale per token row.
         self.embed_qscale = nnx.Param(params["embed_scale"]) if "embed_scale" in params else None  # [V]
         self.lm_head_qscale = nnx.Param(params["lm_head_scale"]) if "lm_head_scale" in params else None  # [V]

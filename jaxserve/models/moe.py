@@ -21,7 +21,7 @@ Either way each device returns a partial [T, E] and one all-reduce (psum) comple
     expert_gate_up  [X, E, 2I]     gate and up, interleaved per tensor-parallel shard
     expert_down     [X, I, E]
 
-Weight-only quantized experts (int8 / float8_e4m3fn, `jaxserve.quantization`) come with one
+Weight-only quantized experts (int8 / float8_e4m3fn, `jaxserve.models.quantization`) come with one
 f32 scale per expert and output channel, `expert_gate_up_scale [X, 2I]` and
 `expert_down_scale [X, E]`, sliced like their weights (a device's experts' rows under expert
 parallelism; the last axis split like the weight's under the width split). The grouped

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 from scheduler import DraftCandidate
 
 

@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.compilation.compile_plan import CompilePlan, sampler_variant
 from jaxserve.compilation.warmup import WarmupReport, compile_ahead
-from jaxserve.runner import ModelRunner, StepConfig
+from jaxserve.worker.compile_plan import CompilePlan, sampler_variant
+from jaxserve.worker.runner import ModelRunner, StepConfig
 from scheduler import (
     DraftCandidate,
     KVCacheManager,

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
+from jaxserve.config.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.tuning.replay import ReplayReport, StepCostClock, WallClock, replay
 from jaxserve.tuning.search import Goal, Trial, coordinate_search, recommend
 from jaxserve.tuning.workload import TraceRequest, load_trace, random_workload
@@ -101,7 +101,7 @@ def workload(ns: argparse.Namespace, vocab_size: int) -> list[TraceRequest]:
 def make_evaluator(config: Any, loaded: Any, trace: list[TraceRequest], *, clock: str = "wall",
                    time_scale: float = 1.0, warmup: bool = True):
     """settings -> ReplayReport: a fresh engine with those settings on the shared weights."""
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     def evaluate(settings: dict[str, Any]) -> ReplayReport:
         cfg = dataclasses.replace(config, **settings)  # ValueError for settings that do not go together
@@ -156,7 +156,7 @@ def cmd_tune_target(ns: argparse.Namespace) -> int:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.llm_engine import Engine
 
     if ns.target:
         return cmd_tune_target(ns)

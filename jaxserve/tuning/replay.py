@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxserve.outputs import OutputKind
+from jaxserve.engine.outputs import OutputKind
 from jaxserve.tuning.workload import TraceRequest
 from scheduler import SamplingParams
 

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.compilation.compile_plan import CompilePlan, ShapeKey
+from jaxserve.worker.compile_plan import CompilePlan, ShapeKey
 
 # The knobs whose values change the compiled programs or the HBM they need.
 MEMORY_KNOBS = ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_gb", "num_pages")

@@ -65,7 +65,7 @@ def available() -> tuple[bool, str]:
 
 def status() -> tuple[bool | None, str]:
     """Like `available()`, without building: None while nobody has asked for the kernel yet
-    (the engine builds it at start-up, `jaxserve.kernel_choice.prepare_native_kernels`)."""
+    (the engine builds it at start-up, `jaxserve.worker.kernel_choice.prepare_native_kernels`)."""
     if _register.cache_info().currsize == 0:
         return None, "not built yet (it is built on first use)"
     return available()

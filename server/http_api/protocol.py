@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.input_processor import MAX_CHAT_MESSAGES
+from jaxserve.engine.input_processor import MAX_CHAT_MESSAGES
 from scheduler import SamplingParams, StructuredOutputsParams
 from server.errors import ServeError, invalid
 

@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.detokenizer import TokenText
-from jaxserve.outputs import TokenLogprob, Usage
+from jaxserve.engine.detokenizer import TokenText
+from jaxserve.engine.outputs import TokenLogprob, Usage
 
 
 def usage_json(u: Usage) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from jaxserve.detokenizer import TokenText
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.detokenizer import TokenText
+from jaxserve.engine.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
 from server.core import ServingCore
 from server.core_types import GenerateInput, PromptInput

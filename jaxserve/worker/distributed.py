@@ -29,8 +29,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxserve.batch import StepArrays
-from jaxserve.sampler import SamplerFlags, SamplingTensors
+from jaxserve.worker.batch import StepArrays
+from jaxserve.worker.sampler import SamplerFlags, SamplingTensors
 from scheduler.request import MAX_LOGIT_BIAS
 
 logger = logging.getLogger(__name__)

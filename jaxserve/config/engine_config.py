@@ -16,8 +16,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxserve.quantization import check_kv_cache_dtype, check_quantization, kv_storage_dtype
-from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.models.quantization import check_kv_cache_dtype, check_quantization, kv_storage_dtype
 from scheduler import SchedulerConfig
 
 # SchedulerConfig field -> the EngineConfig field a user sets for it.
@@ -210,7 +210,7 @@ class EngineConfig:
         if self.compilation_cache_dir in (None, "", "none"):
             return None
         if self.compilation_cache_dir == "default":
-            from jaxserve.compilation.compile_cache import default_cache_dir
+            from jaxserve.worker.compile_cache import default_cache_dir
 
             return default_cache_dir()
         return self.compilation_cache_dir
@@ -287,8 +287,8 @@ class EngineConfig:
         smallest token bucket, the KV page layout and the unset scheduling limits."""
         if self.max_num_batched_tokens is None or self.max_num_seqs is None:
             return self.with_platform_defaults(platform).resolve(model_config, kv_model_config, platform)
-        from jaxserve.compilation.compile_plan import CompilePlan
         from jaxserve.models.llama import kv_cache_bytes_per_page
+        from jaxserve.worker.compile_plan import CompilePlan
         from pallas_kernels import kv_cache_layout
 
         dtype = self.resolved_dtype(platform)

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jaxserve.compilation.buckets import request_buckets, token_buckets
-from jaxserve.sampler import SamplerFlags
+from jaxserve.worker.buckets import request_buckets, token_buckets
+from jaxserve.worker.sampler import SamplerFlags
 
 SWAP_SIZES = (8, 64, 512)  # pages per swap copy call (lists are padded up or split)
 

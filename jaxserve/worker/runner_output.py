@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.outputs import TokenLogprob
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The runner's compact form of one position's logprobs (internal: the engine turns it into
+    vLLM's `dict[int, Logprob]` for its outputs): the token's logprob, its rank (1 = most
+    likely) and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +83,7 @@ class ModelRunnerOutput:
     grammar_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     spec_decode: SpecDecodeCounts | None = None  # None: no sequence carried drafts
     # Requests that asked for prompt logprobs and prefilled this step: (index of the first
-    # prompt-logprobs entry filled, the entries), see `jaxserve.prompt_logprobs`.
+    # prompt-logprobs entry filled, the entries), see `jaxserve.worker.prompt_logprobs`.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxserve.outputs import TokenLogprob
+from jaxserve.worker.runner_output import TokenLogprob
 from scheduler import ScheduledRequest
 
 

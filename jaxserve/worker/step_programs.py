@@ -22,11 +22,11 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 
 import pallas_kernels
-from jaxserve import parallel
-from jaxserve.compilation.compile_plan import ShapeKey
-from jaxserve.lora.ops import LoRABatch
+from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.sampler import SamplingTensors, per_row, sample, token_logprobs
+from jaxserve.worker import parallel
+from jaxserve.worker.compile_plan import ShapeKey
+from jaxserve.worker.sampler import SamplingTensors, per_row, sample, token_logprobs
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.worker.input_batch import MAX_STOP_TOKEN_IDS
 from scheduler import SamplingParams
 from scheduler.request import wrap_seed
 from scheduler.structured_params import GrammarHandle
 
-MAX_STOP_TOKEN_IDS = 15  # per request, besides EOS: the sampler's stop-id table is [R, 16]
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_CHAT_MESSAGES = 1024

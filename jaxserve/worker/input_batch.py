@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.compilation.compile_plan import sampler_variant
-from jaxserve.input_processor import MAX_STOP_TOKEN_IDS
-from jaxserve.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
 from jaxserve.structured import Matcher, StructuredOutputManager
+from jaxserve.worker.compile_plan import sampler_variant
+from jaxserve.worker.sampler import SAMPLING_EPS, SamplerFlags, SamplingTensors
 from scheduler import NewRequestData, SamplingParams, ScheduledRequest
 from scheduler.request import MAX_LOGIT_BIAS
 
+MAX_STOP_TOKEN_IDS = 15  # per request, besides EOS: the sampler's stop-id table is [R, 16]
 STOP_ID_WIDTH = MAX_STOP_TOKEN_IDS + 1
 
 

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import typing
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 
 # Shorter spellings of a few flags (the field's own flag works too).
 ALIASES = {"compiled_dir": ("--compiled",)}

@@ -27,12 +27,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve import parallel, prompt_logprobs
-from jaxserve.batch import BatchBuilder, SequenceSpan, StepArrays
-from jaxserve.compilation.buckets import pick
-from jaxserve.compilation.compile_cache import CompileGuard
-from jaxserve.compilation.compile_plan import SWAP_SIZES, ShapeKey
-from jaxserve.compilation.step_programs import (
+from jaxserve.loading import LoadedModel
+from jaxserve.lora.slots import LoRASlots
+from jaxserve.models.fused import fuse_projections
+from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
+from jaxserve.models.lora import LoRABatch
+from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.worker import parallel, prompt_logprobs
+from jaxserve.worker.batch import BatchBuilder, SequenceSpan, StepArrays
+from jaxserve.worker.buckets import pick
+from jaxserve.worker.compile_cache import CompileGuard
+from jaxserve.worker.compile_plan import SWAP_SIZES, ShapeKey
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.runner_output import (
+    ModelRunnerOutput,
+    SpecDecodeCounts,
+    StepTiming,
+    TokenLogprob,
+)
+from jaxserve.worker.sampler import SamplerFlags, SamplerOutput, SamplingTensors
+from jaxserve.worker.step_programs import (
     StepPrograms,
     abstract,
     backbone_jit,
@@ -43,16 +57,6 @@ from jaxserve.compilation.step_programs import (
     sample_jit,
     scatter_pages_jit,
 )
-from jaxserve.input_batch import InputBatch
-from jaxserve.loading import LoadedModel
-from jaxserve.lora.ops import LoRABatch
-from jaxserve.lora.slots import LoRASlots
-from jaxserve.models.fused import fuse_projections
-from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
-from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.outputs import TokenLogprob
-from jaxserve.runner_output import ModelRunnerOutput, SpecDecodeCounts, StepTiming
-from jaxserve.sampler import SamplerFlags, SamplerOutput, SamplingTensors
 from scheduler import SchedulerOutput
 
 

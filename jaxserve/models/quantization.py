@@ -130,32 +130,6 @@ def scale_shape(weight_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], shape[-1])
 
 
-# ---------------------------------------------------------------------- what each target supports
-def fp8_weights_unsupported(platform: str, chip: str | None = None,
-                            compute_capability: tuple[int, int] | None = None) -> str | None:
-    """Why float8 weights cannot be served on this target (None: they can).
-
-    fp8 weights need fp8 matrix units: NVIDIA compute capability >= 8.9 (Ada, Hopper: H100,
-    H200). None of the TPU generations jaxserve targets (v5e, v5p, v6e) has e4m3 arithmetic.
-    On CPU XLA emulates fp8: the weights are stored in fp8 and converted in each matmul
-    (memory, not speed; the engine logs it).
-    """
-    if platform == "cpu":
-        return None
-    if platform == "gpu":
-        if compute_capability is None and chip is not None:
-            from jaxserve.compilation.gpu_specs import GPUS
-
-            spec = GPUS.get(chip.lower())
-            compute_capability = spec.compute_capability if spec is not None else None
-        if compute_capability is not None and tuple(compute_capability) >= (8, 9):
-            return None
-        return (f"quantization='fp8' needs a GPU with fp8 matrix units (compute capability >= 8.9, e.g. "
-                f"H100/H200); {chip or 'this GPU'} has {compute_capability or 'unknown'}: use 'int8'")
-    return (f"quantization='fp8' is not supported on {platform} {chip or ''}".rstrip()
-            + ": no fp8 matrix arithmetic on TPU v5e/v5p/v6e; use 'int8'")
-
-
 def kv_storage_dtype(kv_cache_dtype: str) -> np.dtype | None:
     """The page dtype of a quantized KV cache (None: 'auto', the model dtype)."""
     check_kv_cache_dtype(kv_cache_dtype)

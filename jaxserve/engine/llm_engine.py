@@ -24,37 +24,37 @@ from typing import Any
 
 import jax
 
-from jaxserve import distributed, parallel
-from jaxserve.compilation.compile_cache import (
-    UnplannedCompilationError,
-    during_setup,
-    enable_persistent_cache,
-)
-from jaxserve.compilation.compile_plan import CompileTier, ShapeKey
+from jaxserve.compilation.targets import fp8_weights_unsupported
 from jaxserve.compilation.warmup import BackgroundCompile, WarmupReport, compile_ahead
-from jaxserve.config import EngineConfig
-from jaxserve.input_batch import STOP_ID_WIDTH
-from jaxserve.input_processor import EngineRequest, InputLimits, InputProcessor
-from jaxserve.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.input_processor import EngineRequest, InputLimits, InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor, child_ids
+from jaxserve.engine.outputs import OutputKind, RequestOutput
 from jaxserve.loading import LoadedModel, load_model, load_model_config
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.loading.part import LoadPart
 from jaxserve.lora.registry import LoRARegistry
 from jaxserve.lora.request import LoRARequest
-from jaxserve.output_processor import OutputProcessor, child_ids
-from jaxserve.outputs import OutputKind, RequestOutput
-from jaxserve.parallel import build_mesh, tp_model_config
-from jaxserve.quantization import (
-    fp8_weights_unsupported,
+from jaxserve.models.quantization import (
     params_quantization,
     quantize_params,
     storage_dtype,
 )
-from jaxserve.runner import ModelRunner, StepConfig
-from jaxserve.runner_output import SpecDecodeCounts, StepTiming
-from jaxserve.sampler import bitmask_width
 from jaxserve.spec_decode import SpeculativeConfig, make_ngram_proposer
 from jaxserve.structured import StructuredOutputManager, make_manager
+from jaxserve.worker import distributed, parallel
+from jaxserve.worker.compile_cache import (
+    UnplannedCompilationError,
+    during_setup,
+    enable_persistent_cache,
+)
+from jaxserve.worker.compile_plan import CompileTier, ShapeKey
+from jaxserve.worker.input_batch import STOP_ID_WIDTH
+from jaxserve.worker.kernel_choice import KernelChoice, choose_kernels, prepare_native_kernels
+from jaxserve.worker.parallel import build_mesh, tp_model_config
+from jaxserve.worker.runner import ModelRunner, StepConfig
+from jaxserve.worker.runner_output import SpecDecodeCounts, StepTiming
+from jaxserve.worker.sampler import bitmask_width
 from scheduler import (
     FinishReason,
     Request,

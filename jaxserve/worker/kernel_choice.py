@@ -71,6 +71,6 @@ def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_par
     return KernelChoice(attention, experts, quantized, _LORA if lora else None)
 
 
-# One formulation everywhere (jaxserve/lora/ops.py): the compiled step on TPU v5e and H200
+# One formulation everywhere (jaxserve/models/lora.py): the compiled step on TPU v5e and H200
 # (compile-only) adds no per-token copy of adapter weights (tests/test_lora.py).
 _LORA = ("xla", "every slot's low-rank product as two dense dots, masked per token; XLA's dots on every platform")

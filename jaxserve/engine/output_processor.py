@@ -18,8 +18,8 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
-from jaxserve.detokenizer import IncrementalDetokenizer, Tokenizer, TokenText
-from jaxserve.outputs import (
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer, TokenText
+from jaxserve.engine.outputs import (
     CompletionOutput,
     OutputKind,
     PositionLogprobs,
