@@ -38,17 +38,12 @@ from jaxserve.loading.loader import resolve_dtype
 from jaxserve.lora.slots import slot_shapes, slot_specs
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
-from jaxserve.models.llama import (
-    LlamaForCausalLM,
-    expected_param_shapes,
-    kv_cache_shape,
-    kv_scales_pool_shape,
-)
 from jaxserve.models.quantization import (
     param_dtype,
     storage_dtype,
     with_scale_shapes,
 )
+from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import CompilePlan, ShapeKey, variant_name
 from jaxserve.worker.input_batch import InputBatch
@@ -118,7 +113,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         mesh = parallel.build_mesh(tp, devices)
         place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
         kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
-    shapes = expected_param_shapes(rank_config)  # KV heads already replicated up to tp
+    family = family_of(rank_config)
+    shapes = family.param_shapes(rank_config)  # KV heads already replicated up to tp
     shapes = with_scale_shapes(shapes, config.quantization, config.quantize_lm_head)
     shapes = {**shapes, "layers": fused_layer_shapes(shapes["layers"])}
     specs = parallel.param_specs(shapes, rank_config, tp, ep) if tp > 1 else jax.tree.map(
@@ -130,16 +126,16 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         return sds(shape, param_dtype(name, config.quantization, config.quantize_lm_head, dtype, tied), place(spec))
 
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
-    graphdef, state = nnx.split(LlamaForCausalLM(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
+    graphdef, state = nnx.split(family.model_class(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
                                                  matmul_precision=resolved.quantized_matmul_precision,
                                                  row_tile=resolved.row_tile))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
-    kv = sds(kv_cache_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)
+    kv = sds(family.kv_cache.shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)
     kv_cache = (kv, kv)
     if resolved.kv_cache_dtype is not None:  # quantized pages carry f32 scales per token and head
         scales_sharding = one if mesh is None else parallel.kv_scales_sharding(mesh, resolved.kv_layout)
-        scales = sds(kv_scales_pool_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout),
+        scales = sds(family.kv_cache.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout),
                      jnp.float32, scales_sharding)
         kv_cache += (scales, scales)
     lora = None

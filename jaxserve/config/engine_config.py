@@ -287,7 +287,7 @@ class EngineConfig:
         smallest token bucket, the KV page layout and the unset scheduling limits."""
         if self.max_num_batched_tokens is None or self.max_num_seqs is None:
             return self.with_platform_defaults(platform).resolve(model_config, kv_model_config, platform)
-        from jaxserve.models.llama import kv_cache_bytes_per_page
+        from jaxserve.models.registry import family_of
         from jaxserve.worker.compile_plan import CompilePlan
         from pallas_kernels import kv_cache_layout
 
@@ -300,7 +300,7 @@ class EngineConfig:
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:
-            per_page = kv_cache_bytes_per_page(kv_config, self.page_size, kv_dtype, kv_layout, tp)
+            per_page = family_of(kv_config).kv_cache.bytes_per_page(kv_config, self.page_size, kv_dtype, kv_layout, tp)
             num_pages = max(2, int(self.kv_cache_memory_gb * 2**30) // per_page)
         if self.num_host_pages is not None:
             num_host_pages = self.num_host_pages

@@ -40,6 +40,7 @@ from jaxserve.models.quantization import (
     quantize_params,
     storage_dtype,
 )
+from jaxserve.models.registry import check_support
 from jaxserve.spec_decode import SpeculativeConfig, make_ngram_proposer
 from jaxserve.structured import StructuredOutputManager, make_manager
 from jaxserve.worker import distributed, parallel
@@ -90,6 +91,9 @@ class Engine:
         if self.model.tokenizer is None:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
         self.tokenizer = self.model.tokenizer
+        check_support(mc, lora=config.enable_lora, quantized_kv=config.kv_cache_dtype != "auto",
+                      spec_decode=config.speculative_config is not None,
+                      tensor_parallel=config.tensor_parallel_size > 1, expert_parallel=config.enable_expert_parallel)
         # Everything derived from the model, once (tp_model_config validates the TP split).
         self.resolved = config.resolve(mc, tp_model_config(mc, config.tensor_parallel_size,
                                                            config.enable_expert_parallel))

@@ -23,30 +23,8 @@ from jaxserve.loading.params import (
 )
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.quantization import QUANTIZED_LAYER_WEIGHTS
+from jaxserve.models.registry import WeightNames, family_of
 
-# jaxserve param name -> GGUF tensor name (per layer names take the layer index).
-_GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
-_LAYER_NAMES = {
-    "input_norm": "attn_norm.weight",
-    "q_proj": "attn_q.weight",
-    "k_proj": "attn_k.weight",
-    "v_proj": "attn_v.weight",
-    "o_proj": "attn_output.weight",
-    "post_norm": "ffn_norm.weight",
-    "gate_proj": "ffn_gate.weight",
-    "up_proj": "ffn_up.weight",
-    "down_proj": "ffn_down.weight",
-    "q_bias": "attn_q.bias",
-    "k_bias": "attn_k.bias",
-    "v_bias": "attn_v.bias",
-    "q_norm": "attn_q_norm.weight",
-    "k_norm": "attn_k_norm.weight",
-    # routed experts (llama.cpp stacks each layer's experts in one tensor)
-    "router": "ffn_gate_inp.weight",
-    "expert_gate": "ffn_gate_exps.weight",
-    "expert_up": "ffn_up_exps.weight",
-    "expert_down": "ffn_down_exps.weight",
-}
 # Expert tensors arrive [X, out, in] (HF layout per expert); jaxserve keeps [X, in, out].
 _STACKED_TRANSPOSED = frozenset({"expert_gate", "expert_up", "expert_down"})
 _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # values per block; bytes per block (f16 scale + 32 int8)
@@ -189,14 +167,22 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
+def _names(cfg: ModelConfig) -> WeightNames:
+    names = family_of(cfg).gguf_weight_names
+    if names is None:
+        raise CheckpointError(f"{cfg.architecture} has no GGUF weight names")
+    return names(cfg)
+
+
 def gguf_quantization(gf: GGUFFile, cfg: ModelConfig) -> str | None:
     """The file's own scheme as jaxserve serves it: "int8" when its layer projections are Q8_0
     (the others, if any, in a float type); None for anything else (Q4_1, F16, k-quants, ...),
     which loads dequantized."""
     types = set()
+    names = _names(cfg)
     for layer in range(cfg.num_layers):
         for name in QUANTIZED_LAYER_WEIGHTS:
-            gname = f"blk.{layer}.{_LAYER_NAMES[name]}"
+            gname = f"blk.{layer}.{names.layers[name]}"
             if gf.has_tensor(gname):
                 types.add(gf.tensor_type_name(gname))
     if "Q8_0" in types and types <= {"Q8_0", *_FLOAT_TYPES}:
@@ -210,11 +196,13 @@ def load_gguf_params(gf: GGUFFile, cfg: ModelConfig, dtype: Any, quantization: s
     LM head or tied embedding) are folded to int8 per output channel (`fold_q8_0`) without
     being dequantized; other tensors are dequantized, and quantized again by `assemble_params`
     when `quantization` is set."""
-    permuted = cfg.architecture in ("llama", "mistral", "mixtral")
+    family = family_of(cfg)
+    permuted = family.gguf_permuted_qk(cfg)
+    names = _names(cfg)
     folded = set(QUANTIZED_LAYER_WEIGHTS) | ({quantized_head_name(cfg)} if quantize_lm_head else set())
 
     def get(name: str, layer: int | None) -> np.ndarray | QuantizedTensor:
-        gname = _GLOBAL_NAMES[name] if layer is None else f"blk.{layer}.{_LAYER_NAMES[name]}"
+        gname = names.globals[name] if layer is None else f"blk.{layer}.{names.layers[name]}"
         q = gf.q8_0(gname) if quantization == "int8" and name in folded else None
         w = gf.tensor(gname) if q is None else q.values
         if permuted and name in ("q_proj", "k_proj"):

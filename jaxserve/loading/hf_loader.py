@@ -22,42 +22,10 @@ from jaxserve.loading.params import TRANSPOSED, QuantizedTensor, assemble_params
 from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import MOE_WEIGHTS
+from jaxserve.models.moe import MOE_WEIGHTS
+from jaxserve.models.registry import family_of
 
 logger = logging.getLogger(__name__)
-
-_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-                 "lm_head": "lm_head.weight"}
-_LAYER_NAMES = {
-    "input_norm": "input_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-}
-# Gemma 2/3 name their four norms after where they sit; jaxserve's pre-MLP norm is `post_norm`.
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attn_norm": "post_attention_layernorm.weight",
-    "post_norm": "pre_feedforward_layernorm.weight",
-    "post_ffn_norm": "post_feedforward_layernorm.weight",
-}
-# Routed experts, per expert as published checkpoints hold them: (router, expert module,
-# gate, up, down) names of each MoE family.
-_MOE_NAMES = {
-    "qwen3_moe": ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),
-}
-
 
 def is_hf_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
@@ -245,14 +213,14 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any, quantization: str | 
 def _hf_names(index: Any, cfg: ModelConfig) -> tuple[Any, str]:
     """(`key(name, layer)`: the HF name of our tensor `name` of `layer`, None for the global
     ones; the decoder's prefix)."""
-    names = _GEMMA_LAYER_NAMES if cfg.sandwich_norms else _LAYER_NAMES
+    names = family_of(cfg).hf_weight_names(cfg)
     decoder, head = next(((d, h) for d, h in _DECODER_PREFIXES if index.has(d + "embed_tokens.weight")),
                          _DECODER_PREFIXES[0])
 
     def key(name: str, layer: int | None) -> str:
         if layer is not None:
-            return f"{decoder}layers.{layer}.{names[name]}"
-        return head + _GLOBAL_NAMES[name] if name == "lm_head" else decoder + _GLOBAL_NAMES[name][len("model."):]
+            return f"{decoder}layers.{layer}.{names.layers[name]}"
+        return head + names.globals[name] if name == "lm_head" else decoder + names.globals[name][len("model."):]
 
     return key, decoder
 
@@ -303,7 +271,10 @@ def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix
     from per-expert tensors or from the stacked `experts.gate_up_proj` / `experts.down_proj`
     that transformers' own in-memory layout uses. Quantized per-expert weights stack into one
     QuantizedTensor ([X, in, out] values, [X, out] scales)."""
-    router, module, gate, up, down = _MOE_NAMES[cfg.architecture]
+    experts = family_of(cfg).hf_weight_names(cfg).experts
+    if experts is None:
+        raise CheckpointError(f"{cfg.architecture} has no routed-expert weight names")
+    router, module, gate, up, down = experts
     if name == "router":
         return _transposed(read_linear(index, (prefix + router).removesuffix(".weight"), published))
     per_expert = {"expert_gate": gate, "expert_up": up, "expert_down": down}[name]

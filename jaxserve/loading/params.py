@@ -25,7 +25,6 @@ from jaxserve.loading.host_copy import aligned_empty, copy_into
 from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import FUSED_GROUPS
-from jaxserve.models.llama import expected_param_shapes
 from jaxserve.models.quantization import (
     QUANTIZED_LAYER_WEIGHTS,
     SCALE_SUFFIX,
@@ -36,6 +35,7 @@ from jaxserve.models.quantization import (
     scale_shape,
     storage_dtype,
 )
+from jaxserve.models.registry import family_of
 
 # Projections stored [out, in] by HF and GGUF, kept [in, out] here so activations multiply as x @ W.
 TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -94,7 +94,7 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     fusing them later costs no copy (`jaxserve.models.fused`). With `part` (multi-host), `fill`
     writes only the slices it names of each float tensor; the rest stays uninitialised.
     """
-    shapes = expected_param_shapes(cfg)
+    shapes = family_of(cfg).param_shapes(cfg)
     out: dict[str, Any] = {}
     itemsize = np.dtype(dtype).itemsize
 
@@ -230,9 +230,9 @@ def quantized_weight_names(params: dict[str, Any]) -> list[str]:
 
 
 def quantized_param_shapes(cfg: ModelConfig, quantized: Iterable[str] = ()) -> dict[str, Any]:
-    """`expected_param_shapes(cfg)` with a `_scale` entry (`jaxserve.models.quantization.scale_shape`)
+    """The family's param shapes (`ModelFamily.param_shapes`) with a `_scale` entry (`jaxserve.models.quantization.scale_shape`)
     beside each weight named in `quantized` ("layers.q_proj", "lm_head", "embed", ...)."""
-    shapes = expected_param_shapes(cfg)
+    shapes = family_of(cfg).param_shapes(cfg)
     shapes = {**shapes, "layers": dict(shapes["layers"])}
     for path in quantized:
         tree, name = (shapes["layers"], path[len("layers."):]) if path.startswith("layers.") else (shapes, path)

@@ -18,7 +18,7 @@ from jaxserve.loading.errors import CheckpointError, MissingTensorError
 from jaxserve.loading.hf_loader import TensorMapping, hf_tensor_getter
 from jaxserve.loading.params import assemble_params
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import expected_param_shapes
+from jaxserve.models.registry import family_of
 
 
 def load_partial_params(tensors: Mapping[str, Any], cfg: ModelConfig, dtype: Any) -> tuple[dict, dict]:
@@ -26,7 +26,7 @@ def load_partial_params(tensors: Mapping[str, Any], cfg: ModelConfig, dtype: Any
     in the loaded layout. Unknown names are refused (a typo would otherwise change nothing)."""
     index = TensorMapping(tensors, "the partial weight mapping")
     get = hf_tensor_getter(index, cfg)
-    shapes = expected_param_shapes(cfg)
+    shapes = family_of(cfg).param_shapes(cfg)
     given: set[tuple[str, int | None]] = set()
 
     def expected(name: str, layer: int | None) -> tuple[int, ...]:

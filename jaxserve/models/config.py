@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "m
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
-_HF_ARCH_NAMES = {
+HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
@@ -30,9 +30,9 @@ _HF_ARCH_NAMES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 # HF model_type -> architecture, for configs without `architectures`.
-_HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 # GGUF general.architecture -> architecture (Mixtral is "llama" with experts in GGUF).
-_GGUF_ARCH_NAMES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+GGUF_ARCH_NAMES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                     "qwen3moe": "qwen3_moe"}
 
 
@@ -91,9 +91,11 @@ class ModelConfig:
     rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        from jaxserve.models.registry import supported_architectures
+
+        if self.architecture not in supported_architectures():
             raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+                f"unsupported architecture {self.architecture!r}; supported: {supported_architectures()}"
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
@@ -153,110 +155,125 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        archs = hf.get("architectures") or []
-        if "Gemma3ForConditionalGeneration" in archs or hf.get("model_type") == "gemma3":
-            hf = _gemma3_text_of_multimodal(hf)  # the language model of Gemma 3 4B-27B checkpoints
-            archs = hf["architectures"]
-        arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
-        if arch is None:
-            arch = _HF_MODEL_TYPES.get(hf.get("model_type"))
-            if arch is None:
-                raise UnsupportedModelError(
-                    f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-                    f"{sorted(_HF_ARCH_NAMES)}"
-                )
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        fields: dict[str, Any] = dict(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf.get("intermediate_size") or 0) or int(hf.get("moe_intermediate_size") or 0),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
-            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
-        )
-        if arch in GEMMA_ARCHITECTURES:
-            fields.update(_gemma_fields(hf, arch))
-        else:
-            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-            fields["rope_theta"] = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-            fields["rope_scaling"] = _parse_rope_scaling(rope)
-            sliding = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
-            fields["sliding_window"] = int(sliding) if sliding else None
-            if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
-                raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
-            act = hf.get("hidden_act", "silu")
-            if act != "silu":
-                raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (silu only)")
-        if arch in MOE_ARCHITECTURES:
-            fields.update(_moe_fields(hf, arch))
-        return cls(**fields)
+        """The config of an HF config.json, parsed by the registered family that claims it."""
+        from jaxserve.models.registry import config_from_hf
 
-    # ------------------------------------------------------------------ GGUF metadata
+        return config_from_hf(hf)
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, tie_word_embeddings: bool) -> ModelConfig:
-        gguf_arch = meta.get("general.architecture")
-        if gguf_arch not in _GGUF_ARCH_NAMES:
+        from jaxserve.models.registry import config_from_gguf
+
+        return config_from_gguf(meta, tie_word_embeddings=tie_word_embeddings)
+
+
+# ---------------------------------------------------------------------- the Llama-shaped families
+def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """config.json of a Llama-shaped family (`models/llama_family.py`)."""
+    archs = hf.get("architectures") or []
+    if "Gemma3ForConditionalGeneration" in archs or hf.get("model_type") == "gemma3":
+        hf = _gemma3_text_of_multimodal(hf)  # the language model of Gemma 3 4B-27B checkpoints
+        archs = hf["architectures"]
+    arch = next((HF_ARCH_NAMES[a] for a in archs if a in HF_ARCH_NAMES), None)
+    if arch is None:
+        arch = HF_MODEL_TYPES.get(hf.get("model_type"))
+        if arch is None:
             raise UnsupportedModelError(
-                f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(_GGUF_ARCH_NAMES)}"
+                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+                f"{sorted(HF_ARCH_NAMES)}"
             )
-        arch = _GGUF_ARCH_NAMES[gguf_arch]
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    fields: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf.get("intermediate_size") or 0) or int(hf.get("moe_intermediate_size") or 0),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
+        attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+    )
+    if arch in GEMMA_ARCHITECTURES:
+        fields.update(_gemma_fields(hf, arch))
+    else:
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        fields["rope_theta"] = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        fields["rope_scaling"] = _parse_rope_scaling(rope)
+        sliding = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
+        fields["sliding_window"] = int(sliding) if sliding else None
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (silu only)")
+    if arch in MOE_ARCHITECTURES:
+        fields.update(_moe_fields(hf, arch))
+    return ModelConfig(**fields)
 
-        def get(key: str, default: Any = None) -> Any:
-            return meta.get(f"{gguf_arch}.{key}", default)
 
-        num_experts = int(get("expert_count") or 0)
-        if arch == "llama" and num_experts:
-            arch = "mixtral"  # llama.cpp stores Mixtral as a llama with experts
-        moe: dict[str, Any] = {}
-        if num_experts:
-            width = get("expert_feed_forward_length") or get("feed_forward_length")
-            moe = dict(num_experts=num_experts, num_experts_per_tok=int(get("expert_used_count")),
-                       moe_intermediate_size=int(width), norm_topk_prob=bool(get("expert_weights_norm", True)))
-
-        num_heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
-        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-        scaling_type = get("rope.scaling.type")
-        rope = RopeScaling()
-        if scaling_type == "linear":
-            rope = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor", 1.0)))
-        elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")
-        return cls(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length") or get("expert_feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=rope,
-            max_position_embeddings=int(get("context_length", 4096)),
-            tie_word_embeddings=tie_word_embeddings,
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            **moe,
+def llama_config_from_gguf(meta: dict[str, Any], *, tie_word_embeddings: bool) -> ModelConfig:
+    """GGUF metadata of a Llama-shaped family."""
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in GGUF_ARCH_NAMES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(GGUF_ARCH_NAMES)}"
         )
+    arch = GGUF_ARCH_NAMES[gguf_arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{gguf_arch}.{key}", default)
+
+    num_experts = int(get("expert_count") or 0)
+    if arch == "llama" and num_experts:
+        arch = "mixtral"  # llama.cpp stores Mixtral as a llama with experts
+    moe: dict[str, Any] = {}
+    if num_experts:
+        width = get("expert_feed_forward_length") or get("feed_forward_length")
+        moe = dict(num_experts=num_experts, num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(width), norm_topk_prob=bool(get("expert_weights_norm", True)))
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    scaling_type = get("rope.scaling.type")
+    rope = RopeScaling()
+    if scaling_type == "linear":
+        rope = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor", 1.0)))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length") or get("expert_feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        **moe,
+    )
 
 
 def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:

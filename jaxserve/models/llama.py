@@ -43,13 +43,6 @@ LAYER_WEIGHTS = (
 )
 BIAS_WEIGHTS = ("q_bias", "k_bias", "v_bias")  # [L, Hq*D], [L, Hkv*D], [L, Hkv*D] (Qwen2)
 QK_NORM_WEIGHTS = ("q_norm", "k_norm")  # [L, D] (Qwen3, Qwen3-MoE, Gemma 3)
-# Routed experts replace gate/up/down (Qwen3-MoE, Mixtral); X experts of width I.
-MOE_WEIGHTS = (
-    "router",  # [L, E, X]
-    "expert_gate",  # [L, X, E, I]
-    "expert_up",  # [L, X, E, I]
-    "expert_down",  # [L, X, I, E]
-)
 # Gemma's sandwich norms: on the attention output and on the MLP output ([L, E] each); its
 # pre-MLP norm is `post_norm`, as in every family.
 SANDWICH_NORM_WEIGHTS = ("post_attn_norm", "post_ffn_norm")

@@ -37,6 +37,14 @@ import pallas_kernels
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import split_gate_up
 
+# Routed experts replace gate/up/down (Qwen3-MoE, Mixtral); X experts of width I.
+MOE_WEIGHTS = (
+    "router",  # [L, E, X]
+    "expert_gate",  # [L, X, E, I]
+    "expert_up",  # [L, X, E, I]
+    "expert_down",  # [L, X, I, E]
+)
+
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Top-k experts of each token and their weights, as HF computes them: softmax in f32 over

@@ -29,11 +29,11 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.loading.part import LoadPart, TensorPart, merged
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import experts_forward
+from jaxserve.models.registry import MODEL_AXIS, family_of
 from pallas_kernels.kv_layout import kv_scales_axis_of_heads
 
 logger = logging.getLogger(__name__)
 
-MODEL_AXIS = "model"
 
 
 def build_mesh(tensor_parallel_size: int, devices: list[Any] | None = None) -> Mesh:
@@ -102,31 +102,16 @@ def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: 
     return {**params, "layers": layers}
 
 
-# The model's (fused) layer weights; the column-parallel ones are interleaved per shard
-# (models/fused.py), so a plain split of the last axis gives each device its own heads.
-_LAYER_SPECS = {
-    "qkv_proj": P(None, None, MODEL_AXIS),
-    "qkv_bias": P(None, MODEL_AXIS),
-    "o_proj": P(None, MODEL_AXIS, None),
-    "gate_up_proj": P(None, None, MODEL_AXIS),
-    "down_proj": P(None, MODEL_AXIS, None),
-    "expert_gate_up": P(None, None, None, MODEL_AXIS),  # [L, X, E, 2I]: width split
-    "expert_down": P(None, None, MODEL_AXIS, None),  # [L, X, I, E]
-}
-# Expert parallelism: whole experts per device.
-_EXPERT_PARALLEL_SPECS = {
-    "expert_gate_up": P(None, MODEL_AXIS, None, None),
-    "expert_down": P(None, MODEL_AXIS, None, None),
-}
-
-
 def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> dict[str, Any]:
     vocab_split = cfg.vocab_size % tp == 0
     if not vocab_split:
         logger.warning("vocabulary %d not divisible by tp=%d: embeddings replicated", cfg.vocab_size, tp)
 
+    family = family_of(cfg)  # its sharding rules: fused layer weight -> PartitionSpec axes
+    rules = {**family.layer_sharding, **(family.expert_parallel_sharding if expert_parallel else {})}
+
     def layer_spec(name: str) -> P:
-        return (_EXPERT_PARALLEL_SPECS if expert_parallel else {}).get(name, _LAYER_SPECS.get(name, P()))
+        return P(*rules[name]) if name in rules else P()
 
     specs: dict[str, Any] = {
         "embed": P(MODEL_AXIS, None) if vocab_split else P(),

@@ -30,9 +30,9 @@ from jax.sharding import Mesh
 from jaxserve.loading import LoadedModel
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.models.fused import fuse_projections
-from jaxserve.models.llama import LlamaForCausalLM, init_kv_cache
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel, prompt_logprobs
 from jaxserve.worker.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.worker.buckets import pick
@@ -119,7 +119,7 @@ class ModelRunner:
         self.expert_parallel = expert_parallel
         self.matmul_precision = matmul_precision
         self.row_tile = row_tile  # batch-invariant mode's matmul row tile (0: off)
-        # The quantized tied embedding served as [E, V] (`LlamaForCausalLM.embed_columns`): on
+        # The quantized tied embedding served as [E, V] (the model's `embed_columns`): on
         # one CPU device the int8 head kernel reads [K, N] faster than [N, K] (64 rows: 10.8
         # against 12.2 ms for SmolLM2's head, one row 0.9 against 2.0 ms); the lookup's column
         # gather costs ~0.1 ms more per 64 tokens.
@@ -183,9 +183,9 @@ class ModelRunner:
         params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads)
         return {**params, "layers": fuse_projections(params["layers"], tp, 1 if self.expert_parallel else tp)}
 
-    def _model(self, params: dict[str, Any]) -> LlamaForCausalLM:
+    def _model(self, params: dict[str, Any]) -> Any:
         tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
-        return LlamaForCausalLM(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
+        return family_of(self.config).model_class(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
                                 matmul_precision=self.matmul_precision, row_tile=self.row_tile,
                                 embed_columns=self.embed_columns)
 
@@ -422,7 +422,7 @@ class ModelRunner:
                 scales = parallel.kv_scales_sharding(self.mesh, self.kv_layout)
                 shardings = (kv, kv, scales, scales)[:4 if self.kv_dtype.itemsize == 1 else 2]
             self._init_kv_cache = jax.jit(
-                functools.partial(init_kv_cache, self.config, self.num_pages, self.page_size, self.kv_dtype,
+                functools.partial(family_of(self.config).kv_cache.init, self.config, self.num_pages, self.page_size, self.kv_dtype,
                                   self.kv_layout, tp),
                 out_shardings=shardings,
             )
