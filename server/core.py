@@ -31,6 +31,7 @@ from typing import Any
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.detokenizer import TokenText
 from jaxserve.engine.input_processor import InputError, InputProcessor
+from jaxserve.engine.interface import ServingEngine
 from scheduler import SamplingParams
 from server.admission import Admission, AdmissionRefused, request_work
 from server.core_types import GenerateInput, ModelInfo, PromptInput, ServerInfo
@@ -52,14 +53,15 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class ServingCore:
-    def __init__(self, engine_config: EngineConfig, options: ServerOptions | None = None, *, engine: Any = None):
+    def __init__(self, engine_config: EngineConfig, options: ServerOptions | None = None, *,
+                 engine: ServingEngine | None = None):
         self.engine_config = engine_config
         self.options = o = options or ServerOptions()
         if o.api_key and o.tenants:
             raise ValueError("give one API key or a tenants file, not both")
         self.auth = Authenticator(list(o.tenants)) if o.tenants else (
             Authenticator.single_key(o.api_key) if o.api_key else Authenticator())
-        self.engine = engine
+        self.engine: ServingEngine | None = engine
         self.processor: InputProcessor | None = None
         self.loop_runner: EngineLoop | None = None
         self.frontend: FrontendPool | None = None
@@ -214,8 +216,8 @@ class ServingCore:
         if self.loop_runner.dead:
             return ServeError(ErrorKind.UNAVAILABLE, f"the engine stopped (error id {self.loop_runner.fatal_error_id}); "
                               "the server is going down", code="engine_stopped")
-        if not getattr(self.engine, "healthy", True):
-            reason = getattr(self.engine, "unhealthy_reason", None) or "unknown"
+        if not self.engine.healthy:
+            reason = self.engine.unhealthy_reason or "unknown"
             return ServeError(ErrorKind.UNAVAILABLE, f"the engine is unhealthy: {reason}", code="unhealthy")
         return None
 
@@ -239,10 +241,10 @@ class ServingCore:
         mc = e.model_config
         return ModelInfo(
             model=self.model_name, architecture=type(mc).__name__, vocab_size=mc.vocab_size,
-            max_model_len=e.max_model_len, num_layers=getattr(mc, "num_layers", getattr(mc, "num_hidden_layers", 0)),
-            hidden_size=getattr(mc, "hidden_size", getattr(mc, "embed_dim", 0)), dtype=e.dtype,
+            max_model_len=e.max_model_len, num_layers=mc.num_layers,
+            hidden_size=mc.hidden_size, dtype=e.dtype,
             eos_token_id=e.eos_token_id if e.eos_token_id is not None else -1,
-            has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)),
+            has_chat_template=e.tokenizer is not None and bool(e.tokenizer.chat_template),
             max_logprobs=self.engine_config.max_logprobs, max_n=self.engine_config.max_n)
 
     async def update_weights(self, tenant: Tenant, path: Any) -> int:
@@ -272,7 +274,7 @@ class ServingCore:
         await self.loop_runner.call(lambda engine: engine.wake_up())
 
     def is_sleeping(self) -> bool:
-        return bool(getattr(self.engine, "sleep_level", 0))
+        return bool(self.engine.sleep_level)
 
     # ------------------------------------------------------------------ LoRA adapters
     def _load_lora_modules(self, modules: Sequence[tuple[str, str]]) -> None:
@@ -286,7 +288,7 @@ class ServingCore:
     def lora_adapters(self, tenant: Tenant | None = None) -> list[Any]:
         """The loaded adapters (`LoRARequest`s) in load order, those `tenant` may use when
         given (none when LoRA is off)."""
-        registry = getattr(self.engine, "lora_registry", None)
+        registry = self.engine.lora_registry
         loaded = registry.loaded() if registry is not None else []
         return [lr for lr in loaded if tenant is None or tenant.may_use_lora(lr.lora_name)]
 
@@ -303,7 +305,7 @@ class ServingCore:
     async def load_lora(self, tenant: Tenant, name: Any, path: Any) -> None:
         """Admin only: reads and registers an adapter (vLLM's /v1/load_lora_adapter)."""
         self._require_admin(tenant, "load_lora_adapter")
-        if getattr(self.engine, "lora_registry", None) is None:
+        if self.engine.lora_registry is None:
             raise invalid("lora_name: this server runs without LoRA (start it with --enable-lora)", "lora_name")
         for field, value in (("lora_name", name), ("lora_path", path)):
             if not isinstance(value, str) or not value:
@@ -350,9 +352,10 @@ class ServingCore:
         if not tenant.admin:
             mine = self.admission.usage(tenant.name)[0] if self.admission is not None else 0
             return ServerInfo(**base, num_in_flight=mine)
-        cfg = getattr(self.engine, "config", None) or self.engine_config  # the engine's: platform defaults set
+        # the engine's config once it is built (platform defaults set); the server's before
+        cfg = self.engine.config if self.engine is not None else self.engine_config
         config = {f.name: str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-        attention = getattr(self.engine, "attention", None)
+        attention = self.engine.attention if self.engine is not None else None
         if attention:
             config["attention_implementation"] = f"{attention[0]} ({attention[1]})"
         stats: dict[str, Any] = {}
@@ -554,7 +557,7 @@ class ServingCore:
             if self.loop_runner.dead:
                 await self._on_engine_dead()
                 return
-            healthy = bool(getattr(self.engine, "healthy", True))
+            healthy = self.engine.healthy
             if healthy != self._healthy:
                 self._healthy = healthy
                 await self._notify_health(healthy)
@@ -562,7 +565,7 @@ class ServingCore:
                     logger.info("engine healthy again: serving")
                 else:
                     logger.error("engine unhealthy (%s): health NOT_SERVING, new requests refused",
-                                 getattr(self.engine, "unhealthy_reason", None))
+                                 self.engine.unhealthy_reason)
             await asyncio.sleep(interval)
 
     async def _on_engine_dead(self) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.engine.input_processor import EngineRequest
+from jaxserve.engine.interface import ServingEngine
 from jaxserve.engine.outputs import OutputKind, RequestOutput
 from jaxserve.worker.runner_output import SpecDecodeCounts
 from scheduler.stats import SchedulerStats
@@ -80,7 +81,7 @@ class _Stream:
 class EngineLoop:
     """Runs `engine` on its own thread; every public method is safe to call from any thread."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, metrics: Any | None = None,
+    def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop, metrics: Any | None = None,
                  on_fatal: Callable[[], None] | None = None):
         self.engine = engine
         self.loop = loop
@@ -167,7 +168,7 @@ class EngineLoop:
         completes: see `abort`.
         """
 
-        def add(engine: Any) -> None:
+        def add(engine: ServingEngine) -> None:
             engine.add_request(request, request_id=request_id, arrival_time=arrival_time,
                                output_kind=OutputKind.DELTA, **({"lora_request": lora_name} if lora_name else {}))
             self._streams[request_id] = _Stream(buffer, ticket)
@@ -349,11 +350,11 @@ class EngineLoop:
             prompt_tokens=self._prompt_tokens, num_finished=self._num_finished,
             step_host_s=ls.host_s, step_device_s=ls.device_s,
             spec_decode=self._spec_copy(),
-            lora=self.engine.lora_activity() if getattr(self.engine, "lora_registry", None) is not None else None,
+            lora=self.engine.lora_activity() if self.engine.lora_registry is not None else None,
         )
 
     def _spec_copy(self) -> SpecDecodeCounts | None:
-        if getattr(self.engine, "proposer", None) is None:
+        if self.engine.proposer is None:
             return None
         return self.engine.spec_decode.copy()
 

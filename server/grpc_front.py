@@ -221,6 +221,7 @@ class GrpcFront(pb_grpc.JaxServeServicer):
             await _abort(context, e)
         return pb.UpdateWeightsResponse(weights_version=version)
 
+    @_internal_errors
     async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context):
         tenant = await self._caller(context)
         try:
@@ -229,6 +230,7 @@ class GrpcFront(pb_grpc.JaxServeServicer):
             await _abort(context, e)
         return pb.LoRAAdapterResponse()
 
+    @_internal_errors
     async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context):
         tenant = await self._caller(context)
         try:
@@ -237,6 +239,7 @@ class GrpcFront(pb_grpc.JaxServeServicer):
             await _abort(context, e)
         return pb.LoRAAdapterResponse()
 
+    @_internal_errors
     async def ListLoRAAdapters(self, request: pb.ListLoRAAdaptersRequest, context):
         tenant = await self._caller(context)
         return pb.ListLoRAAdaptersResponse(lora_names=[lr.lora_name for lr in self.core.lora_adapters(tenant)])
