@@ -195,7 +195,7 @@ def test_batch_invariant_mode_compiles_unsplit_attention_and_row_tiled_matmuls()
     """By construction on GPU (not run on one): the decode-shaped attention that splits the
     keys by default (f32 partials [splits, Hkv, ...]) has no split in batch-invariant mode,
     and the tiled LM head's dots all take 16 rows, inside a loop."""
-    from jaxserve.models.llama import tiled_matmul
+    from jaxserve.models.layers import tiled_matmul
     from pallas_kernels.ragged_paged_attention.gpu import default_max_splits
 
     splits = default_max_splits(16, R)

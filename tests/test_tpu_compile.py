@@ -263,7 +263,7 @@ def test_batch_invariant_matmuls_compile_row_tiled_for_tpu():
     inside a loop; the plain product takes all 64. (The attention kernel is unchanged.)"""
     from test_gpu_compile import row_tiled_dots
 
-    from jaxserve.models.llama import tiled_matmul
+    from jaxserve.models.layers import tiled_matmul
 
     args = (jax.ShapeDtypeStruct((64, 576), jnp.bfloat16), jax.ShapeDtypeStruct((49152, 576), jnp.bfloat16))
     tiled = compiled_hlo(functools.partial(tiled_matmul, row_tile=16, transposed=True), args, tpu_device("v5e:2x2"))

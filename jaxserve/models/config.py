@@ -10,10 +10,7 @@ GeGLU, scaled embeddings, soft-caps and per-layer sliding windows and RoPE bases
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
-
-import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3")
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
@@ -366,24 +363,3 @@ def _parse_rope_scaling(rope: dict[str, Any]) -> RopeScaling:
             original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
         )
     raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [D/2] (f32), with the config's scaling applied, as HF computes them."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    s = config.rope_scaling
-    if s.kind == "linear":
-        inv = inv / s.factor
-    elif s.kind == "llama3":
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)

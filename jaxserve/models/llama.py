@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,11 +20,21 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import moe
-from jaxserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
+from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.fused import split_gate_up, split_qkv
+from jaxserve.models.layers import (
+    ACTIVATIONS,
+    AttentionFn,
+    KVUpdateFn,
+    MoEFn,
+    rms_norm,
+    soft_cap,
+    tiled_matmul,
+)
 from jaxserve.models.lora import LoRABatch, lora_delta, num_slots
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.quantization import SCALE_SUFFIX, scale_name
+from jaxserve.models.rope import apply_rope, rope_inv_freq, rope_tables
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
 # Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
@@ -75,45 +84,6 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
     return shapes
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, row_tile: int = 0) -> jax.Array:
-    """RMSNorm computed in f32 (as HF does), scaled by (offset + weight) (Gemma's offset is 1),
-    cast back to the input dtype. `row_tile` > 0 (batch-invariant mode): over fixed row tiles
-    (`tiled_rows`), so a row's sum of squares runs in one order whatever the token bucket."""
-    if row_tile:
-        return tiled_rows(lambda t: rms_norm(t, weight, eps, offset), x, row_tile)
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    scale = weight.astype(jnp.float32) + offset if offset else weight.astype(jnp.float32)
-    return (scale * xf).astype(x.dtype)
-
-
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    xf1, xf2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    out = jnp.concatenate([xf1 * c - xf2 * s, xf2 * c + xf1 * s], axis=-1)
-    return out.astype(x.dtype)
-
-
-# attention_fn(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale,
-#              sliding_window) -> [T, Hq, D]
-AttentionFn = Callable[..., jax.Array]
-# kv_update_fn(k_new, v_new, k_pages, v_pages, slot_mapping) -> (k_pages, v_pages)
-KVUpdateFn = Callable[..., tuple[jax.Array, jax.Array]]
-# moe_fn(x [T, E], weights [T, k], experts [T, k], gate_up, down) -> [T, E]: the routed experts
-# over the expert weights as this program holds them (`parallel.per_shard_moe` under a mesh).
-MoEFn = Callable[..., jax.Array]
 
 
 def single_device_moe(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
@@ -183,8 +153,8 @@ class LlamaForCausalLM(nnx.Module):
         h = self._embed(token_ids, dtype)  # [T, E]
         if cfg.embed_scale:  # the normaliser is rounded to the params' dtype, as HF does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
-        rope = _rope_tables(positions, self._inv_freq)  # cos, sin: [T, D/2] each
-        local_rope = _rope_tables(positions, self._local_inv_freq) if self._local_inv_freq is not None else None
+        rope = rope_tables(positions, self._inv_freq)  # cos, sin: [T, D/2] each
+        local_rope = rope_tables(positions, self._local_inv_freq) if self._local_inv_freq is not None else None
 
         # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are
         # offset by l*P, so no per-layer slice of the cache is ever copied.
@@ -387,48 +357,6 @@ class _LayerWeights(dict):
 
 def _plain_or_tiled(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
     return tiled_matmul(x, w, row_tile)
-
-
-def tiled_matmul(x: jax.Array, w: jax.Array, row_tile: int, transposed: bool = False) -> jax.Array:
-    """x [N, K] @ w [K, F] (`transposed`: w is [F, K], as a tied head's embedding); with
-    `row_tile` > 0, over [row_tile, K] tiles (`tiled_rows`). XLA:CPU's GEMM sums a row in an
-    order that depends on the row count and the row's position, so the plain product of one
-    row changes with the batch around it; one fixed tile shape fixes the order. A transposed
-    weight is contracted on its own dim 1 (written as `w.T`, XLA hoisted a transposed copy
-    out of some loops and not others, and the two dots summed differently). The loop costs
-    the parallelism a large GEMM has (about 2x on a 2048-row prefill on this CPU)."""
-    if not row_tile:
-        return x @ (w.T if transposed else w)
-    dims = (((1,), (1 if transposed else 0,)), ((), ()))
-    out_dtype = jnp.result_type(x, w)
-    return tiled_rows(lambda t: jax.lax.dot_general(t, w, dims).astype(out_dtype), x, row_tile)
-
-
-def tiled_rows(fn: Callable[[jax.Array], jax.Array], x: jax.Array, row_tile: int) -> jax.Array:
-    """fn applied to x [N, ...] as a loop over [row_tile, ...] tiles (rows padded up to a whole
-    tile), so that every row is computed by one program whatever N is: batch-invariant mode.
-    XLA:CPU reduces rows in an order that depends on the row count (a log-softmax row of a
-    [3, V] array measured 1 ulp from the same row alone), so a row-wise op compiled once per
-    bucket is not the same arithmetic in every bucket. The trip count is hidden from XLA (an
-    optimization barrier), so it never unrolls or drops the loop for one shape and not
-    another. `fn` must be row-wise (row i of its output depends on row i of its input only)."""
-    n = x.shape[0]
-    tiles = -(-n // row_tile)
-    xp = jnp.pad(x, ((0, tiles * row_tile - n),) + ((0, 0),) * (x.ndim - 1))  # [tiles * row_tile, ...]
-    tile_out = jax.eval_shape(fn, jax.ShapeDtypeStruct((row_tile, *x.shape[1:]), x.dtype))
-    out = jnp.zeros((tiles * row_tile, *tile_out.shape[1:]), tile_out.dtype)
-
-    def tile(i, out):
-        t = jax.lax.dynamic_slice_in_dim(xp, i * row_tile, row_tile, 0)
-        return jax.lax.dynamic_update_slice_in_dim(out, fn(t), i * row_tile, 0)
-
-    trips = jax.lax.optimization_barrier(jnp.int32(tiles))
-    return jax.lax.fori_loop(0, trips, tile, out)[:n]
-
-
-def _rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)  # [T, D/2] each
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
