@@ -69,7 +69,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="seconds an HTTP client has to send a request head; past it 408 and closed")
     lim.add_argument("--http-max-connections-per-peer", type=int, default=d.http_max_connections_per_peer,
                      help="HTTP connections one address may hold that have not sent an authenticated request; "
-                          "past it the oldest such is closed (503)")
+                          "past it the oldest such is closed (503) unless it sends one within 2 s of its start")
     lim.add_argument("--frontend-threads", type=int, default=None,
                      help="threads that tokenize and apply chat templates (default: a quarter of the cores, 1 to 4; "
                           "they take CPU from the engine)")

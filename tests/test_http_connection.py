@@ -18,7 +18,8 @@ from starlette.routing import Route
 from server.http_api.connection import ConnectionLimits
 from server.http_api.runner import HttpServer
 
-LIMITS = ConnectionLimits(max_head_bytes=2048, head_timeout=0.5, max_connections_per_peer=4, max_connections=64)
+LIMITS = ConnectionLimits(max_head_bytes=2048, head_timeout=0.5, max_connections_per_peer=4, pending_grace=0.2,
+                          max_connections=64)
 
 
 async def _json(request):
@@ -108,6 +109,27 @@ def test_stalled_connections_from_one_address_make_room_for_its_next_client(serv
         finally:
             for s in held:
                 s.close()
+
+
+def test_a_burst_of_clients_from_one_address_is_served_whole(server):
+    """Clients that connect together and then send their requests (a benchmark client opening
+    hundreds of connections at once, behind one address) are all served: a connection past the
+    cap dooms the oldest pending one, which proves itself by sending its request in time."""
+    socks = [socket.create_connection(("127.0.0.1", server), timeout=5)
+             for _ in range(3 * LIMITS.max_connections_per_peer)]
+    try:
+        for s in socks:
+            s.sendall(b"GET /json HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        answers = []
+        for s in socks:
+            resp = b""
+            while chunk := s.recv(65536):
+                resp += chunk
+            answers.append(resp.split(b"\r\n", 1)[0])
+        assert answers == [b"HTTP/1.1 200 OK"] * len(socks)
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_http10_streams_are_close_delimited(server):

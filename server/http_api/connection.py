@@ -12,12 +12,16 @@ key) would refuse every tenant. Here:
 - **Pending connections**: a connection is pending until it has sent a complete request head
   that `proves` accepts (one carrying a valid API key; any head when no keys are required).
   One address may hold `max_connections_per_peer` pending connections; a new one past that
-  closes the address's OLDEST pending connection (503), so stalled or keyless connections
-  behind a proxy or NAT make room for the proxy's next client instead of locking it out. A
+  dooms the address's OLDEST pending connection: unless that one proves itself within
+  `pending_grace` seconds of its own start, it is closed (503). Stalled or keyless connections
+  behind a proxy or NAT thus make room for the proxy's next client instead of locking it out,
+  while a burst of clients that all connect at once and then send their requests (a benchmark
+  client opening hundreds of connections together) loses none: each proves itself in
+  milliseconds. A
   connection that has proven itself is never counted per address: authenticated requests are
   bounded per tenant by admission (429), never by the address they come from. What one address
   can still do: hold `max_connections_per_peer` pending connections, each for at most
-  `head_timeout` seconds (the head deadline, re-armed after every response, also ends idle
+  `head_timeout` seconds, and more for `pending_grace` seconds each, up to `max_connections` (the head deadline, re-armed after every response, also ends idle
   keep-alive connections); that cannot refuse anyone else's request.
 - **All connections**: at most `max_connections`; the next is answered 503 at once and closed.
 - **HTTP/1.0**: a response without Content-Length (a stream) is sent as is and ended by
@@ -43,6 +47,7 @@ class ConnectionLimits:
     max_head_bytes: int = 64 * 1024
     head_timeout: float = 10.0
     max_connections_per_peer: int = 64  # pending (not yet proven) connections one address may hold
+    pending_grace: float = 2.0  # seconds a doomed pending connection has, from its start, to prove itself
     max_connections: int | None = None  # all peers together; None: no cap
     # A complete request head's (name, value) pairs (lower-case names) -> whether it proves its
     # connection (a valid API key); None: any complete head does.
@@ -104,6 +109,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = self._raw_head_bytes = 0
         self._head_timer = None
         self._refused = False
+        self._doomed = False
+        self._started = self.loop.time()
         cap = self.limits.max_connections
         if cap is not None and len(self.connections) > cap:
             return self._refuse(503, "Service Unavailable", f"the server has {cap} connections open; retry later",
@@ -112,13 +119,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             pending = self._pending.setdefault(self._peer, {})
             pending[self] = None
             if len(pending) > self.limits.max_connections_per_peer:
-                oldest = next(iter(pending))
-                oldest._refuse(503, "Service Unavailable",
-                               f"closed to make room: this address holds more than "
-                               f"{self.limits.max_connections_per_peer} connections that have not sent an "
-                               "authenticated request", "max_connections_per_peer")
-                oldest._leave_pending()
+                self._doom_oldest(pending)
         self._arm_head_timer()
+
+    def _doom_oldest(self, pending: dict[LimitedHttpProtocol, None]) -> None:
+        """The oldest pending connection not yet doomed is closed unless it proves itself within
+        `pending_grace` seconds of its start (a client that connected a moment ago and is sending
+        its request is not closed for a newer one's sake)."""
+        for conn in pending:
+            if conn is not self and not conn._doomed:
+                conn._doomed = True
+                delay = max(0.0, conn._started + self.limits.pending_grace - self.loop.time())
+                self.loop.call_later(delay, conn._evict_if_pending)
+                return
+
+    def _evict_if_pending(self) -> None:
+        if self._peer is None or self not in self._pending.get(self._peer, {}) or self._refused:
+            return  # proved itself, or gone
+        self._refuse(503, "Service Unavailable",
+                     f"closed to make room: this address holds more than {self.limits.max_connections_per_peer} "
+                     "connections that have not sent an authenticated request", "max_connections_per_peer")
+        self._leave_pending()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
