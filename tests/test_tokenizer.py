@@ -153,6 +153,7 @@ def _same_tokenizer(ours, theirs, strings):
             for skip in (True, False):
                 assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert ours(strings[:5])["input_ids"] == theirs(strings[:5])["input_ids"]
+    assert ours(strings[0]).input_ids == theirs(strings[0]).input_ids  # attribute access, as BatchEncoding
     for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "eos_token", "bos_token",
                  "all_special_ids", "all_special_tokens", "special_tokens_map", "vocab_size", "chat_template"):
         assert getattr(ours, attr) == getattr(theirs, attr), attr

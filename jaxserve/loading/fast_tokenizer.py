@@ -23,6 +23,17 @@ _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
+class Encoding(dict):
+    """What encoding returns: a dict (`out["input_ids"]`) that also reads as attributes
+    (`out.input_ids`), as transformers' BatchEncoding does."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class FastTokenizer:
     """transformers' `PreTrainedTokenizerFast` behaviour for what serving calls; any other attribute
     is delegated to a real `PreTrainedTokenizerFast` built on first use."""
@@ -39,14 +50,14 @@ class FastTokenizer:
         self._hf: Any = None
 
     # ------------------------------------------------------------------ encoding
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any) -> dict[str, Any]:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any) -> Encoding:
         if kwargs:  # padding, truncation, tensors, offsets: transformers' own implementation
             return self._transformers()(text, add_special_tokens=add_special_tokens, **kwargs)
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens=add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
         encs = self._backend.encode_batch(list(text), add_special_tokens=add_special_tokens)
-        return {"input_ids": [e.ids for e in encs], "attention_mask": [e.attention_mask for e in encs]}
+        return Encoding(input_ids=[e.ids for e in encs], attention_mask=[e.attention_mask for e in encs])
 
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs:
@@ -60,7 +71,7 @@ class FastTokenizer:
             token_ids = [token_ids]
         elif isinstance(token_ids, dict):
             token_ids = token_ids["input_ids"]
-        text = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
         clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
         # transformers skips the clean-up for BPE models: it was written for WordPiece and deletes real spaces
         if clean and type(self._backend.model).__name__ != "BPE":
