@@ -63,6 +63,10 @@ class StubEngine:
             len(self.reqs), 0, 0, len(self.reqs), 0, 100_000, 100_000, 0, 0))
         # The real checks and preparation run in the server, as they would on a real engine.
         self.input_processor = InputProcessor(InputLimits(vocab, self.max_model_len, 20, 128), self.tokenizer)
+        # The rest of `ServingEngine`'s state: healthy and awake, no LoRA, no speculative decoding.
+        self.healthy, self.unhealthy_reason, self.sleep_level = True, None, 0
+        self.attention = ("stub", "the step sleeps")
+        self.proposer = self.lora_registry = None
 
     def add_request(self, request, *, request_id=None, arrival_time=None, output_kind=None):
         self.reqs[request_id] = [request.params.max_tokens, 0, arrival_time or time.monotonic(),

@@ -71,7 +71,8 @@ class FastTokenizer:
             token_ids = [token_ids]
         elif isinstance(token_ids, dict):
             token_ids = token_ids["input_ids"]
-        text = self._backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+        ids = token_ids if isinstance(token_ids, list) else [int(t) for t in token_ids]  # numpy ids from users
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
         # transformers skips the clean-up for BPE models: it was written for WordPiece and deletes real spaces
         if clean and type(self._backend.model).__name__ != "BPE":

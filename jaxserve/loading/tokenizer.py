@@ -130,6 +130,8 @@ def fast_tokenizer_from_hf_dir(path: str, config: dict[str, Any]) -> FastTokeniz
                                   normalized=spec.get("normalized", True), special=spec.get("special", False)))
             have.add(spec["content"])
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # transformers 5 also names them: {"image_token": "<image>", ...}
+        extra = list(extra.values())
     for tok in [t for t in specials.values() if t] + [_token_text(t) for t in extra if _token_text(t)]:
         if tok not in have:
             new.append(AddedToken(tok, special=True))
