@@ -108,11 +108,11 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     dtype = resolve_dtype(resolved.dtype)
     if tp == 1:
         mesh, one = None, SingleDeviceSharding(devices[0])
-        place, kv_sharding, rep = (lambda spec: one), one, one
+        place, rep = (lambda spec: one), one
     else:
         mesh = parallel.build_mesh(tp, devices)
         place = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-        kv_sharding, rep = parallel.kv_cache_sharding(mesh, resolved.kv_layout), parallel.replicated(mesh)
+        rep = parallel.replicated(mesh)
     family = family_of(rank_config)
     shapes = family.param_shapes(rank_config)  # KV heads already replicated up to tp
     shapes = with_scale_shapes(shapes, config.quantization, config.quantize_lm_head)
@@ -131,13 +131,14 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
                                                  row_tile=resolved.row_tile))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
-    kv = sds(family.kv_cache.shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp), kv_dtype, kv_sharding)
-    kv_cache = (kv, kv)
-    if resolved.kv_cache_dtype is not None:  # quantized pages carry f32 scales per token and head
-        scales_sharding = one if mesh is None else parallel.kv_scales_sharding(mesh, resolved.kv_layout)
-        scales = sds(family.kv_cache.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout),
-                     jnp.float32, scales_sharding)
-        kv_cache += (scales, scales)
+    spec, quantized = family.kv_cache, resolved.kv_cache_dtype is not None
+    shardings = ((one,) * (2 * spec.page_arrays) if mesh is None
+                 else parallel.kv_cache_shardings(mesh, resolved.kv_layout, spec, quantized))
+    kv = spec.shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp)
+    kv_cache = tuple(sds(kv, kv_dtype, sh) for sh in shardings[:spec.page_arrays])
+    if quantized:  # quantized pages carry f32 scales per token (and head)
+        scales = spec.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout)
+        kv_cache += tuple(sds(scales, jnp.float32, sh) for sh in shardings[spec.page_arrays:])
     lora = None
     if config.enable_lora:  # the adapter slots, sharded like the projections they adapt
         lora_specs = slot_specs(c, parallel.MODEL_AXIS)

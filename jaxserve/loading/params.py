@@ -38,7 +38,10 @@ from jaxserve.models.quantization import (
 from jaxserve.models.registry import family_of
 
 # Projections stored [out, in] by HF and GGUF, kept [in, out] here so activations multiply as x @ W.
-TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                        # multi-head latent attention and shared experts (models/deepseek.py)
+                        "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "kv_b_proj",
+                        "shared_gate", "shared_up", "shared_down"})
 # Routed experts come stacked per layer ([X, ...]); loaders return them in jaxserve's layout.
 
 
@@ -94,7 +97,8 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     fusing them later costs no copy (`jaxserve.models.fused`). With `part` (multi-host), `fill`
     writes only the slices it names of each float tensor; the rest stays uninitialised.
     """
-    shapes = family_of(cfg).param_shapes(cfg)
+    family = family_of(cfg)
+    shapes = family.param_shapes(cfg)
     out: dict[str, Any] = {}
     itemsize = np.dtype(dtype).itemsize
 
@@ -110,13 +114,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: Any, quantizatio
     for name, shape in layer_shapes.items():
         if name in floats:
             tensor_part = part.get(name) if part else None
-            jobs += [functools.partial(_fill_float, get, fill, name, i, stacked[name][i], tensor_part)
-                     for i in range(cfg.num_layers)]
+            jobs += [functools.partial(_fill_float, get, fill, name, layer, stacked[name][j], tensor_part)
+                     for j, layer in enumerate(family.layer_ids(cfg, name))]
             continue
         values = stacked[name] = np.empty(shape, dtype=storage_dtype(quantization))
         scales = stacked[scale_name(name)] = np.empty(scale_shape(name, shape), dtype=np.float32)
-        jobs += [functools.partial(_fill_quantized, get, name, i, values, scales, quantization)
-                 for i in range(cfg.num_layers)]
+        jobs += [functools.partial(_fill_quantized, get, name, layer, values[j], scales[j], quantization)
+                 for j, layer in enumerate(family.layer_ids(cfg, name))]
     workers = workers or min(8, os.cpu_count() or 1)
     total = sum(a.nbytes for n, a in stacked.items() if not n.endswith(SCALE_SUFFIX)) + sum(
         math.prod(s) * itemsize for n, s in shapes.items() if n != "layers")
@@ -186,16 +190,17 @@ def _fill_float(get: TensorGetter, fill: TensorFiller | None, name: str, layer: 
 
 def _fill_quantized(get: TensorGetter, name: str, layer: int, values: np.ndarray, scales: np.ndarray,
                     quantization: str) -> int:
-    """Writes one layer's quantized tensor and its scales; returns the values' bytes."""
+    """Writes checkpoint layer `layer`'s quantized tensor and its scales into `values` and
+    `scales` (its slices of the stacks); returns the values' bytes."""
     t = get(name, layer)
     what = f"layer {layer} {name}"
     if isinstance(t, QuantizedTensor):
         _check_method(t, quantization, what)
-        values[layer] = _checked(t.values, values.shape[1:], what)
-        scales[layer] = _checked(np.asarray(t.scale, np.float32), scales.shape[1:], f"{what} scale")
+        values[...] = _checked(t.values, values.shape, what)
+        scales[...] = _checked(np.asarray(t.scale, np.float32), scales.shape, f"{what} scale")
     else:
-        values[layer], scales[layer] = quantize_weight(_checked(t, values.shape[1:], what), quantization)
-    return values[layer].nbytes
+        values[...], scales[...] = quantize_weight(_checked(t, values.shape, what), quantization)
+    return values.nbytes
 
 
 def freeze_params(params: dict[str, Any]) -> dict[str, Any]:

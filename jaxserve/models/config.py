@@ -10,6 +10,7 @@ GeGLU, scaled embeddings, soft-caps and per-layer sliding windows and RoPE bases
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3")
@@ -39,13 +40,44 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling; `kind` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling; `kind` is "default", "linear", "llama3" or "yarn" (YaRN's ramp
+    between interpolated and extrapolated frequencies, `beta_fast`/`beta_slow` its bounds, and
+    its attention factor on cos/sin; `mscale_all_dim` also scales MLA's softmax scale)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # yarn: None derives it from factor and the mscales
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): queries through an optional
+    low-rank `q_lora_rank` bottleneck; keys and values from a shared latent of
+    `kv_lora_rank` plus one `qk_rope_head_dim` RoPE key per token (what the cache holds)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one plain query projection
+    rope_interleave: bool = True  # RoPE pairs are (x0, x1), (x2, x3)... (DeepSeek's layout)
+
+    @property
+    def latent_width(self) -> int:
+        """Width of a cache row: the latent then the RoPE key (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +106,15 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    # Routing beyond softmax top-k (DeepSeek-V3, GLM-4.5): "sigmoid" scores choose experts
+    # with a per-expert correction bias, within the best `topk_group` of `n_group` groups.
+    router_scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    first_k_dense_replace: int = 0  # the first k layers have a dense MLP of `intermediate_size`
+    mla: MLAConfig | None = None
     # Gemma 2 / 3
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's is 1
@@ -107,6 +148,21 @@ class ModelConfig:
                 raise ValueError(
                     f"MoE config needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
                     f"({self.num_experts}) and moe_intermediate_size > 0 (got {self.moe_intermediate_size})")
+            if self.router_scoring not in ("softmax", "sigmoid"):
+                raise UnsupportedModelError(f"unsupported router scoring {self.router_scoring!r}; supported: "
+                                            "softmax, sigmoid")
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"expert groups: n_group ({self.n_group}) must divide num_experts "
+                                 f"({self.num_experts}) and 1 <= topk_group ({self.topk_group}) <= n_group")
+            if self.n_group > 1 and self.num_experts // self.n_group < 2:
+                raise ValueError(f"expert groups of one expert: {self.num_experts} experts in {self.n_group} groups "
+                                 "(a group's score is its best two experts')")
+            if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:
+                raise ValueError(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} "
+                                 f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
+            if not 0 <= self.first_k_dense_replace <= self.num_layers:
+                raise ValueError(f"first_k_dense_replace ({self.first_k_dense_replace}) must be in "
+                                 f"[0, num_layers={self.num_layers}]")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedModelError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.layer_windows is not None:
@@ -127,8 +183,26 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
-        """The attention logits' scale."""
+        """The attention logits' scale (MLA's: over the q/k head width, times YaRN's
+        mscale(factor, mscale_all_dim) squared, as transformers and DeepSeek compute it)."""
+        if self.mla is not None:
+            scale = float(self.mla.qk_head_dim) ** -0.5
+            s = self.rope_scaling
+            if s.kind == "yarn" and s.mscale_all_dim:
+                m = yarn_mscale(s.factor, s.mscale_all_dim)
+                scale *= m * m
+            return scale
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates: MLA's RoPE key width, else the head's."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with a dense MLP (all of them without experts)."""
+        return self.num_layers if not self.is_moe else self.first_k_dense_replace
 
     @property
     def q_size(self) -> int:
@@ -145,6 +219,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        if d.get("mla") is not None:
+            d["mla"] = MLAConfig(**d["mla"])
         if d.get("layer_windows") is not None:
             d["layer_windows"] = tuple(d["layer_windows"])
         return cls(**d)
@@ -207,7 +283,7 @@ def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     else:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         fields["rope_theta"] = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        fields["rope_scaling"] = _parse_rope_scaling(rope)
+        fields["rope_scaling"] = parse_rope_scaling(rope, int(hf.get("max_position_embeddings", 4096)))
         sliding = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
         fields["sliding_window"] = int(sliding) if sliding else None
         if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
@@ -307,7 +383,7 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     full = rope.get("full_attention", rope) if isinstance(rope, dict) else {}
     local = rope.get("sliding_attention") if isinstance(rope, dict) else None
     theta = float(full.get("rope_theta") or hf.get("rope_theta") or (1e6 if arch == "gemma3" else 1e4))
-    scaling = _parse_rope_scaling(full if full.get("rope_type") not in (None, "default") else
+    scaling = parse_rope_scaling(full if full.get("rope_type") not in (None, "default") else
                                   (hf.get("rope_scaling") or {}))
     fields: dict[str, Any] = dict(
         hidden_act="gelu_tanh", norm_weight_offset=1.0, embed_scale=True, sandwich_norms=True,
@@ -344,11 +420,16 @@ def _gemma3_text_of_multimodal(hf: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _positive(x: Any) -> float | None:
     return float(x) if x else None
 
 
-def _parse_rope_scaling(rope: dict[str, Any]) -> RopeScaling:
+def parse_rope_scaling(rope: dict[str, Any], max_position_embeddings: int = 4096) -> RopeScaling:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return RopeScaling()
@@ -362,4 +443,14 @@ def _parse_rope_scaling(rope: dict[str, Any]) -> RopeScaling:
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return RopeScaling(
+            kind="yarn",
+            factor=float(rope.get("factor") or max_position_embeddings / rope["original_max_position_embeddings"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(rope.get("mscale") or 0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+            attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
+            truncate=bool(rope.get("truncate", True)),
+        )
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, yarn")

@@ -46,16 +46,47 @@ MOE_WEIGHTS = (
 )
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
+          correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts of each token and their weights, as HF computes them: softmax in f32 over
-    all experts, top-k, renormalised when the config says so, cast to the activations' dtype.
+    all experts, top-k, renormalised when the config says so, cast to the activations' dtype;
+    or, for `router_scoring="sigmoid"`, `route_sigmoid`.
 
     x: [T, E] -> weights [T, k] (x.dtype), experts [T, k] int32."""
+    if cfg.router_scoring == "sigmoid":
+        return route_sigmoid(x, router, cfg, correction_bias)
     logits = (x @ router).astype(jnp.float32)  # [T, X]
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def route_sigmoid(x: jax.Array, router: jax.Array, cfg: ModelConfig,
+                  correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's routing (also GLM-4.5's): sigmoid scores in f32; the scores plus a
+    per-expert correction bias choose the experts, first the `topk_group` best groups (a
+    group scored by its best two experts), then the top k inside them; the *unbiased* scores
+    weight the chosen experts, renormalised when the config says so, times
+    `routed_scaling_factor`.
+
+    x: [T, E], router [E, X], correction_bias [X] -> weights [T, k] (x.dtype), experts [T, k] int32."""
+    T, X = x.shape[0], router.shape[-1]
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))  # [T, X] (HF routes in f32)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
+    if cfg.n_group > 1:
+        groups = choice.reshape(T, cfg.n_group, X // cfg.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
+        keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, X // cfg.n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
     return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxserve.models.config import ModelConfig, UnsupportedModelError
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
-_BUILTIN_MODULES = ("jaxserve.models.llama_family",)
+_BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,10 @@ class KVCacheSpec:
     scales_shape: Callable[..., tuple[int, ...]]  # (cfg, num_pages, page_size, layout) -> quantized KV scales
     bytes_per_page: Callable[..., int]  # (cfg, page_size, dtype, layout, tp) -> bytes, for the planner
     init: Callable[..., Any]  # (cfg, num_pages, page_size, dtype, layout, ...) -> the zeroed pool
+    # The pool is `page_arrays` arrays of pages [L, P, S, ...] (K and V: 2; a latent: 1), then,
+    # when quantized, as many scale arrays.
+    page_arrays: int = 2
+    replicated: bool = False  # every tensor-parallel rank holds all of it (else split by KV head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,10 @@ class ModelFamily:
     gguf_weight_names: Callable[[ModelConfig], WeightNames] | None = None
     gguf_permuted_qk: Callable[[ModelConfig], bool] = lambda cfg: False  # llama.cpp's q/k row order
     support: ModelSupport = ModelSupport()
+    # The checkpoint layers each stacked layer weight holds (default: all; a family whose first
+    # layers differ keeps their weights in shorter stacks).
+    layer_ids: Callable[[ModelConfig, str], Sequence[int]] = lambda cfg, name: range(cfg.num_layers)
+    attention: str = "paged_kv"  # "paged_kv": per-head K/V pages | "latent": MLA's latent pages
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -1,5 +1,6 @@
 """Rotary position embeddings as HF computes them: inverse frequencies with the config's scaling
-(default, linear, llama3), the cos/sin tables of a step's positions, and rotate-half rotation."""
+(default, linear, llama3, yarn), the cos/sin tables of a step's positions (times YaRN's attention
+factor), and rotate-half rotation."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import ModelConfig, yarn_mscale
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies [D/2] (f32), with the config's scaling applied, as HF computes them."""
-    d = config.head_dim
+    d = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     s = config.rope_scaling
-    if s.kind == "linear":
+    if s.kind == "yarn":
+        inv = _yarn_inv_freq(inv, d, config.rope_theta, s)
+    elif s.kind == "linear":
         inv = inv / s.factor
     elif s.kind == "llama3":
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -33,9 +36,41 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _yarn_inv_freq(inv: np.ndarray, d: int, base: float, s) -> np.ndarray:
+    """YaRN: interpolated frequencies (inv / factor) below the correction range, the original
+    ones above it, a linear ramp between (transformers' `_compute_yarn_parameters`)."""
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv32 = inv.astype(np.float32)
+    return (inv32 / s.factor) * (1 - extrapolation) + inv32 * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other scalings)."""
+    s = config.rope_scaling
+    if s.kind != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)  # [T, D/2] each
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)  # [T, D/2] each
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

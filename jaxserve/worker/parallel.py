@@ -210,6 +210,33 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def kv_cache_shardings(mesh: Mesh, layout: str, spec: Any, quantized: bool) -> tuple[NamedSharding, ...]:
+    """The shardings of a family's cache arrays (`registry.KVCacheSpec`): its page arrays then,
+    when quantized, their scales; split by KV head, or replicated (a latent cache)."""
+    if spec.replicated:
+        pages = scales = replicated(mesh)
+    else:
+        pages, scales = kv_cache_sharding(mesh, layout), kv_scales_sharding(mesh, layout)
+    return (pages,) * spec.page_arrays + ((scales,) * spec.page_arrays if quantized else ())
+
+
+def per_shard_latent_attention(attention_fn, mesh: Mesh):
+    """Wraps MLA's attention (`pallas_kernels.mla_attention`) so each rank attends with its own
+    query heads over the whole latent cache, which every rank holds."""
+    heads = P(None, MODEL_AXIS, None)  # [T, H, W] in, [T, H, Dl] out
+
+    def attention(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scales=None, **kwargs):
+        def fn_(q, pages, lens, tables, cu, n, *scales):
+            return attention_fn(q, pages, lens, tables, cu, n, scales=scales[0] if scales else None, **kwargs)
+
+        extra = () if scales is None else (scales,)
+        fn = jax.shard_map(fn_, mesh=mesh, in_specs=(heads, P(), P(), P(), P(), P(), *(P() for _ in extra)),
+                           out_specs=heads, check_vma=False)
+        return fn(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, *extra)
+
+    return attention
+
+
 def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
     """Wraps the attention and KV-update ops so each rank runs them on its own heads."""
     heads = P(None, MODEL_AXIS, None)  # [T, H, D]

@@ -418,9 +418,8 @@ class ModelRunner:
             tp = self.mesh.shape[parallel.MODEL_AXIS] if self.mesh is not None else 1
             shardings = None
             if self.mesh is not None:
-                kv = parallel.kv_cache_sharding(self.mesh, self.kv_layout)
-                scales = parallel.kv_scales_sharding(self.mesh, self.kv_layout)
-                shardings = (kv, kv, scales, scales)[:4 if self.kv_dtype.itemsize == 1 else 2]
+                shardings = parallel.kv_cache_shardings(self.mesh, self.kv_layout, family_of(self.config).kv_cache,
+                                                        quantized=self.kv_dtype.itemsize == 1)
             self._init_kv_cache = jax.jit(
                 functools.partial(family_of(self.config).kv_cache.init, self.config, self.num_pages, self.page_size, self.kv_dtype,
                                   self.kv_layout, tp),
@@ -499,7 +498,7 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device pages to host pages: [(device_page, host_page), ...]."""
         for dev, host in _chunks([(d, h) for d, h in pairs]):
-            pages = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, jnp.asarray(dev))
+            pages = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, _page_ids(dev))
             n = len(host)
             for pool, x in zip(self.host_pool, pages):
                 pool[:, host] = np.asarray(x)[:, :n]
@@ -513,7 +512,7 @@ class ModelRunner:
                 x = np.zeros((pool.shape[0], len(dev), *pool.shape[2:]), pool.dtype)
                 x[:, :n] = pool[:, host]
                 pages.append(x)
-            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, jnp.asarray(dev),
+            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, _page_ids(dev),
                                                                            tuple(pages))
 
     def _swap_exe(self, size: int, which: int, fallback):
@@ -545,6 +544,12 @@ def host_to_device(x: Any) -> jax.Array:
     if isinstance(x, np.ndarray) and not x.flags.writeable and jax.default_backend() == "cpu":
         return jax.device_put(x, may_alias=True)
     return jnp.asarray(x)
+
+
+def _page_ids(dev: np.ndarray) -> jax.Array:
+    """A swap call's page ids on the device. `jnp.asarray` of a host array compiles a staging
+    program per new shape (jax 0.10), which the first swap of each size then did while serving."""
+    return jax.device_put(dev)
 
 
 def _chunks(pairs: list[tuple[int, int]]):

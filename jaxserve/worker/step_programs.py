@@ -24,9 +24,11 @@ from jax.sharding import Mesh, Sharding
 import pallas_kernels
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import ShapeKey
 from jaxserve.worker.sampler import SamplingTensors, per_row, sample, token_logprobs
+from pallas_kernels.mla_attention.ops import mla_paged_attention, update_latent_cache
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
 
@@ -113,12 +115,20 @@ class StepPrograms:
 def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices,
               lora=None):
     model = nnx.merge(graphdef, state)
-    attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend,
-                                     batch_invariant=model.row_tile > 0)
-    kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
     extra = {}
+    if family_of(model.config).attention == "latent":  # MLA: a latent cache every rank holds whole
+        attention_fn = functools.partial(mla_paged_attention, backend=attention_backend,
+                                         batch_invariant=model.row_tile > 0)
+        kv_update_fn = update_latent_cache
+        if mesh is not None:
+            attention_fn = parallel.per_shard_latent_attention(attention_fn, mesh)
+    else:
+        attention_fn = functools.partial(pallas_kernels.ragged_paged_attention, backend=attention_backend,
+                                         batch_invariant=model.row_tile > 0)
+        kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
+        if mesh is not None:
+            attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
     if mesh is not None:
-        attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
         if model.config.is_moe:
             extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
     h_last, h_all, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
@@ -172,17 +182,17 @@ sample_jit = jax.jit(_sample, static_argnames=("flags", "one_row_at_a_time"), do
 
 
 def _gather_pages(kv, ids):
-    """Pages `ids` of every layer: K, V [L, n, S, ...] (and a quantized cache's scales [L, n, S, Hkv])."""
+    """Pages `ids` of every layer: each page array's [L, n, S, ...] (K and V, or a latent) and a
+    quantized cache's scales [L, n, S, Hkv]. Page arrays are [L, P, S, ...] (4-D or 5-D), the
+    scales pools 3-D."""
     L, P, S = kv[0].shape[:3]
-    return (kv[0][:, ids], kv[1][:, ids], *(_scale_pages(s, L, P, S)[:, ids] for s in kv[2:]))
+    return tuple(x[:, ids] if x.ndim >= 4 else _scale_pages(x, L, P, S)[:, ids] for x in kv)
 
 
 def _scatter_pages(kv, ids, pages):
     L, P, S = kv[0].shape[:3]
-    out = [kv[0].at[:, ids].set(pages[0]), kv[1].at[:, ids].set(pages[1])]
-    for s, new in zip(kv[2:], pages[2:]):
-        out.append(_set_scale_pages(s, L, P, S, ids, new))
-    return tuple(out)
+    return tuple(x.at[:, ids].set(new) if x.ndim >= 4 else _set_scale_pages(x, L, P, S, ids, new)
+                 for x, new in zip(kv, pages))
 
 
 def _scale_pages(s, L, P, S):

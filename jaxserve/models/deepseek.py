@@ -1,0 +1,307 @@
+"""DeepSeek-V3 / R1 (and Kimi-K2, the same architecture): multi-head latent attention over a
+paged latent cache, and routed experts with sigmoid, group-limited routing and a shared expert.
+
+Attention (MLA). Per token the cache holds one row `[c_kv | k_rope]` (W = kv_lora_rank +
+qk_rope_head_dim; 576 in DeepSeek-V3), never per-head keys or values. The key and value
+up-projections of `kv_b_proj` are absorbed: the query's no-RoPE part is mapped into the
+latent (q_lat = q_nope . W_UK), attention runs over the latent rows as multi-query attention
+(scores on all W lanes, values the first kv_lora_rank), and the output is mapped back per head
+(o = o_lat . W_UV) before `o_proj`. Prefill uses the same absorbed form: see
+`docs/architecture.md` ("Multi-head latent attention") for the measured choice.
+
+Layers. The first `first_k_dense_replace` layers have a dense MLP, the rest routed experts plus
+a shared expert, so the params hold three stacks (their leading axis in brackets):
+
+    attention, all layers [L]:   input_norm, post_norm, q_a_proj, q_a_norm, q_b_proj (or
+                                 q_head_proj without q LoRA), kv_a_proj, kv_a_norm, kv_b_proj,
+                                 o_proj
+    dense MLP, first k [k]:      gate_up_proj (fused), down_proj
+    experts, the rest [L - k]:   router, router_bias, expert_gate_up, expert_down,
+                                 shared_gate, shared_up, shared_down
+
+and two `lax.scan`s run them (dense layers, then MoE layers), each reading its stacks by index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import moe
+from jaxserve.models.config import MLAConfig, ModelConfig, UnsupportedModelError, parse_rope_scaling
+from jaxserve.models.fused import split_gate_up
+from jaxserve.models.layers import (
+    ACTIVATIONS,
+    AttentionFn,
+    KVUpdateFn,
+    MoEFn,
+    tiled_matmul,
+)
+from jaxserve.models.llama import LlamaForCausalLM, single_device_moe
+from jaxserve.models.lora import LoRABatch
+from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.models.quantization import scale_name
+from jaxserve.models.rope import apply_rope, rope_attention_factor, rope_tables
+from pallas_kernels.quantized_matmul.ops import quantized_matmul
+
+ARCHITECTURES = ("deepseek_v3",)
+HF_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
+HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3"}
+
+# Which stack each layer weight belongs to (the others span every layer).
+DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_LAYER_WEIGHTS = ("router", "router_bias", "expert_gate", "expert_up", "expert_down",
+                        "shared_gate", "shared_up", "shared_down")
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """A DeepseekV3 config.json. Refused by name: attention biases, routing other than
+    DeepSeek-V3's (sigmoid scores, `noaux_tc`), an activation other than SiLU."""
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("deepseek_v3 with attention_bias=True is not supported")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedModelError(f"deepseek_v3 with scoring_func={hf.get('scoring_func')!r}, "
+                                    f"topk_method={hf.get('topk_method')!r} is not supported (sigmoid, noaux_tc)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"deepseek_v3 with hidden_act={hf.get('hidden_act')!r} is not supported (silu)")
+    heads = int(hf["num_attention_heads"])
+    mla = MLAConfig(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+                    qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+                    q_lora_rank=int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
+                    rope_interleave=bool(hf.get("rope_interleave", True)))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    experts = int(hf.get("n_routed_experts") or 0)
+    moe_width = int(hf.get("moe_intermediate_size") or 0)
+    routing: dict[str, Any] = {}
+    if experts:
+        routing = dict(
+            num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=moe_width,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_scoring="sigmoid",
+            n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_expert_intermediate_size=moe_width * int(hf.get("n_shared_experts") or 0),
+            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        )
+    return ModelConfig(
+        architecture="deepseek_v3",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=heads,  # what the expanded form would have; the cache holds one latent row
+        head_dim=mla.qk_head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=parse_rope_scaling(rope, max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        mla=mla,
+        **routing,
+    )
+
+
+def _mla(cfg: ModelConfig) -> MLAConfig:
+    if cfg.mla is None:
+        raise ValueError(f"{cfg.architecture} has no latent-attention config")
+    return cfg.mla
+
+
+def layer_ids(cfg: ModelConfig, name: str) -> range:
+    """The checkpoint layers a stacked weight holds, in order (see the module docstring)."""
+    if name.removesuffix("_scale") in DENSE_MLP_WEIGHTS + ("gate_up_proj",):
+        return range(cfg.num_dense_layers)
+    if name.removesuffix("_scale") in EXPERT_LAYER_WEIGHTS + ("expert_gate_up",):
+        return range(cfg.num_dense_layers, cfg.num_layers)
+    return range(cfg.num_layers)
+
+
+def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    m = _mla(cfg)
+    L, E, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads
+    layers: dict[str, tuple[int, ...]] = {
+        "input_norm": (L, E),
+        "post_norm": (L, E),
+        "kv_a_proj": (L, E, m.latent_width),
+        "kv_a_norm": (L, m.kv_lora_rank),
+        "kv_b_proj": (L, m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)),
+        "o_proj": (L, H * m.v_head_dim, E),
+    }
+    if m.q_lora_rank:
+        layers.update(q_a_proj=(L, E, m.q_lora_rank), q_a_norm=(L, m.q_lora_rank),
+                      q_b_proj=(L, m.q_lora_rank, H * m.qk_head_dim))
+    else:
+        layers["q_head_proj"] = (L, E, H * m.qk_head_dim)
+    k, n = cfg.num_dense_layers, cfg.num_layers - cfg.num_dense_layers
+    if k:
+        I = cfg.intermediate_size  # noqa: E741
+        layers.update(gate_proj=(k, E, I), up_proj=(k, E, I), down_proj=(k, I, E))
+    if n:
+        X, Im = cfg.num_experts, cfg.moe_intermediate_size
+        layers.update(router=(n, E, X), router_bias=(n, X), expert_gate=(n, X, E, Im), expert_up=(n, X, E, Im),
+                      expert_down=(n, X, Im, E))
+        if cfg.shared_expert_intermediate_size:
+            Is = cfg.shared_expert_intermediate_size
+            layers.update(shared_gate=(n, E, Is), shared_up=(n, E, Is), shared_down=(n, Is, E))
+    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, cfg.vocab_size)
+    return shapes
+
+
+class _Stack:
+    """One layer's view of stacked weights inside a scan: `w[name]` is the layer's slice,
+    `matmul(x, name)` runs the projection (a quantized one from the stack, by index)."""
+
+    def __init__(self, weights: dict[str, jax.Array], index: jax.Array, precision: str, row_tile: int,
+                 live_rows: jax.Array):
+        self._w, self._i, self._precision, self._row_tile, self._rows = weights, index, precision, row_tile, live_rows
+
+    def __getitem__(self, name: str) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self._w[name], self._i, keepdims=False)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._w
+
+    def matmul(self, x: jax.Array, name: str) -> jax.Array:
+        scale = self._w.get(scale_name(name))
+        if scale is not None:
+            return quantized_matmul(x, self._w[name], scale, layer=self._i, precision=self._precision,
+                                    rows=self._rows)
+        return tiled_matmul(x, self[name], self._row_tile)
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """The MLA decoder. Embedding, final norm, LM head and their quantized forms are the Llama
+    module's; the layers and the cache differ. `kv_cache` is (pages [L, P, S, 1, W],) or, for
+    a quantized cache, (pages, scales [L*P, S, 1])."""
+
+    def __call__(
+        self,
+        token_ids: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32
+        kv_cache: tuple[jax.Array, ...],
+        md: AttentionMetadata,
+        logits_indices: jax.Array,  # [R] int32
+        *,
+        attention_fn: AttentionFn,  # mla_paged_attention (per shard under a mesh)
+        kv_update_fn: KVUpdateFn,  # update_latent_cache
+        moe_fn: MoEFn = single_device_moe,
+        lora: LoRABatch | None = None,
+    ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+        if lora is not None:
+            raise ValueError("deepseek_v3 does not take LoRA adapters")
+        cfg = self.config
+        pages = kv_cache[0]
+        L, P, S = pages.shape[:3]
+        pool = (pages.reshape(L * P, *pages.shape[2:]), *kv_cache[1:])  # one pool of every layer's pages
+        dtype = self.final_norm[...].dtype
+        h = self._embed(token_ids, dtype)  # [T, E]
+        rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # [T, dr/2] each
+        weights = {k: v[...] for k, v in self.layers.items()}
+        live_rows = md.cu_q_lens[md.num_seqs[0]]
+
+        def stack(i: jax.Array) -> _Stack:
+            return _Stack(weights, i, self.matmul_precision, self.row_tile, live_rows)
+
+        def dense_layer(carry, i):
+            h, pool = carry
+            h, pool = self._attention(h, stack(i), rope, pool, md, i * P, S, attention_fn, kv_update_fn)
+            x = self._norm(h, stack(i)["post_norm"])
+            return (h + self._dense_mlp(x, stack(i)), pool), None
+
+        def moe_layer(carry, i):
+            h, pool = carry
+            h, pool = self._attention(h, stack(i), rope, pool, md, i * P, S, attention_fn, kv_update_fn)
+            x = self._norm(h, stack(i)["post_norm"])
+            return (h + self._experts(x, stack(i - cfg.num_dense_layers), moe_fn), pool), None
+
+        k = cfg.num_dense_layers
+        if k:
+            (h, pool), _ = jax.lax.scan(dense_layer, (h, pool), jnp.arange(k, dtype=jnp.int32))
+        if k < L:
+            (h, pool), _ = jax.lax.scan(moe_layer, (h, pool), jnp.arange(k, L, dtype=jnp.int32))
+        h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
+        return h_last, h, (pool[0].reshape(pages.shape), *pool[1:])
+
+    def _attention(self, h, w: _Stack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
+        """One MLA layer: writes this step's latent rows, returns (h + attention, the pool)."""
+        cfg, m = self.config, _mla(self.config)
+        T, H, dn, dr, dv = h.shape[0], cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        x = self._norm(h, w["input_norm"])
+        if m.q_lora_rank:
+            q = w.matmul(self._norm(w.matmul(x, "q_a_proj"), w["q_a_norm"]), "q_b_proj")
+        else:
+            q = w.matmul(x, "q_head_proj")
+        q = q.reshape(T, H, dn + dr)
+        q_nope, q_rope = q[..., :dn], q[..., dn:]
+        kv = w.matmul(x, "kv_a_proj")  # [T, Dl + dr]
+        c_kv = self._norm(kv[:, :m.kv_lora_rank], w["kv_a_norm"])  # [T, Dl]
+        k_rope = kv[:, None, m.kv_lora_rank:]  # [T, 1, dr]
+        if m.rope_interleave:  # pairs (x0, x1), (x2, x3)...: evens then odds is rotate-half's order
+            q_rope = jnp.concatenate([q_rope[..., 0::2], q_rope[..., 1::2]], axis=-1)
+            k_rope = jnp.concatenate([k_rope[..., 0::2], k_rope[..., 1::2]], axis=-1)
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        pool = tuple(kv_update_fn(jnp.concatenate([c_kv, k_rope[:, 0]], axis=-1), pool[0],
+                                  md.slot_mapping + page_offset * S, *pool[1:]))
+        kv_b = w["kv_b_proj"].reshape(m.kv_lora_rank, H, dn + dv)  # [Dl, H, dn + dv]: W_UK | W_UV per head
+        q_lat = jnp.einsum("thd,lhd->thl", q_nope, kv_b[..., :dn])  # [T, H, Dl]
+        o_lat = attention_fn(jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1), pool[0], md.kv_lens,
+                             md.block_tables + page_offset, md.cu_q_lens, md.num_seqs, sm_scale=cfg.sm_scale,
+                             latent_dim=m.kv_lora_rank, scales=pool[1] if len(pool) > 1 else None)  # [T, H, Dl]
+        o = jnp.einsum("thl,lhv->thv", o_lat.astype(h.dtype), kv_b[..., dn:]).reshape(T, H * dv)
+        return h + w.matmul(o, "o_proj"), pool
+
+    def _dense_mlp(self, x, w: _Stack):
+        gate, up = split_gate_up(w.matmul(x, "gate_up_proj"), self.shards)
+        return w.matmul(ACTIVATIONS[self.config.hidden_act](gate) * up, "down_proj")
+
+    def _experts(self, x, w: _Stack, moe_fn):
+        """The routed experts plus the shared expert. x: [T, E] -> [T, E]."""
+        cfg = self.config
+        weights, experts = moe.route(x, w["router"], cfg, w["router_bias"])  # [T, k] each
+        scales = {}
+        if "expert_gate_up_scale" in w:
+            scales = {"gate_up_scale": w["expert_gate_up_scale"], "down_scale": w["expert_down_scale"]}
+        y = moe_fn(x, weights, experts, w["expert_gate_up"], w["expert_down"], **scales)
+        if "shared_gate" in w:
+            act = ACTIVATIONS[cfg.hidden_act](w.matmul(x, "shared_gate")) * w.matmul(x, "shared_up")
+            y = y + w.matmul(act, "shared_down")
+        return y
+
+
+# ---------------------------------------------------------------------- the latent cache
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
+                   tp: int = 1) -> tuple[int, ...]:
+    """The latent pages [L, P, S, 1, W], whatever the platform's layout; every
+    tensor-parallel rank holds all of them (the latent serves every head)."""
+    return (cfg.num_layers, num_pages, page_size, 1, _mla(cfg).latent_width)
+
+
+def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
+    """A quantized latent cache's scales, one per token: [L*P, S, 1]."""
+    return (cfg.num_layers * num_pages, page_size, 1)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
+                  tp: int = 1) -> tuple[jax.Array, ...]:
+    pages = jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
+    if jnp.dtype(dtype).itemsize == 1:
+        return pages, jnp.zeros(kv_scales_pool_shape(cfg, num_pages, page_size), jnp.float32)
+    return (pages,)
+
+
+def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout: str = "heads", tp: int = 1) -> int:
+    """Bytes a page costs across all layers and devices: one W-wide row per token and layer
+    (plus its f32 scale when quantized), held whole by each of the `tp` ranks."""
+    per_token = _mla(cfg).latent_width * np.dtype(dtype).itemsize + (4 if np.dtype(dtype).itemsize == 1 else 0)
+    return tp * cfg.num_layers * page_size * per_token

@@ -1,0 +1,102 @@
+"""Paged multi-head latent attention: the cache write and the absorbed attention.
+
+The cache holds, per token, one row `[c_kv | k_rope]` of width W = kv_lora_rank +
+qk_rope_head_dim (576 for DeepSeek-V3) and nothing per head: pages `[P, S, 1, W]`, the heads
+layout of `pallas_kernels.kv_layout` with a single KV head. Quantized pages (int8 / fp8) carry
+one f32 scale per token (`[P, S, 1]`), as a GQA cache carries one per token and head.
+
+With the key up-projection absorbed into the query (q_lat = q_nope . W_UK) attention over the
+latent is multi-query attention with one 576-wide KV head whose values are the row's first
+`latent_dim` lanes: `ragged_paged_attention` reads the same pages as keys and values and the
+output keeps the latent lanes ([T, H, kv_lora_rank]; the caller applies W_UV). The values
+then span the RoPE lanes too (64 of 576 lanes of extra P.V work) but no second copy of the
+cache exists. The platform's paged-attention implementation runs it: the native kernel on
+CPU, the reference elsewhere (the Mosaic and Triton kernels take head widths of at most 256).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_quant
+from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention
+
+
+def update_latent_cache(
+    latent: jax.Array,  # [T, W] this step's rows: c_kv then the rotated k_rope
+    pages: jax.Array,  # [P, S, 1, W]
+    slot_mapping: jax.Array,  # [T] int32, slot = page * page_size + offset (padding: page 0)
+    scales: jax.Array | None = None,  # quantized pages: [P, S, 1] f32
+) -> tuple[jax.Array, ...]:
+    """Writes each token's latent row into its slot; returns (pages,) or (pages, scales)."""
+    check_shape("latent", latent, (None, None), "[T, W]")
+    T, W = latent.shape
+    check_shape("pages", pages, (None, None, 1, W), f"[num_pages, page_size, 1, W={W}]")
+    check_shape("slot_mapping", slot_mapping, (T,), "[T]")
+    check_int32("slot_mapping", slot_mapping)
+    check_float("latent", latent)
+    quantized = kv_quant.is_quantized(pages.dtype)
+    if quantized != (scales is not None):
+        raise ValueError("scales are required exactly when the pages are quantized "
+                         f"(pages {pages.dtype}, scales {'given' if scales is not None else 'missing'})")
+    P, S = pages.shape[:2]
+    flat = pages.reshape(P * S, W)
+    rows = latent
+    if quantized:
+        check_shape("scales", scales, (P, S, 1), "[num_pages, page_size, 1]")
+        rows, row_scales = kv_quant.quantize(latent, pages.dtype)  # [T, W], [T]
+        scales = kv_quant.write_scales(scales, slot_mapping, row_scales[:, None], "heads")
+    flat = flat.at[slot_mapping].set(rows.astype(pages.dtype), mode="promise_in_bounds")
+    pages = flat.reshape(pages.shape)
+    return (pages,) if scales is None else (pages, scales)
+
+
+def mla_paged_attention(
+    q: jax.Array,  # [T, H, W]: q_nope . W_UK (kv_lora_rank lanes) then the rotated q_rope
+    pages: jax.Array,  # [P, S, 1, W]
+    kv_lens: jax.Array,  # [R] int32
+    block_tables: jax.Array,  # [R, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [R+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    latent_dim: int,
+    scales: jax.Array | None = None,  # quantized pages: [P, S, 1] f32
+    backend: str = "auto",
+    interpret: bool | object = False,
+    batch_invariant: bool = False,
+) -> jax.Array:  # [T, H, latent_dim] in q's dtype: softmax(q . row) . row[:latent_dim]
+    """Absorbed MLA over the paged latent cache (see the module docstring)."""
+    check_shape("q", q, (None, None, pages.shape[-1]), f"[T, H, W={pages.shape[-1]}]")
+    if not 0 < latent_dim <= q.shape[-1]:
+        raise ValueError(f"latent_dim must be in (0, {q.shape[-1]}], got {latent_dim}")
+    kw = {} if scales is None else {"k_scales": scales, "v_scales": scales}
+    out = ragged_paged_attention(q, pages, pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                                 num_kv_heads=1, backend=backend, interpret=interpret,
+                                 batch_invariant=batch_invariant, **kw)
+    return out[..., :latent_dim]
+
+
+def mla_attention_expanded(
+    q_nope: jax.Array,  # [T, H, dn]
+    q_rope: jax.Array,  # [T, H, dr], rotated
+    c_kv: jax.Array,  # [C, Dl] the context's latents (the T queries are its last T tokens)
+    k_rope: jax.Array,  # [C, dr], rotated
+    kv_b: jax.Array,  # [Dl, H, dn + dv]: W_UK then W_UV per head
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [T, H, dv]
+    """MLA as transformers computes it, one causal sequence: the latent expanded to per-head
+    keys and values, then plain attention. The oracle of the absorbed form, and the expanded
+    alternative `scripts/bench_mla.py` measures."""
+    T, H, dn = q_nope.shape
+    C = c_kv.shape[0]
+    kv = jnp.einsum("cl,lhe->che", c_kv.astype(jnp.float32), kv_b.astype(jnp.float32))  # [C, H, dn+dv]
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    scores = (jnp.einsum("thd,chd->htc", q_nope.astype(jnp.float32), k_nope)
+              + jnp.einsum("thd,cd->htc", q_rope.astype(jnp.float32), k_rope.astype(jnp.float32))) * sm_scale
+    causal = jnp.arange(C)[None, :] <= (C - T + jnp.arange(T))[:, None]  # [T, C]
+    p = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("htc,che->the", p, v).astype(q_nope.dtype)
