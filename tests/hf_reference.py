@@ -66,6 +66,14 @@ FAMILY_CONFIGS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0)),
+    # MLA with q LoRA, YaRN (mscale_all_dim in the softmax scale), sigmoid routing over 4 groups
+    # of 2 (2 groups kept), a shared expert, the first layer dense
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 128})),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -90,5 +98,8 @@ def save_tiny_family(path, family: str):
                 p.add_(0.2 * torch.randn_like(p))
             elif p.dim() >= 2:
                 p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (zero as initialised)
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return model

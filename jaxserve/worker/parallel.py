@@ -65,10 +65,13 @@ def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) ->
     if cfg.is_moe and not expert_parallel and cfg.moe_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the experts' width {cfg.moe_intermediate_size}"
                          " (try expert parallelism)")
-    if not cfg.is_moe and cfg.intermediate_size % tp:
+    if cfg.num_dense_layers and cfg.intermediate_size % tp:
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the MLP size {cfg.intermediate_size}"
         )
+    if cfg.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the shared expert's width "
+                         f"{cfg.shared_expert_intermediate_size}")
     hkv = cfg.num_kv_heads
     if hkv >= tp:
         if hkv % tp:
@@ -167,6 +170,8 @@ def process_load_part(cfg: ModelConfig, tp: int, ranks: list[int], expert_parall
     KV heads their (possibly replicated) KV heads copy, their MLP columns and vocabulary
     rows; None when they hold everything. Routed experts, norms and routers are read whole."""
     if sorted(set(ranks)) == list(range(tp)):
+        return None
+    if family_of(cfg).attention != "paged_kv":  # its slices are not described here: read whole tensors
         return None
     per_rank = tp_model_config(cfg, tp, expert_parallel).num_kv_heads // tp
     rep = per_rank * tp // cfg.num_kv_heads
