@@ -182,6 +182,8 @@ def gguf_quantization(gf: GGUFFile, cfg: ModelConfig) -> str | None:
     names = _names(cfg)
     for layer in range(cfg.num_layers):
         for name in QUANTIZED_LAYER_WEIGHTS:
+            if name not in names.layers:  # another family's projection
+                continue
             gname = f"blk.{layer}.{names.layers[name]}"
             if gf.has_tensor(gname):
                 types.add(gf.tensor_type_name(gname))
