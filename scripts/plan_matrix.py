@@ -38,6 +38,13 @@ CASES = {
     "70b-h100x8": ("llama3_70b_config.json", "gpu:h100x8", []),
     "qwen3-30b-a3b-v6e-4": ("qwen3_30b_a3b_config.json", "tpu:v6e-4", []),
     "gemma3-27b-v6e-4": ("gemma3_27b_config.json", "tpu:v6e-4", []),
+    # DeepSeek-V3 (671 B): int8 weights on the smallest TPU slices that hold them, fp8 on 8 H200s
+    "deepseek-v3-v5p-8-int8": ("deepseek_v3_config.json", "tpu:v5p-8",
+                               ["--quantization", "int8", "--enable-expert-parallel"]),
+    "deepseek-v3-v6e-32-int8": ("deepseek_v3_config.json", "tpu:v6e-32",
+                                ["--quantization", "int8", "--enable-expert-parallel"]),
+    "deepseek-v3-h200x8-fp8": ("deepseek_v3_config.json", "gpu:h200x8",
+                               ["--quantization", "fp8", "--enable-expert-parallel"]),
 }
 
 

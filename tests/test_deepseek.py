@@ -79,22 +79,28 @@ def test_latent_pages_fit_many_times_more_tokens_than_gqa_pages():
     assert tp4.resolve(ds, platform="cpu").scheduler.num_blocks == pytest.approx(pages["mla"] / 4, abs=1)
 
 
-def _paged(latent: np.ndarray, page_size: int, num_pages: int, dtype, rng) -> tuple:
+def _paged(latent: np.ndarray, page_size: int, num_pages: int, dtype, layout: str, rng) -> tuple:
     """One sequence's latent rows scattered over shuffled pages: (pages, scales, block table)."""
+    from pallas_kernels.kv_layout import kv_scales_shape, lanes_width
+
     C, W = latent.shape
-    pages = jnp.zeros((num_pages, page_size, 1, W), dtype)
-    scales = jnp.zeros((num_pages, page_size, 1), jnp.float32) if jnp.dtype(dtype).itemsize == 1 else None
+    row = (lanes_width(1, W),) if layout == "lanes" else (1, W)
+    pages = jnp.zeros((num_pages, page_size, *row), dtype)
+    scales = (jnp.zeros(kv_scales_shape(num_pages, page_size, 1, layout), jnp.float32)
+              if jnp.dtype(dtype).itemsize == 1 else None)
     table = rng.permutation(np.arange(1, num_pages))[: -(-C // page_size)].astype(np.int32)
     slots = jnp.asarray(table[np.arange(C) // page_size] * page_size + np.arange(C) % page_size, jnp.int32)
     out = update_latent_cache(jnp.asarray(latent), pages, slots, scales)
     return out[0], (out[1] if len(out) > 1 else None), table
 
 
+@pytest.mark.parametrize("layout", ["heads", "lanes"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.int8, 3e-2)])
-def test_absorbed_paged_attention_equals_the_expanded_form(dtype, tol):
+def test_absorbed_paged_attention_equals_the_expanded_form(dtype, tol, layout):
     """softmax(q_lat . c_kv + q_rope . k_rope) . c_kv . W_UV over latent pages equals attention
     with the latent expanded to per-head keys and values (transformers' form): a 3-token chunk
-    at the end of a 13-token context, pages of 4 in shuffled order."""
+    at the end of a 13-token context, pages of 4 in shuffled order, in both page layouts (lanes:
+the 40-lane rows padded to 128, as on TPU)."""
     rng = np.random.default_rng(0)
     H, dn, dr, dv, Dl, C, T = 4, 16, 8, 16, 32, 13, 3
     c_kv, k_rope = rng.standard_normal((C, Dl)).astype(np.float32), rng.standard_normal((C, dr)).astype(np.float32)
@@ -102,7 +108,7 @@ def test_absorbed_paged_attention_equals_the_expanded_form(dtype, tol):
     kv_b = (rng.standard_normal((Dl, H, dn + dv)) / np.sqrt(Dl)).astype(np.float32)
     want = mla_attention_expanded(jnp.asarray(q_nope), jnp.asarray(q_rope), jnp.asarray(c_kv), jnp.asarray(k_rope),
                                   jnp.asarray(kv_b), sm_scale=0.2)
-    pages, scales, table = _paged(np.concatenate([c_kv, k_rope], -1), 4, 8, dtype, rng)
+    pages, scales, table = _paged(np.concatenate([c_kv, k_rope], -1), 4, 8, dtype, layout, rng)
     q_lat = np.einsum("thd,lhd->thl", q_nope, kv_b[..., :dn])
     o_lat = mla_paged_attention(jnp.asarray(np.concatenate([q_lat, q_rope], -1)), pages, jnp.asarray([C, 0], jnp.int32),
                                 jnp.asarray(np.stack([np.pad(table, (0, 4 - len(table)))] * 2)),

@@ -42,6 +42,31 @@ def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target
         assert backbone.experts == "xla" and report.experts[0] == "xla"
 
 
+@pytest.mark.parametrize("target,quantization,params_gib", [
+    ("tpu:v5p-8", "int8", (79.0, 80.0)),  # 671 B params at a byte each over 8 chips
+    ("gpu:h200x8", "fp8", (79.0, 80.0)),
+])
+def test_deepseek_v3_plans_on_the_smallest_targets_that_hold_it(target, quantization, params_gib):
+    """DeepSeek-V3 as published (61 layers, 128 heads, 256 experts), abstract weights: its step
+    compiles with the latent cache read in place (no relayout copy: lanes pages on TPU), and
+    the plan fits with room for more than 100k cached tokens per device."""
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    mc = load_model_config(str(DATA / "deepseek_v3_config.json"))
+    settings = {**SETTINGS, "num_pages": 64}
+    report = compile_for_target(mc, EngineConfig(**settings, enable_expert_parallel=True, quantization=quantization),
+                                Target.parse(target), shapes=["backbone[T=16]"])
+    backbone = report.shapes[0]
+    assert backbone.compiled, backbone.error
+    assert "latent attention over 576-wide rows" in report.attention[1]
+    assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
+    assert report.fits and report.max_num_pages * report.fingerprint["page_size"] > 100_000, report.verdict()
+    assert backbone.cache_copies == 0
+
+
 def test_moe_width_split_that_is_not_lane_aligned_is_reported_on_tpu():
     """Qwen3-30B-A3B's experts split by width over 8 chips are 96 columns wide: XLA:TPU then
     keeps the stacked gate/up weights in a transposed tiling and copies each layer's experts

@@ -183,7 +183,7 @@ class _Stack:
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The MLA decoder. Embedding, final norm, LM head and their quantized forms are the Llama
     module's; the layers and the cache differ. `kv_cache` is (pages [L, P, S, 1, W],) or, for
-    a quantized cache, (pages, scales [L*P, S, 1])."""
+    a quantized cache, (pages, scales); pages [L, P, S, C] in the lanes layout (TPU)."""
 
     def __call__(
         self,
@@ -282,26 +282,36 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 # ---------------------------------------------------------------------- the latent cache
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
                    tp: int = 1) -> tuple[int, ...]:
-    """The latent pages [L, P, S, 1, W], whatever the platform's layout; every
-    tensor-parallel rank holds all of them (the latent serves every head)."""
-    return (cfg.num_layers, num_pages, page_size, 1, _mla(cfg).latent_width)
+    """The latent pages: [L, P, S, 1, W] (heads layout) or [L, P, S, C] (lanes, C = W rounded
+    up to 128 lanes); every tensor-parallel rank holds all of them (the latent serves every
+    head)."""
+    W = _mla(cfg).latent_width
+    if layout == "lanes":
+        from pallas_kernels.kv_layout import lanes_width
+
+        return (cfg.num_layers, num_pages, page_size, lanes_width(1, W))
+    return (cfg.num_layers, num_pages, page_size, 1, W)
 
 
 def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
-    """A quantized latent cache's scales, one per token: [L*P, S, 1]."""
-    return (cfg.num_layers * num_pages, page_size, 1)
+    """A quantized latent cache's scales, one per token, for the pool of all layers' pages."""
+    from pallas_kernels.kv_layout import kv_scales_shape
+
+    return kv_scales_shape(cfg.num_layers * num_pages, page_size, 1, layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
                   tp: int = 1) -> tuple[jax.Array, ...]:
-    pages = jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
+    pages = jnp.zeros(kv_cache_shape(cfg, num_pages, page_size, layout), dtype)
     if jnp.dtype(dtype).itemsize == 1:
-        return pages, jnp.zeros(kv_scales_pool_shape(cfg, num_pages, page_size), jnp.float32)
+        return pages, jnp.zeros(kv_scales_pool_shape(cfg, num_pages, page_size, layout), jnp.float32)
     return (pages,)
 
 
 def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout: str = "heads", tp: int = 1) -> int:
-    """Bytes a page costs across all layers and devices: one W-wide row per token and layer
-    (plus its f32 scale when quantized), held whole by each of the `tp` ranks."""
-    per_token = _mla(cfg).latent_width * np.dtype(dtype).itemsize + (4 if np.dtype(dtype).itemsize == 1 else 0)
+    """Bytes a page costs across all layers and devices: one row per token and layer (W lanes,
+    or C in the lanes layout; plus its f32 scale when quantized), held whole by each of the
+    `tp` ranks."""
+    width = kv_cache_shape(cfg, 1, page_size, layout)[-1]
+    per_token = width * np.dtype(dtype).itemsize + (4 if np.dtype(dtype).itemsize == 1 else 0)
     return tp * cfg.num_layers * page_size * per_token

@@ -57,6 +57,10 @@ def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_par
     LoRA adapters."""
     if attention_backend == "reference":
         attention = ("reference", "attention_backend='reference'")
+    elif rank.mla is not None:  # absorbed MLA: multi-query attention over one latent row per token
+        impl, why = attention_implementation(platform, 1, rank.mla.latent_width, dtype, rank.num_heads // num_devices,
+                                             kv_cache_dtype=kv_cache_dtype, device_kind=device_kind)
+        attention = (impl, f"latent attention over {rank.mla.latent_width}-wide rows: {why}")
     else:
         attention = attention_implementation(platform, rank.num_kv_heads // num_devices, rank.head_dim, dtype,
                                              rank.num_heads // num_devices, kv_cache_dtype=kv_cache_dtype,

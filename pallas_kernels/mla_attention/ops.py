@@ -1,9 +1,12 @@
 """Paged multi-head latent attention: the cache write and the absorbed attention.
 
 The cache holds, per token, one row `[c_kv | k_rope]` of width W = kv_lora_rank +
-qk_rope_head_dim (576 for DeepSeek-V3) and nothing per head: pages `[P, S, 1, W]`, the heads
-layout of `pallas_kernels.kv_layout` with a single KV head. Quantized pages (int8 / fp8) carry
-one f32 scale per token (`[P, S, 1]`), as a GQA cache carries one per token and head.
+qk_rope_head_dim (576 for DeepSeek-V3) and nothing per head, in either layout of
+`pallas_kernels.kv_layout` with a single KV head: pages `[P, S, 1, W]` (heads: CPU, GPU) or
+`[P, S, C]` with C = W rounded up to 128 lanes (lanes: TPU, 640 for W = 576; in the heads
+layout XLA:TPU tiles the [1, W] minor dims to [8, 640] and relayouts the cache every step).
+Quantized pages (int8 / fp8) carry one f32 scale per token (`kv_scales_shape(P, S, 1, layout)`),
+as a GQA cache carries one per token and head.
 
 With the key up-projection absorbed into the query (q_lat = q_nope . W_UK) attention over the
 latent is multi-query attention with one 576-wide KV head whose values are the row's first
@@ -21,19 +24,24 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
 from pallas_kernels._validate import check_float, check_int32, check_shape
+from pallas_kernels.kv_layout import kv_scales_shape, lanes_width, layout_of
 from pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention
 
 
 def update_latent_cache(
     latent: jax.Array,  # [T, W] this step's rows: c_kv then the rotated k_rope
-    pages: jax.Array,  # [P, S, 1, W]
+    pages: jax.Array,  # [P, S, 1, W] (heads) or [P, S, C] (lanes)
     slot_mapping: jax.Array,  # [T] int32, slot = page * page_size + offset (padding: page 0)
-    scales: jax.Array | None = None,  # quantized pages: [P, S, 1] f32
+    scales: jax.Array | None = None,  # quantized pages: kv_scales_shape(P, S, 1, layout) f32
 ) -> tuple[jax.Array, ...]:
     """Writes each token's latent row into its slot; returns (pages,) or (pages, scales)."""
     check_shape("latent", latent, (None, None), "[T, W]")
     T, W = latent.shape
-    check_shape("pages", pages, (None, None, 1, W), f"[num_pages, page_size, 1, W={W}]")
+    layout = layout_of(pages)
+    if layout == "lanes":
+        check_shape("pages", pages, (None, None, lanes_width(1, W)), f"[num_pages, page_size, C={lanes_width(1, W)}]")
+    else:
+        check_shape("pages", pages, (None, None, 1, W), f"[num_pages, page_size, 1, W={W}]")
     check_shape("slot_mapping", slot_mapping, (T,), "[T]")
     check_int32("slot_mapping", slot_mapping)
     check_float("latent", latent)
@@ -42,12 +50,16 @@ def update_latent_cache(
         raise ValueError("scales are required exactly when the pages are quantized "
                          f"(pages {pages.dtype}, scales {'given' if scales is not None else 'missing'})")
     P, S = pages.shape[:2]
-    flat = pages.reshape(P * S, W)
     rows = latent
     if quantized:
-        check_shape("scales", scales, (P, S, 1), "[num_pages, page_size, 1]")
+        want = kv_scales_shape(P, S, 1, layout)
+        check_shape("scales", scales, want, str(list(want)))
         rows, row_scales = kv_quant.quantize(latent, pages.dtype)  # [T, W], [T]
-        scales = kv_quant.write_scales(scales, slot_mapping, row_scales[:, None], "heads")
+        scales = kv_quant.write_scales(scales, slot_mapping, row_scales[:, None], layout)
+    width = pages.shape[-1]
+    if width != W:  # lanes: zero lanes past W
+        rows = jnp.pad(rows, ((0, 0), (0, width - W)))
+    flat = pages.reshape(P * S, width)
     flat = flat.at[slot_mapping].set(rows.astype(pages.dtype), mode="promise_in_bounds")
     pages = flat.reshape(pages.shape)
     return (pages,) if scales is None else (pages, scales)
@@ -55,7 +67,7 @@ def update_latent_cache(
 
 def mla_paged_attention(
     q: jax.Array,  # [T, H, W]: q_nope . W_UK (kv_lora_rank lanes) then the rotated q_rope
-    pages: jax.Array,  # [P, S, 1, W]
+    pages: jax.Array,  # [P, S, 1, W] or [P, S, C]
     kv_lens: jax.Array,  # [R] int32
     block_tables: jax.Array,  # [R, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [R+1] int32
@@ -63,13 +75,13 @@ def mla_paged_attention(
     *,
     sm_scale: float,
     latent_dim: int,
-    scales: jax.Array | None = None,  # quantized pages: [P, S, 1] f32
+    scales: jax.Array | None = None,  # quantized pages: kv_scales_shape(P, S, 1, layout) f32
     backend: str = "auto",
     interpret: bool | object = False,
     batch_invariant: bool = False,
 ) -> jax.Array:  # [T, H, latent_dim] in q's dtype: softmax(q . row) . row[:latent_dim]
     """Absorbed MLA over the paged latent cache (see the module docstring)."""
-    check_shape("q", q, (None, None, pages.shape[-1]), f"[T, H, W={pages.shape[-1]}]")
+    check_shape("q", q, (None, None, None), "[T, H, W]")
     if not 0 < latent_dim <= q.shape[-1]:
         raise ValueError(f"latent_dim must be in (0, {q.shape[-1]}], got {latent_dim}")
     kw = {} if scales is None else {"k_scales": scales, "v_scales": scales}
