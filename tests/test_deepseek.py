@@ -13,6 +13,7 @@ import pathlib
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -168,3 +169,44 @@ def test_checkpoint_with_a_bad_mla_tensor_is_refused_by_name(tmp_path, fault):
     with pytest.raises(CheckpointError, match=rf"{re.escape(name)}.*{re.escape(shapes)}"):
         load_model(str(broken), "float32")
 
+
+
+def test_block_scaled_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
+    """DeepSeek's published format (HF `quant_method: "fp8"`, e4m3 weights with one
+    `weight_scale_inv` per block; 16x16 blocks here, so the 24- and 40-row projections end in
+    partial blocks): every projection loads as value x its block's scale, exactly the params of
+    a float checkpoint holding those products, and `quantization="int8"` requantizes them."""
+    pytest.importorskip("torch")
+    import ml_dtypes
+    from hf_reference import save_tiny_family
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.loading import load_model
+
+    save_tiny_family(tmp_path / "ds", "deepseek_v3")
+    rng = np.random.default_rng(0)
+    tensors = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    fp8, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if not name.endswith(("proj.weight", "proj_with_mqa.weight")):  # the linear layers (not the router)
+            continue
+        rows, cols = -(-w.shape[0] // 16), -(-w.shape[1] // 16)
+        scale_inv = rng.uniform(0.01, 0.1, (rows, cols)).astype(np.float32)
+        full = np.kron(scale_inv, np.ones((16, 16), np.float32))[: w.shape[0], : w.shape[1]]
+        values = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        fp8[name], fp8[name.replace(".weight", ".weight_scale_inv")] = values, scale_inv
+        dequantized[name] = values.astype(np.float32) * full
+    assert sum(n.endswith("weight_scale_inv") for n in fp8) > 20  # q/kv/o, dense, experts, shared
+    for name, data in (("fp8", fp8), ("float", dequantized)):
+        shutil.copytree(tmp_path / "ds", tmp_path / name)
+        save_file(data, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    got, want = load_model(str(tmp_path / "fp8"), "float32").params, load_model(str(tmp_path / "float"), "float32").params
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    int8 = load_model(str(tmp_path / "fp8"), "float32", quantization="int8").params["layers"]
+    assert int8["kv_a_proj"].dtype == np.int8 and int8["expert_gate"].dtype == np.int8

@@ -252,7 +252,7 @@ def hf_tensor_filler(index: Any, cfg: ModelConfig) -> Any:
             return False
         key = key_of(name, layer)
         module = key.removesuffix(".weight")
-        if index.has(module + ".weight_scale") or index.has(module + ".weight_packed"):
+        if any(index.has(module + suffix) for suffix in (".weight_scale", ".weight_packed", ".weight_scale_inv")):
             return False
         index.fill(key, out, transpose=name in TRANSPOSED, part=part)
         return True

@@ -13,7 +13,12 @@ broadcast to every output channel, which is exact): int weights as "int8", float
 weight-only, with activations in full precision. Everything else (4-bit and other widths,
 group / block / tensor_group strategies, asymmetric weights, NVFP4 / MXFP formats, sparsity,
 transforms) is refused with `UnsupportedQuantizationError` naming the scheme, as is any other
-`quant_method` (awq, gptq, bitsandbytes, HF's fp8, ...).
+`quant_method` (awq, gptq, bitsandbytes, ...).
+
+HF's block-scaled fp8 (`quant_method: "fp8"` with `weight_block_size`, DeepSeek-V3's release:
+e4m3 `<module>.weight` and one f32 `<module>.weight_scale_inv` per 128x128 block) is
+dequantized per tensor at load: the model is then served in its dtype, or quantized again per
+output channel when `quantization` is set (per-channel int8 on TPU, fp8 where the GPU has it).
 
 Each stacked params entry holds one dtype, so in a quantized checkpoint a layer projection
 left in floats (listed in `ignore`) is quantized at load with the checkpoint's method; a
@@ -67,11 +72,44 @@ def hf_checkpoint_quantization(raw: dict[str, Any], path: str) -> CheckpointQuan
     if not isinstance(qc, dict):
         raise CheckpointError(f"{path}: config.json quantization_config is not an object")
     method = qc.get("quant_method")
+    if method == "fp8" and qc.get("weight_block_size") is not None:
+        _check_block_fp8(qc, path)
+        log.info("%s: block-scaled fp8 weights (%s blocks) are dequantized at load: served in the model's dtype, "
+                 "or quantized again per output channel with quantization='int8' / 'fp8'", path,
+                 "x".join(map(str, qc["weight_block_size"])))
+        return None
     if method != "compressed-tensors":
         raise UnsupportedQuantizationError(
             f"{path}: quantization method {method!r} (config.json quantization_config.quant_method) "
             f"is not supported; {_SUPPORTED}")
     return _compressed_tensors(qc, path)
+
+
+def _check_block_fp8(qc: dict[str, Any], path: str) -> None:
+    """DeepSeek's published format: e4m3 weights, one f32 `weight_scale_inv` per block."""
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"{path}: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise UnsupportedQuantizationError(f"{path}: block fp8 format {qc.get('fmt')!r} is not supported (e4m3)")
+
+
+def dequantize_blocks(values: np.ndarray, scale_inv: np.ndarray, what: str) -> np.ndarray:
+    """Block-scaled weights [out, in] (f32 result): value * scale_inv of its block, the blocks
+    tiling the matrix from the top left (the last row and column of blocks may be partial).
+    Each block side is the power of two that gives the scales' shape (128 in DeepSeek's
+    release: a 576-row weight has 5 block rows), checked to reproduce it."""
+    if scale_inv.ndim != 2 or min(scale_inv.shape) < 1:
+        raise CheckpointError(f"{what}: weight_scale_inv has shape {scale_inv.shape}, expected 2-D blocks")
+    sides = []
+    for dim, blocks in zip(values.shape, scale_inv.shape):
+        side = 1 << max(0, (-(-dim // blocks) - 1).bit_length())  # the power of two >= dim / blocks
+        if -(-dim // side) != blocks:
+            raise CheckpointError(f"{what}: weight_scale_inv {scale_inv.shape} does not tile a weight of shape "
+                                  f"{values.shape} in power-of-two blocks")
+        sides.append(side)
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), sides[0], axis=0), sides[1], axis=1)
+    return values.astype(np.float32) * full[: values.shape[0], : values.shape[1]]
 
 
 def _refuse(path: str, what: str) -> UnsupportedQuantizationError:
@@ -135,6 +173,12 @@ def read_linear(index: Any, module: str, method: str | None) -> np.ndarray | Qua
     """The weight of linear `module` ("model.layers.0.self_attn.q_proj") in HF layout [..., out, in]:
     an f32 array when stored as floats (a full-precision or an ignored module), else its
     8-bit values with one f32 scale per output channel. `index`: hf_loader's safetensors index."""
+    if index.has(module + ".weight_scale_inv"):  # block-scaled fp8 (DeepSeek's release)
+        values = np.asarray(index.raw(module + ".weight"))
+        if values.dtype != _FP8:
+            raise CheckpointError(f"{index.path}: tensor {module + '.weight'!r} is stored as {values.dtype} beside a "
+                                  f"weight_scale_inv; expected {_FP8}")
+        return dequantize_blocks(values, np.asarray(index.raw(module + ".weight_scale_inv")), f"{index.path}: {module}")
     if index.has(module + ".weight_packed"):
         if method != "int8":
             raise CheckpointError(f"{index.path}: {module}.weight_packed in a checkpoint that is not int8 compressed-tensors")
