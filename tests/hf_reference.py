@@ -74,6 +74,11 @@ FAMILY_CONFIGS = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 128})),
+    # GQA with q/k/v bias, q/k norm and half the head rotated; DeepSeek's expert layers
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, attention_bias=True, use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=32, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        first_k_dense_replace=1)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),

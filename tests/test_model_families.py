@@ -77,9 +77,11 @@ _CHILD = textwrap.dedent("""
 # "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1.
 # Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window
 # entering the per-shard attention (and KV heads replicated 2x at tp4); DeepSeek-V3 its query
-# heads split over a latent cache every rank holds whole, and its experts split whole (ep2).
+# heads split over a latent cache every rank holds whole, its experts split whole (ep2) and its
+# int8 projections read by layer index from their stacks; GLM-4.5 MoE its 2 KV heads replicated
+# at tp4 beside the shared expert's split.
 LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",),
-           "deepseek_v3": ("tp2", "ep2")}
+           "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2")}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):

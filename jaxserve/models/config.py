@@ -115,6 +115,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     first_k_dense_replace: int = 0  # the first k layers have a dense MLP of `intermediate_size`
     mla: MLAConfig | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims (GLM-4.5: 0.5)
     # Gemma 2 / 3
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's is 1
@@ -165,6 +166,9 @@ class ModelConfig:
                                  f"[0, num_layers={self.num_layers}]")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise UnsupportedModelError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
+                             f"of a {self.head_dim}-dim head; they must be even and in (0, head_dim]")
         if self.layer_windows is not None:
             if len(self.layer_windows) != self.num_layers or any(w < 0 for w in self.layer_windows):
                 raise ValueError(f"layer_windows must hold {self.num_layers} windows >= 0 (0: global), "
@@ -196,8 +200,11 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims RoPE rotates: MLA's RoPE key width, else the head's."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """The dims RoPE rotates: MLA's RoPE key width, else the head's (its leading part with
+        a partial rotary factor)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_dense_layers(self) -> int:

@@ -141,6 +141,17 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
                       q_b_proj=(L, m.q_lora_rank, H * m.qk_head_dim))
     else:
         layers["q_head_proj"] = (L, E, H * m.qk_head_dim)
+    layers.update(mlp_param_shapes(cfg))
+    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, cfg.vocab_size)
+    return shapes
+
+
+def mlp_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The dense first layers' MLP [k, ...] and the MoE layers' experts [L - k, ...]."""
+    E = cfg.hidden_size
+    layers: dict[str, tuple[int, ...]] = {}
     k, n = cfg.num_dense_layers, cfg.num_layers - cfg.num_dense_layers
     if k:
         I = cfg.intermediate_size  # noqa: E741
@@ -152,10 +163,7 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.shared_expert_intermediate_size:
             Is = cfg.shared_expert_intermediate_size
             layers.update(shared_gate=(n, E, Is), shared_up=(n, E, Is), shared_down=(n, Is, E))
-    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, cfg.vocab_size)
-    return shapes
+    return layers
 
 
 class _Stack:
@@ -201,9 +209,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if lora is not None:
             raise ValueError("deepseek_v3 does not take LoRA adapters")
         cfg = self.config
-        pages = kv_cache[0]
-        L, P, S = pages.shape[:3]
-        pool = (pages.reshape(L * P, *pages.shape[2:]), *kv_cache[1:])  # one pool of every layer's pages
+        L, P, S = kv_cache[0].shape[:3]
+        # one pool of every layer's pages (page arrays are [L, P, S, ...]; scales are pooled already)
+        pool = tuple(x.reshape(L * P, *x.shape[2:]) if x.ndim >= 4 else x for x in kv_cache)
         dtype = self.final_norm[...].dtype
         h = self._embed(token_ids, dtype)  # [T, E]
         rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # [T, dr/2] each
@@ -231,7 +239,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if k < L:
             (h, pool), _ = jax.lax.scan(moe_layer, (h, pool), jnp.arange(k, L, dtype=jnp.int32))
         h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
-        return h_last, h, (pool[0].reshape(pages.shape), *pool[1:])
+        return h_last, h, tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
 
     def _attention(self, h, w: _Stack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
         """One MLA layer: writes this step's latent rows, returns (h + attention, the pool)."""

@@ -1,10 +1,12 @@
-"""DeepSeek-V3 / R1 and Kimi-K2 as one registry entry: checkpoint names, sharding rules, the
-latent cache (`models/deepseek.py`)."""
+"""The DeepSeek-style MoE decoders as registry entries: DeepSeek-V3 / R1 and Kimi-K2 (latent
+attention, `models/deepseek.py`) and GLM-4.5 MoE (grouped-query attention over the Llama cache,
+`models/glm4_moe.py`), which share the expert layers: checkpoint names, sharding rules, caches."""
 
 from __future__ import annotations
 
-from jaxserve.models import deepseek
+from jaxserve.models import deepseek, glm4_moe, llama
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_LAYER_SHARDING
 from jaxserve.models.registry import (
     MODEL_AXIS,
     KVCacheSpec,
@@ -76,6 +78,42 @@ DEEPSEEK = add_builtin(ModelFamily(
                          page_arrays=1, replicated=True),
     attention="latent",
     layer_sharding=LAYER_SHARDING,
+    expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
+    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=False, tensor_parallel=True,
+                         expert_parallel=True),
+))
+
+
+_GLM_LAYERS = {
+    **{k: v for k, v in _HF_LAYERS.items() if not k.startswith(("q_", "kv_"))},
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def glm_weight_names(cfg: ModelConfig) -> WeightNames:
+    return WeightNames(_HF_GLOBALS, _GLM_LAYERS, _HF_EXPERTS)
+
+
+GLM4_MOE = add_builtin(ModelFamily(
+    name="glm4_moe",
+    architectures=glm4_moe.ARCHITECTURES,
+    hf_architectures=glm4_moe.HF_ARCHITECTURES,
+    hf_model_types=glm4_moe.HF_MODEL_TYPES,
+    config_from_hf=glm4_moe.config_from_hf,
+    model_class=glm4_moe.Glm4MoeForCausalLM,
+    param_shapes=glm4_moe.expected_param_shapes,
+    hf_weight_names=glm_weight_names,
+    layer_ids=deepseek.layer_ids,
+    kv_cache=KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
+                         bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
+    layer_sharding={**LLAMA_LAYER_SHARDING, **{k: v for k, v in LAYER_SHARDING.items() if k.startswith("shared_")}},
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
     support=ModelSupport(lora=False, quantized_kv=True, spec_decode=False, tensor_parallel=True,
                          expert_parallel=True),

@@ -74,7 +74,11 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, D/2]."""
+    """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, R/2]: the first R dims
+    rotate, the rest pass through (partial rotary, R < D: GLM-4.5)."""
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
