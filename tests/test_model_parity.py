@@ -58,6 +58,16 @@ CASES = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4)),
+    # MLA without q LoRA (one q projection), default RoPE on interleaved pairs; 6 experts in 2
+    # groups (one kept), two shared experts' width, the first layer dense
+    "deepseek-v3-plain-q": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=24, n_routed_experts=6, n_shared_experts=2, moe_intermediate_size=40, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=1.7, first_k_dense_replace=1)),
+    # every layer MoE (no dense stack), q/k/v bias without q/k norm, half of each head rotated
+    "glm4-moe-all-sparse": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        head_dim=16, attention_bias=True, use_qk_norm=False, n_routed_experts=6, n_shared_experts=1,
+        moe_intermediate_size=40, num_experts_per_tok=2, first_k_dense_replace=0)),
     # every layer of one type: the window and the RoPE base become compile-time constants
     "gemma3-all-sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=5, layer_types=["sliding_attention"] * 2,
