@@ -64,6 +64,13 @@ CASES = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=24, n_routed_experts=6, n_shared_experts=2, moe_intermediate_size=40, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=1.7, first_k_dense_replace=1)),
+    # DeepSeek-V2(-Lite): softmax routing limited to the best 2 of 3 groups (by their best
+    # expert), not renormalised, times routed_scaling_factor; no correction bias
+    "deepseek-v2-grouped": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=6, n_shared_experts=1, moe_intermediate_size=40, num_experts_per_tok=2,
+        topk_method="group_limited_greedy", n_group=3, topk_group=2, routed_scaling_factor=1.3,
+        first_k_dense_replace=1)),
     # every layer MoE (no dense stack), q/k/v bias without q/k norm, half of each head rotated
     "glm4-moe-all-sparse": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         head_dim=16, attention_bias=True, use_qk_norm=False, n_routed_experts=6, n_shared_experts=1,

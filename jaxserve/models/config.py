@@ -111,6 +111,7 @@ class ModelConfig:
     router_scoring: str = "softmax"  # "softmax" | "sigmoid"
     n_group: int = 1
     topk_group: int = 1
+    group_scoring: str = "top2_sum"  # a group's score: its best two experts' sum (V3) | "max" (V2)
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     first_k_dense_replace: int = 0  # the first k layers have a dense MLP of `intermediate_size`
@@ -155,7 +156,9 @@ class ModelConfig:
             if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"expert groups: n_group ({self.n_group}) must divide num_experts "
                                  f"({self.num_experts}) and 1 <= topk_group ({self.topk_group}) <= n_group")
-            if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            if self.group_scoring not in ("top2_sum", "max"):
+                raise UnsupportedModelError(f"unsupported expert group scoring {self.group_scoring!r}")
+            if self.n_group > 1 and self.group_scoring == "top2_sum" and self.num_experts // self.n_group < 2:
                 raise ValueError(f"expert groups of one expert: {self.num_experts} experts in {self.n_group} groups "
                                  "(a group's score is its best two experts')")
             if self.topk_group * (self.num_experts // self.n_group) < self.num_experts_per_tok:

@@ -47,9 +47,9 @@ from jaxserve.models.quantization import scale_name
 from jaxserve.models.rope import apply_rope, rope_attention_factor, rope_tables
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
-ARCHITECTURES = ("deepseek_v3",)
-HF_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
-HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3"}
+ARCHITECTURES = ("deepseek_v3", "deepseek_v2")
+HF_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
 
 # Which stack each layer weight belongs to (the others span every layer).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -58,15 +58,22 @@ EXPERT_LAYER_WEIGHTS = ("router", "router_bias", "expert_gate", "expert_up", "ex
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """A DeepseekV3 config.json. Refused by name: attention biases, routing other than
-    DeepSeek-V3's (sigmoid scores, `noaux_tc`), an activation other than SiLU."""
-    if hf.get("attention_bias"):
-        raise UnsupportedModelError("deepseek_v3 with attention_bias=True is not supported")
-    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise UnsupportedModelError(f"deepseek_v3 with scoring_func={hf.get('scoring_func')!r}, "
-                                    f"topk_method={hf.get('topk_method')!r} is not supported (sigmoid, noaux_tc)")
+    """A DeepseekV3 (or V2) config.json. Refused by name: attention or MLP biases, routing
+    other than each version's (V3: sigmoid scores, `noaux_tc`; V2: softmax, `greedy` or
+    `group_limited_greedy`), an activation other than SiLU."""
+    v2 = "DeepseekV2ForCausalLM" in (hf.get("architectures") or []) or hf.get("model_type") == "deepseek_v2"
+    arch = "deepseek_v2" if v2 else "deepseek_v3"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise UnsupportedModelError(f"{arch} with attention_bias or mlp_bias is not supported")
+    scoring, method = hf.get("scoring_func"), hf.get("topk_method")
+    if v2 and (scoring not in (None, "softmax") or method not in (None, "greedy", "group_limited_greedy")):
+        raise UnsupportedModelError(f"deepseek_v2 with scoring_func={scoring!r}, topk_method={method!r} is not "
+                                    "supported (softmax, greedy or group_limited_greedy)")
+    if not v2 and (scoring not in (None, "sigmoid") or method not in (None, "noaux_tc")):
+        raise UnsupportedModelError(f"deepseek_v3 with scoring_func={scoring!r}, topk_method={method!r} is not "
+                                    "supported (sigmoid, noaux_tc)")
     if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"deepseek_v3 with hidden_act={hf.get('hidden_act')!r} is not supported (silu)")
+        raise UnsupportedModelError(f"{arch} with hidden_act={hf.get('hidden_act')!r} is not supported (silu)")
     heads = int(hf["num_attention_heads"])
     mla = MLAConfig(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
                     qk_rope_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
@@ -80,17 +87,21 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     experts = int(hf.get("n_routed_experts") or 0)
     moe_width = int(hf.get("moe_intermediate_size") or 0)
     routing: dict[str, Any] = {}
+    grouped = not v2 or method == "group_limited_greedy"
     if experts:
         routing = dict(
             num_experts=experts, num_experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=moe_width,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_scoring="sigmoid",
-            n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+            # V2's router never renormalises (whatever norm_topk_prob says); a V2 group scores by its best expert
+            norm_topk_prob=not v2 and bool(hf.get("norm_topk_prob", True)),
+            router_scoring="softmax" if v2 else "sigmoid", group_scoring="max" if v2 else "top2_sum",
+            n_group=int(hf.get("n_group") or 1) if grouped else 1,
+            topk_group=int(hf.get("topk_group") or 1) if grouped else 1,
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             shared_expert_intermediate_size=moe_width * int(hf.get("n_shared_experts") or 0),
             first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
         )
     return ModelConfig(
-        architecture="deepseek_v3",
+        architecture=arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -158,8 +169,10 @@ def mlp_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layers.update(gate_proj=(k, E, I), up_proj=(k, E, I), down_proj=(k, I, E))
     if n:
         X, Im = cfg.num_experts, cfg.moe_intermediate_size
-        layers.update(router=(n, E, X), router_bias=(n, X), expert_gate=(n, X, E, Im), expert_up=(n, X, E, Im),
+        layers.update(router=(n, E, X), expert_gate=(n, X, E, Im), expert_up=(n, X, E, Im),
                       expert_down=(n, X, Im, E))
+        if cfg.router_scoring == "sigmoid":  # the correction bias that chooses (V3); V2 has none
+            layers["router_bias"] = (n, X)
         if cfg.shared_expert_intermediate_size:
             Is = cfg.shared_expert_intermediate_size
             layers.update(shared_gate=(n, E, Is), shared_up=(n, E, Is), shared_down=(n, Is, E))
@@ -207,7 +220,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
         if lora is not None:
-            raise ValueError("deepseek_v3 does not take LoRA adapters")
+            raise ValueError(f"{self.config.architecture} does not take LoRA adapters")
         cfg = self.config
         L, P, S = kv_cache[0].shape[:3]
         # one pool of every layer's pages (page arrays are [L, P, S, ...]; scales are pooled already)
@@ -276,7 +289,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def _experts(self, x, w: _Stack, moe_fn):
         """The routed experts plus the shared expert. x: [T, E] -> [T, E]."""
         cfg = self.config
-        weights, experts = moe.route(x, w["router"], cfg, w["router_bias"])  # [T, k] each
+        bias = w["router_bias"] if "router_bias" in w else None
+        weights, experts = moe.route(x, w["router"], cfg, bias)  # [T, k] each
         scales = {}
         if "expert_gate_up_scale" in w:
             scales = {"gate_up_scale": w["expert_gate_up_scale"], "down_scale": w["expert_down_scale"]}

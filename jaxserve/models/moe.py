@@ -55,12 +55,33 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
     x: [T, E] -> weights [T, k] (x.dtype), experts [T, k] int32."""
     if cfg.router_scoring == "sigmoid":
         return route_sigmoid(x, router, cfg, correction_bias)
-    logits = (x @ router).astype(jnp.float32)  # [T, X]
+    if cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:  # DeepSeek-V2's routing, in f32 as HF runs it
+        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+    else:
+        logits = (x @ router).astype(jnp.float32)  # [T, X]
     probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.n_group > 1:  # group-limited: experts of the best `topk_group` groups only (others 0)
+        probs = jnp.where(_group_mask(probs, cfg), probs, 0.0)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
     return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def _group_mask(scores: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """[T, X] bool: the experts of each token's `topk_group` best groups, a group scored by
+    its best expert ("max") or its best two experts' sum ("top2_sum")."""
+    T, X = scores.shape
+    groups = scores.reshape(T, cfg.n_group, X // cfg.n_group)
+    if cfg.group_scoring == "max":
+        group_scores = jnp.max(groups, axis=-1)
+    else:
+        group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, G]
+    _, best = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
+    keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
+    return jnp.repeat(keep, X // cfg.n_group, axis=1)
 
 
 def route_sigmoid(x: jax.Array, router: jax.Array, cfg: ModelConfig,
@@ -72,16 +93,11 @@ def route_sigmoid(x: jax.Array, router: jax.Array, cfg: ModelConfig,
     `routed_scaling_factor`.
 
     x: [T, E], router [E, X], correction_bias [X] -> weights [T, k] (x.dtype), experts [T, k] int32."""
-    T, X = x.shape[0], router.shape[-1]
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))  # [T, X] (HF routes in f32)
     scores = jax.nn.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)[None, :]
     if cfg.n_group > 1:
-        groups = choice.reshape(T, cfg.n_group, X // cfg.n_group)
-        group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, G]
-        _, best = jax.lax.top_k(group_scores, cfg.topk_group)  # [T, topk_group]
-        keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
-        choice = jnp.where(jnp.repeat(keep, X // cfg.n_group, axis=1), choice, -jnp.inf)
+        choice = jnp.where(_group_mask(choice, cfg), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, k]
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if cfg.norm_topk_prob:
