@@ -269,3 +269,23 @@ def test_batch_invariant_matmuls_compile_row_tiled_for_tpu():
     tiled = compiled_hlo(functools.partial(tiled_matmul, row_tile=16, transposed=True), args, tpu_device("v5e:2x2"))
     plain = compiled_hlo(functools.partial(tiled_matmul, row_tile=0, transposed=True), args, tpu_device("v5e:2x2"))
     assert "while" in tiled and row_tiled_dots(tiled) and not row_tiled_dots(plain)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_latent_attention_compiles_the_mosaic_kernel_on_deepseek_shapes(topology, dtype):
+    """DeepSeek-V3's absorbed MLA on one chip: 128 query heads over 576-wide latent rows in
+    640-lane pages (bf16, and int8 with per-token scales): the Mosaic kernel, not the reference."""
+    from pallas_kernels.mla_attention.ops import mla_paged_attention
+
+    S = jax.ShapeDtypeStruct
+    scales = (S(pk.kv_scales_shape(PAGES, PAGE, 1, "lanes"), jnp.float32),) if dtype == jnp.int8 else ()
+    args = (S((T, 128, 576), jnp.bfloat16), S((PAGES, PAGE, 640), dtype), S((R,), jnp.int32),
+            S((R, MAX_PAGES), jnp.int32), S((R + 1,), jnp.int32), S((1,), jnp.int32), *scales)
+
+    def fn(q, pages, *rest):
+        return mla_paged_attention(q, pages, *rest[:4], sm_scale=0.1, latent_dim=512,
+                                   scales=rest[4] if len(rest) > 4 else None)
+
+    hlo = compiled_hlo(fn, args, tpu_device(topology))
+    assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from pallas_kernels.grouped_matmul.ops import grouped_matmul_implementation
+from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.quantized_matmul.ops import quantized_matmul_implementation
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
@@ -58,9 +59,15 @@ def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_par
     if attention_backend == "reference":
         attention = ("reference", "attention_backend='reference'")
     elif rank.mla is not None:  # absorbed MLA: multi-query attention over one latent row per token
-        impl, why = attention_implementation(platform, 1, rank.mla.latent_width, dtype, rank.num_heads // num_devices,
-                                             kv_cache_dtype=kv_cache_dtype, device_kind=device_kind)
-        attention = (impl, f"latent attention over {rank.mla.latent_width}-wide rows: {why}")
+        width = rank.mla.latent_width
+        if platform == "tpu":  # the lanes layout: rows of C lanes, the query zero-padded to them
+            lanes = lanes_width(1, width)
+            attention = ("pallas", f"latent attention over {width}-wide rows: the tpu kernel, one KV head of {lanes} "
+                                   "lanes (mla_attention.tpu_blocks)")
+        else:
+            impl, why = attention_implementation(platform, 1, width, dtype, rank.num_heads // num_devices,
+                                                 kv_cache_dtype=kv_cache_dtype, device_kind=device_kind)
+            attention = (impl, f"latent attention over {width}-wide rows: {why}")
     else:
         attention = attention_implementation(platform, rank.num_kv_heads // num_devices, rank.head_dim, dtype,
                                              rank.num_heads // num_devices, kv_cache_dtype=kv_cache_dtype,

@@ -13,11 +13,14 @@ latent is multi-query attention with one 576-wide KV head whose values are the r
 `latent_dim` lanes: `ragged_paged_attention` reads the same pages as keys and values and the
 output keeps the latent lanes ([T, H, kv_lora_rank]; the caller applies W_UV). The values
 then span the RoPE lanes too (64 of 576 lanes of extra P.V work) but no second copy of the
-cache exists. The platform's paged-attention implementation runs it: the native kernel on
-CPU, the reference elsewhere (the Mosaic and Triton kernels take head widths of at most 256).
+cache exists. On CPU the native paged-attention kernel runs it; on TPU the Mosaic kernel, over
+the lanes layout with the query padded to the rows' C lanes and smaller blocks (`tpu_blocks`);
+on GPU the reference (the Triton kernel takes head widths of at most 256).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +88,55 @@ def mla_paged_attention(
     if not 0 < latent_dim <= q.shape[-1]:
         raise ValueError(f"latent_dim must be in (0, {q.shape[-1]}], got {latent_dim}")
     kw = {} if scales is None else {"k_scales": scales, "v_scales": scales}
+    if layout_of(pages) == "lanes" and backend in ("auto", "pallas_tpu", "pallas"):
+        return _lanes(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale, latent_dim=latent_dim,
+                      backend=backend, interpret=interpret, **kw)
     out = ragged_paged_attention(q, pages, pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
                                  num_kv_heads=1, backend=backend, interpret=interpret,
                                  batch_invariant=batch_invariant, **kw)
+    return out[..., :latent_dim]
+
+
+def tpu_blocks(num_q_heads: int) -> tuple[int, int]:
+    """(block_q, chunk_pages) of the Mosaic kernel for latent rows: a query block of at most
+    1024 head-rows (8 tokens at 128 heads, 32 at 32 heads or fewer) and one page per KV chunk,
+    which keep its VMEM scratch within the scoped limit at 640 lanes (the default 32-token
+    blocks ran out of VMEM at 128 heads on v5e and v6e; compile-only)."""
+    block_q = 8
+    while block_q < 32 and 2 * block_q * num_q_heads <= 1024:
+        block_q *= 2
+    return block_q, 1
+
+
+def _lanes(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, latent_dim, backend, interpret,
+           **scales):
+    """Latent rows in the lanes layout (TPU): the query padded with zero lanes to the rows' C
+    lanes, the Mosaic kernel (`ragged_paged_attention_tpu`, one KV head of C lanes) where the
+    program is compiled for a TPU, the reference elsewhere."""
+    from pallas_kernels._dispatch import by_target_platform
+    from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+    from pallas_kernels.ragged_paged_attention.tpu import (
+        ragged_paged_attention_tpu,
+        scales_page_size_ok,
+    )
+
+    width = pages.shape[-1]
+    if q.shape[-1] > width:
+        raise ValueError(f"q has {q.shape[-1]} lanes, the latent rows {width}")
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, width - q.shape[-1]))) if q.shape[-1] < width else q
+    args = (qp, pages, pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    block_q, chunk_pages = tpu_blocks(q.shape[1])
+    kernel = functools.partial(ragged_paged_attention_tpu, num_kv_heads=1, sm_scale=sm_scale, block_q=block_q,
+                               chunk_pages=chunk_pages, **scales)
+    fits = width % 128 == 0 and (not scales or scales_page_size_ok(pages.shape[1]))
+    if backend == "auto" and not interpret:
+        reference = functools.partial(ragged_paged_attention_reference, num_kv_heads=1, sm_scale=sm_scale, **scales)
+        out = by_target_platform(args, reference=reference, tpu=kernel if fits else None, gpu=None)
+    else:
+        if not fits:
+            raise ValueError(f"the Mosaic kernel takes latent rows of a multiple of 128 lanes (got {width}) and, "
+                             "with quantized pages, page sizes that divide 128 or are multiples of it")
+        out = kernel(*args, interpret=interpret)
     return out[..., :latent_dim]
 
 
