@@ -119,29 +119,33 @@ the 40-lane rows padded to 128, as on TPU)."""
     np.testing.assert_allclose(got, np.asarray(want), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
-def test_mosaic_kernel_over_lanes_latent_rows_equals_the_reference(dtype):
-    """The TPU path (interpret mode): 40-lane latent rows in 128-lane pages, the query padded
-    to them, three sequences (a chunk, a decode, a whole prefill) through the Mosaic kernel."""
+@pytest.mark.parametrize("kernel,dtype", [("pallas_tpu", jnp.float32), ("pallas_tpu", jnp.int8),
+                                          ("pallas_gpu", jnp.float32)])
+def test_latent_attention_kernels_equal_the_reference(kernel, dtype):
+    """The TPU path (interpret mode): 48-lane latent rows in 128-lane pages, the query padded
+    to them; the GPU path: the Triton kernel over [P, S, 1, 48] pages (32 + 16 lane pieces, as
+    576 is 512 + 64). Three sequences (a chunk, a decode, a whole prefill)."""
     from pallas_kernels.kv_layout import kv_scales_shape, lanes_width
 
     rng = np.random.default_rng(1)
-    H, W, Dl, S, P = 4, 40, 32, 8, 12
+    H, W, Dl, S, P = 4, 48, 32, 8, 12
+    lanes = kernel == "pallas_tpu"
     lens, q_lens = [13, 5, 9], [3, 1, 9]
     tables, slots, page = np.zeros((3, 4), np.int32), [], 1
     for r, n in enumerate(lens):
         for j in range(-(-n // S)):
             tables[r, j], page = page, page + 1
         slots += [int(tables[r, t // S]) * S + t % S for t in range(n)]
-    pages = jnp.zeros((P, S, lanes_width(1, W)), dtype)
-    scales = jnp.zeros(kv_scales_shape(P, S, 1, "lanes"), jnp.float32) if dtype == jnp.int8 else None
+    pages = jnp.zeros((P, S, lanes_width(1, W)) if lanes else (P, S, 1, W), dtype)
+    layout = "lanes" if lanes else "heads"
+    scales = jnp.zeros(kv_scales_shape(P, S, 1, layout), jnp.float32) if dtype == jnp.int8 else None
     out = update_latent_cache(jnp.asarray(rng.standard_normal((len(slots), W)), jnp.float32), pages,
                               jnp.asarray(slots, jnp.int32), scales)
     args = (jnp.asarray(rng.standard_normal((16, H, W)), jnp.float32), out[0], jnp.asarray(lens, jnp.int32),
             jnp.asarray(tables), jnp.asarray(np.cumsum([0] + q_lens), jnp.int32), jnp.asarray([3], jnp.int32))
     kw = dict(sm_scale=0.3, latent_dim=Dl, scales=out[1] if len(out) > 1 else None)
     want = mla_paged_attention(*args, **kw, backend="reference")[: sum(q_lens)]
-    got = mla_paged_attention(*args, **kw, backend="pallas_tpu", interpret=True)[: sum(q_lens)]
+    got = mla_paged_attention(*args, **kw, backend=kernel, interpret=True)[: sum(q_lens)]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 

@@ -214,3 +214,24 @@ def row_tiled_dots(hlo: str) -> bool:
     the operands)."""
     dots = re.findall(r"= \w+\[([\d,]+)\]\S* (?:dot|convolution)\(", hlo)
     return bool(dots) and all(16 in (int(d) for d in shape.split(",")) for shape in dots)
+
+
+@pytest.mark.parametrize("part", ["h100", "h200"])
+def test_latent_attention_compiles_the_triton_kernel_for_a_tensor_parallel_shard(part):
+    """DeepSeek-V3's absorbed MLA with 16 query heads per GPU (128 over 8): one KV head of 576
+    lanes (pieces of 512 and 64) through the Triton kernel, decode- and prefill-sized; all 128
+    heads on one GPU would ask more shared memory than an H100/H200 has, so the reference runs."""
+    from pallas_kernels.mla_attention.ops import mla_paged_attention
+
+    S = jax.ShapeDtypeStruct
+
+    def args(heads, tokens):
+        return (S((tokens, heads, 576), jnp.bfloat16), S((PAGES, PAGE, 1, 576), jnp.bfloat16), S((R,), jnp.int32),
+                S((R, MAX_PAGES), jnp.int32), S((R + 1,), jnp.int32), S((1,), jnp.int32))
+
+    def fn(*a):
+        return mla_paged_attention(*a, sm_scale=0.1, latent_dim=512)
+
+    for tokens in (16, 64):
+        assert TRITON in compiled_hlo(fn, args(16, tokens), gpu_device(part))
+    assert TRITON not in compiled_hlo(fn, args(128, 16), gpu_device(part))

@@ -19,6 +19,7 @@ import jax
 from pallas_kernels.grouped_matmul.ops import grouped_matmul_implementation
 from pallas_kernels.kv_layout import lanes_width
 from pallas_kernels.quantized_matmul.ops import quantized_matmul_implementation
+from pallas_kernels.ragged_paged_attention.gpu import latent_block_q
 from pallas_kernels.ragged_paged_attention.ops import attention_implementation
 
 
@@ -64,6 +65,10 @@ def choose_kernels(platform: str, rank: Any, *, num_devices: int = 1, expert_par
             lanes = lanes_width(1, width)
             attention = ("pallas", f"latent attention over {width}-wide rows: the tpu kernel, one KV head of {lanes} "
                                    "lanes (mla_attention.tpu_blocks)")
+        elif platform in ("gpu", "cuda") and kv_cache_dtype is None and \
+                latent_block_q(width, rank.num_heads // num_devices) is not None:
+            attention = ("pallas", f"latent attention over {width}-wide rows: the gpu kernel, one KV head "
+                                   f"(query blocks of {latent_block_q(width, rank.num_heads // num_devices)} tokens)")
         else:
             impl, why = attention_implementation(platform, 1, width, dtype, rank.num_heads // num_devices,
                                                  kv_cache_dtype=kv_cache_dtype, device_kind=device_kind)

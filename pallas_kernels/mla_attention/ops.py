@@ -15,7 +15,8 @@ output keeps the latent lanes ([T, H, kv_lora_rank]; the caller applies W_UV). T
 then span the RoPE lanes too (64 of 576 lanes of extra P.V work) but no second copy of the
 cache exists. On CPU the native paged-attention kernel runs it; on TPU the Mosaic kernel, over
 the lanes layout with the query padded to the rows' C lanes and smaller blocks (`tpu_blocks`);
-on GPU the reference (the Triton kernel takes head widths of at most 256).
+on GPU the Triton kernel on float pages where a query block of the shard's heads fits shared
+memory (`latent_block_q`: up to 64 query heads per device at 576 lanes), else the reference.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
+from pallas_kernels._dispatch import by_target_platform
 from pallas_kernels._validate import check_float, check_int32, check_shape
 from pallas_kernels.kv_layout import kv_scales_shape, lanes_width, layout_of
+from pallas_kernels.ragged_paged_attention.gpu import latent_block_q, ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.ops import ragged_paged_attention
 
 
@@ -91,9 +94,18 @@ def mla_paged_attention(
     if layout_of(pages) == "lanes" and backend in ("auto", "pallas_tpu", "pallas"):
         return _lanes(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale, latent_dim=latent_dim,
                       backend=backend, interpret=interpret, **kw)
-    out = ragged_paged_attention(q, pages, pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                 num_kv_heads=1, backend=backend, interpret=interpret,
-                                 batch_invariant=batch_invariant, **kw)
+    plain = functools.partial(ragged_paged_attention, sm_scale=sm_scale, num_kv_heads=1, backend=backend,
+                              interpret=interpret, batch_invariant=batch_invariant, **kw)
+    args = (q, pages, pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    block_q = latent_block_q(q.shape[-1], q.shape[1])
+    # the Triton kernel for wide rows, float pages (its quantized reads are not checked at this width)
+    gpu_ok = block_q is not None and scales is None and not batch_invariant
+    if gpu_ok and (backend == "pallas_gpu" or (backend == "auto" and not interpret)):
+        gpu = functools.partial(ragged_paged_attention_gpu, sm_scale=sm_scale, block_q=block_q,
+                                interpret=bool(interpret))
+        out = gpu(*args) if backend == "pallas_gpu" else by_target_platform(args, reference=plain, tpu=None, gpu=gpu)
+    else:
+        out = plain(*args)
     return out[..., :latent_dim]
 
 
@@ -113,7 +125,6 @@ def _lanes(q, pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale, la
     """Latent rows in the lanes layout (TPU): the query padded with zero lanes to the rows' C
     lanes, the Mosaic kernel (`ragged_paged_attention_tpu`, one KV head of C lanes) where the
     program is compiled for a TPU, the reference elsewhere."""
-    from pallas_kernels._dispatch import by_target_platform
     from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
     from pallas_kernels.ragged_paged_attention.tpu import (
         ragged_paged_attention_tpu,

@@ -83,6 +83,24 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim % 16 == 0 and head_dim <= 256
 
 
+# Shared memory a wide head's query block may take (f32 rows of D): 128 query heads of 576
+# lanes asked 288 KiB of the H200's 227 (compile-only), 16 heads compiled.
+_WIDE_BLOCK_BYTES = 160 * 1024
+
+
+def latent_block_q(head_dim: int, num_q_heads: int) -> int | None:
+    """The query block (tokens) for one KV head wider than 256 lanes (MLA's 576-lane latent
+    rows), so that the block's rows fit shared memory; None where even one token's heads do not."""
+    rows = _WIDE_BLOCK_BYTES // (4 * head_dim)
+    group_padded = _next_pow2(num_q_heads)
+    if head_dim % 16 or group_padded > rows:
+        return None
+    block_q = 1
+    while 2 * block_q * group_padded <= rows:
+        block_q *= 2
+    return block_q
+
+
 def _kernel(
     block_seq_ref,  # [NB] int32: the sequence of query block b
     block_idx_ref,  # [NB] int32: its index within the sequence's chunk; -1 past the last block
@@ -292,8 +310,10 @@ def ragged_paged_attention_gpu(
     num_rows, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     group_padded = _next_pow2(group)
-    if not supports(head_dim):
-        raise ValueError(f"GPU kernel needs head_dim in [16, 256], a multiple of 16; got {head_dim}")
+    wide = num_kv_heads == 1 and block_q is not None and block_q == latent_block_q(head_dim, num_q_heads)
+    if not supports(head_dim) and not wide:
+        raise ValueError(f"GPU kernel needs head_dim in [16, 256], a multiple of 16 (or one KV head with "
+                         f"block_q=latent_block_q(...)); got {head_dim}")
     pieces = head_dim_pieces(head_dim)
     if batch_invariant:
         block_q, max_splits = block_q or max(1, 16 // group_padded), 1
