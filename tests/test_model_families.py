@@ -50,6 +50,7 @@ def test_llm_greedy_matches_transformers(family_dirs, family):
                            top_k_of(out.outputs[0].logprobs), name=f"{family}: prompt of {len(prompt)} tokens",
                            top_k=5)
     assert llm.engine.scheduler.stats().num_used_blocks == 0
+    assert llm.engine.compiles_after_warmup == 0
 
 
 _CHILD = textwrap.dedent("""
