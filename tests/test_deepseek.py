@@ -240,3 +240,13 @@ def test_block_scaled_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     int8 = load_model(str(tmp_path / "fp8"), "float32", quantization="int8").params["layers"]
     assert int8["kv_a_proj"].dtype == np.int8 and int8["expert_gate"].dtype == np.int8
+
+
+@pytest.mark.parametrize("feature", ["spec_decode", "lora"])
+def test_features_the_latent_family_lacks_are_refused_by_name(feature):
+    from jaxserve.models.registry import check_support
+
+    with pytest.raises(UnsupportedModelError, match=rf"deepseek_v3 \(model family 'deepseek'\) does not support {feature}"):
+        check_support(ModelConfig.from_hf_config(_published()), **{feature: True})
+    check_support(ModelConfig.from_hf_config(_published()), quantized_kv=True, tensor_parallel=True,
+                  expert_parallel=True)  # these it serves
