@@ -212,6 +212,7 @@ def test_block_scaled_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     from jaxserve.loading import load_model
+    from jaxserve.loading.errors import UnsupportedQuantizationError
 
     save_tiny_family(tmp_path / "ds", "deepseek_v3")
     rng = np.random.default_rng(0)
@@ -240,6 +241,10 @@ def test_block_scaled_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     int8 = load_model(str(tmp_path / "fp8"), "float32", quantization="int8").params["layers"]
     assert int8["kv_a_proj"].dtype == np.int8 and int8["expert_gate"].dtype == np.int8
+    config["quantization_config"]["weight_block_size"] = [96, 96]  # blocks the loader would not infer
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantizationError, match=r"weight_block_size \[96, 96\]"):
+        load_model(str(tmp_path / "fp8"), "float32")
 
 
 @pytest.mark.parametrize("feature", ["spec_decode", "lora"])

@@ -90,6 +90,9 @@ def _check_block_fp8(qc: dict[str, Any], path: str) -> None:
     block = qc.get("weight_block_size")
     if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointError(f"{path}: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    if any(b & (b - 1) for b in block):  # the loader infers each tensor's blocks as powers of two
+        raise UnsupportedQuantizationError(f"{path}: block fp8 with weight_block_size {block} is not supported "
+                                           "(power-of-two blocks, e.g. DeepSeek's [128, 128])")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedQuantizationError(f"{path}: block fp8 format {qc.get('fmt')!r} is not supported (e4m3)")
 
@@ -98,7 +101,9 @@ def dequantize_blocks(values: np.ndarray, scale_inv: np.ndarray, what: str) -> n
     """Block-scaled weights [out, in] (f32 result): value * scale_inv of its block, the blocks
     tiling the matrix from the top left (the last row and column of blocks may be partial).
     Each block side is the power of two that gives the scales' shape (128 in DeepSeek's
-    release: a 576-row weight has 5 block rows), checked to reproduce it."""
+    release: a 576-row weight has 5 block rows), checked to reproduce it; for the power-of-two
+    block sizes a checkpoint may declare (`_check_block_fp8`) that is always its own size (a
+    dimension within one block has one scale whatever the side)."""
     if scale_inv.ndim != 2 or min(scale_inv.shape) < 1:
         raise CheckpointError(f"{what}: weight_scale_inv has shape {scale_inv.shape}, expected 2-D blocks")
     sides = []
