@@ -179,7 +179,7 @@ def mlp_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return layers
 
 
-class _Stack:
+class LayerStack:
     """One layer's view of stacked weights inside a scan: `w[name]` is the layer's slice,
     `matmul(x, name)` runs the projection (a quantized one from the stack, by index)."""
 
@@ -231,8 +231,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         weights = {k: v[...] for k, v in self.layers.items()}
         live_rows = md.cu_q_lens[md.num_seqs[0]]
 
-        def stack(i: jax.Array) -> _Stack:
-            return _Stack(weights, i, self.matmul_precision, self.row_tile, live_rows)
+        def stack(i: jax.Array) -> LayerStack:
+            return LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
 
         def dense_layer(carry, i):
             h, pool = carry
@@ -254,7 +254,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
         return h_last, h, tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
 
-    def _attention(self, h, w: _Stack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
+    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
         """One MLA layer: writes this step's latent rows, returns (h + attention, the pool)."""
         cfg, m = self.config, _mla(self.config)
         T, H, dn, dr, dv = h.shape[0], cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
@@ -282,11 +282,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         o = jnp.einsum("thl,lhv->thv", o_lat.astype(h.dtype), kv_b[..., dn:]).reshape(T, H * dv)
         return h + w.matmul(o, "o_proj"), pool
 
-    def _dense_mlp(self, x, w: _Stack):
+    def _dense_mlp(self, x, w: LayerStack):
         gate, up = split_gate_up(w.matmul(x, "gate_up_proj"), self.shards)
         return w.matmul(ACTIVATIONS[self.config.hidden_act](gate) * up, "down_proj")
 
-    def _experts(self, x, w: _Stack, moe_fn):
+    def _experts(self, x, w: LayerStack, moe_fn):
         """The routed experts plus the shared expert. x: [T, E] -> [T, E]."""
         cfg = self.config
         bias = w["router_bias"] if "router_bias" in w else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.models.config import ModelConfig, UnsupportedModelError, parse_rope_scaling
-from jaxserve.models.deepseek import DeepseekV3ForCausalLM, _Stack, mlp_param_shapes
+from jaxserve.models.deepseek import DeepseekV3ForCausalLM, LayerStack, mlp_param_shapes
 from jaxserve.models.fused import split_qkv
 from jaxserve.models.rope import apply_rope
 
@@ -83,7 +83,7 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3's layer scans and expert layers with grouped-query attention over per-head
     K/V pages: `kv_cache` is (k, v[, k_scales, v_scales]) as for the Llama decoder."""
 
-    def _attention(self, h, w: _Stack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
+    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
         cfg = self.config
         T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self._norm(h, w["input_norm"])
