@@ -59,6 +59,18 @@ def paged_metadata(B: int, C: int, q_len: int, S: int):
             B * pages_per_seq + 1)
 
 
+def absorbed_attention(lens, tables, cu, n):
+    """The engine's path over the latent pages for this batch's metadata, jitted."""
+    @jax.jit
+    def absorbed(q_nope, q_rope, latent, kv_b):
+        q_lat = jnp.einsum("thd,lhd->thl", q_nope, kv_b[..., :DN])
+        o = mla_paged_attention(jnp.concatenate([q_lat, q_rope], -1), latent, lens, tables, cu, n,
+                                sm_scale=0.07, latent_dim=DL)
+        return jnp.einsum("thl,lhv->thv", o, kv_b[..., DN:])
+
+    return absorbed
+
+
 def decode(B: int, C: int, H: int, S: int, dtype, reps: int, rng) -> dict[str, float]:
     lens, tables, cu, n, P = paged_metadata(B, C, 1, S)
     kv_b = jnp.asarray(rng.standard_normal((DL, H, DN + DV)) / np.sqrt(DL), dtype)
@@ -68,13 +80,7 @@ def decode(B: int, C: int, H: int, S: int, dtype, reps: int, rng) -> dict[str, f
     k_pages = jnp.asarray(rng.standard_normal((P, S, H, DN + DR)), dtype)
     v_pages = jnp.asarray(rng.standard_normal((P, S, H, DN + DR)), dtype)  # values padded to the key width
 
-    @jax.jit
-    def absorbed(q_nope, q_rope, latent, kv_b):
-        q_lat = jnp.einsum("thd,lhd->thl", q_nope, kv_b[..., :DN])
-        o = mla_paged_attention(jnp.concatenate([q_lat, q_rope], -1), latent, lens, tables, cu, n,
-                                sm_scale=0.07, latent_dim=DL)
-        return jnp.einsum("thl,lhv->thv", o, kv_b[..., DN:])
-
+    absorbed = absorbed_attention(lens, tables, cu, n)
     @jax.jit
     def expanded(q_nope, q_rope, k_pages, v_pages):
         q = jnp.concatenate([q_nope, q_rope], -1)
@@ -93,13 +99,7 @@ def prefill(T: int, C: int, H: int, S: int, dtype, reps: int, rng) -> dict[str, 
     c_kv = jnp.asarray(rng.standard_normal((C, DL)), dtype)
     k_rope = jnp.asarray(rng.standard_normal((C, DR)), dtype)
 
-    @jax.jit
-    def absorbed(q_nope, q_rope, latent, kv_b):
-        q_lat = jnp.einsum("thd,lhd->thl", q_nope, kv_b[..., :DN])
-        o = mla_paged_attention(jnp.concatenate([q_lat, q_rope], -1), latent, lens, tables, cu, n,
-                                sm_scale=0.07, latent_dim=DL)
-        return jnp.einsum("thl,lhv->thv", o, kv_b[..., DN:])
-
+    absorbed = absorbed_attention(lens, tables, cu, n)
     expanded = jax.jit(functools.partial(mla_attention_expanded, sm_scale=0.07))
     return {"absorbed": timed(absorbed, q_nope, q_rope, latent, kv_b, reps=reps),
             "expanded": timed(expanded, q_nope, q_rope, c_kv, k_rope, kv_b, reps=reps)}

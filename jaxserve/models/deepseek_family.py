@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxserve.models import deepseek, glm4_moe, llama
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS
 from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_LAYER_SHARDING
 from jaxserve.models.registry import (
     MODEL_AXIS,
@@ -16,7 +17,6 @@ from jaxserve.models.registry import (
     add_builtin,
 )
 
-_HF_GLOBALS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 _HF_LAYERS = {
     "input_norm": "input_layernorm.weight",
     "post_norm": "post_attention_layernorm.weight",
@@ -60,7 +60,7 @@ EXPERT_PARALLEL_SHARDING = {
 
 
 def hf_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(_HF_GLOBALS, _HF_LAYERS, _HF_EXPERTS)
+    return WeightNames(HF_GLOBALS, _HF_LAYERS, _HF_EXPERTS)
 
 
 DEEPSEEK = add_builtin(ModelFamily(
@@ -84,21 +84,15 @@ DEEPSEEK = add_builtin(ModelFamily(
 ))
 
 
+# Llama's attention names, DeepSeek's MLP and expert names.
 _GLM_LAYERS = {
     **{k: v for k, v in _HF_LAYERS.items() if not k.startswith(("q_", "kv_"))},
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
+    **{k: HF_LAYERS[k] for k in ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")},
 }
 
 
 def glm_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(_HF_GLOBALS, _GLM_LAYERS, _HF_EXPERTS)
+    return WeightNames(HF_GLOBALS, _GLM_LAYERS, _HF_EXPERTS)
 
 
 GLM4_MOE = add_builtin(ModelFamily(

@@ -24,8 +24,8 @@ from jaxserve.models.registry import (
     add_builtin,
 )
 
-_HF_GLOBALS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-_HF_LAYERS = {
+HF_GLOBALS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+HF_LAYERS = {
     "input_norm": "input_layernorm.weight",
     "q_proj": "self_attn.q_proj.weight",
     "k_proj": "self_attn.k_proj.weight",
@@ -43,7 +43,7 @@ _HF_LAYERS = {
 }
 # Gemma 2/3 name their four norms after where they sit; jaxserve's pre-MLP norm is `post_norm`.
 _HF_GEMMA_LAYERS = {
-    **_HF_LAYERS,
+    **HF_LAYERS,
     "post_attn_norm": "post_attention_layernorm.weight",
     "post_norm": "pre_feedforward_layernorm.weight",
     "post_ffn_norm": "post_feedforward_layernorm.weight",
@@ -97,7 +97,7 @@ EXPERT_PARALLEL_SHARDING = {
 
 
 def hf_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(_HF_GLOBALS, _HF_GEMMA_LAYERS if cfg.sandwich_norms else _HF_LAYERS,
+    return WeightNames(HF_GLOBALS, _HF_GEMMA_LAYERS if cfg.sandwich_norms else HF_LAYERS,
                        _HF_EXPERTS.get(cfg.architecture))
 
 
