@@ -85,14 +85,16 @@ FAMILY_CONFIGS = {
 }
 
 
-def save_tiny_family(path, family: str):
+def save_tiny_family(path, family: str, **overrides):
     """A random model of `family` saved as an HF directory (weights scaled up so greedy picks
-    are not near-ties); returns the transformers model (f32, eager attention)."""
+    are not near-ties); returns the transformers model (f32, eager attention). `overrides`:
+    config values in place of the family's."""
     import transformers
 
     cfg_cls, model_cls, extra = FAMILY_CONFIGS[family]
     kwargs = {**dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512), **extra}
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512), **extra,
+              **overrides}
     cfg = getattr(transformers, cfg_cls)(**kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(1)

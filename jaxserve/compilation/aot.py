@@ -334,6 +334,8 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
     buckets). `on_start(name)` / `on_result(result)` are called as each shape starts and ends
     (from the compile threads)."""
     spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":  # the MTP layer: its weights, cache layer and programs
+        model_config = model_config.with_mtp()
     if spec is None or spec.method != "draft_model":
         return _compile_plan(model_config, config, target, shapes=shapes, out_dir=out_dir, workers=workers,
                              progress=progress, on_start=on_start, on_result=on_result)

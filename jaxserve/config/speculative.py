@@ -3,6 +3,7 @@
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})
     LLM(speculative_config={"model": "/path/to/small-model", "num_speculative_tokens": 4})
+    LLM(model="/path/to/DeepSeek-V3", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     jaxserve serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 Unknown methods and keys are refused naming them. Parsed once, into a frozen dataclass.
@@ -14,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 # platform -> disable_by_batch_size when "auto". CPU: measured with scripts/bench_spec_decode.py
 # (docs/benchmarks.md): with n-gram drafts, 0.99x-1.19x plain up to 16 running sequences,
 # down to 0.90x at 32 and 64 when few drafts are kept (a CPU step's cost grows with every
@@ -42,8 +43,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; supported: {', '.join(METHODS)}")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config: method 'draft_model' needs a model (the draft's path)")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config: method 'ngram' takes no model (a draft model is method "
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            raise ValueError(f"speculative_config: method {self.method!r} takes no model (a draft model is method "
                              "'draft_model')")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)

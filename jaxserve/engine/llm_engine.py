@@ -194,9 +194,17 @@ class Engine:
     def _load(config: EngineConfig, loaded: LoadedModel | None, part: LoadPart | None = None) -> LoadedModel:
         """The model, its weights quantized as `config.quantization` asks (at load, or as the
         checkpoint was published); `part`: what this process reads of it (multi-host)."""
+        spec = config.speculative_config
+        mtp = spec is not None and spec.method == "mtp"
+        if mtp and config.num_processes > 1:
+            raise ValueError("speculative_config: method 'mtp' runs in one process (num_processes 1): the other "
+                             "processes do not run its passes yet")
+        if loaded is not None and mtp and not loaded.config.mtp_layers:
+            raise ValueError("speculative_config: method 'mtp' needs the model loaded with its MTP layer "
+                             "(load_model(..., mtp=True))")
         if loaded is None:
             loaded = load_model(config.model, config.resolved_dtype(), quantization=config.quantization,
-                                quantize_lm_head=config.quantize_lm_head, part=part)
+                                quantize_lm_head=config.quantize_lm_head, part=part, mtp=mtp)
         elif config.quantization is not None and params_quantization(loaded.params) is None:
             loaded = dataclasses.replace(loaded, params=quantize_params(
                 loaded.params, config.quantization, config.quantize_lm_head))
@@ -215,7 +223,8 @@ class Engine:
             token_buckets=self.plan.token_buckets, request_buckets=self.plan.request_buckets,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, max_logprobs=config.max_logprobs, seed=config.seed,
-            strict_compile_guard=config.strict_compile_guard, record_traffic_log=config.record_traffic_log)
+            strict_compile_guard=config.strict_compile_guard, record_traffic_log=config.record_traffic_log,
+            mtp_tokens=self.plan.mtp_tokens)
         return ModelRunner(
             self.model, num_pages=self.num_pages, page_size=config.page_size,
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
@@ -574,6 +583,11 @@ class Engine:
     def _make_proposer(self, spec: SpeculativeConfig):
         if spec.method == "ngram":
             return make_ngram_proposer(spec)
+        if spec.method == "mtp":
+            from jaxserve.spec_decode.mtp import MTPProposer
+
+            logger.info("speculative decoding: the model's MTP layer, %d tokens per step", spec.num_speculative_tokens)
+            return MTPProposer(self.runner)
         from jaxserve.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 
         config = self.config

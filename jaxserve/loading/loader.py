@@ -98,13 +98,15 @@ def resolve_quantization(requested: str | None, published: str | None, what: str
 
 
 def load_model(path: str | None = None, dtype: str = "float32", quantization: str | None = None,
-               quantize_lm_head: bool = False, part: LoadPart | None = None) -> LoadedModel:
+               quantize_lm_head: bool = False, part: LoadPart | None = None, mtp: bool = False) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model); see
     `_load_model`. The params' host arrays are read-only (`params.freeze_params`). `part`
     (a multi-host process's, `parallel.process_load_part`): the float tensors' slices to read
-    from an HF checkpoint, the rest left unwritten; other formats are read whole."""
+    from an HF checkpoint, the rest left unwritten; other formats are read whole. `mtp`: the
+    checkpoint's multi-token-prediction layer is loaded too (`ModelConfig.with_mtp`; HF
+    checkpoints only)."""
     t0 = time.perf_counter()
-    loaded = _load_model(path, dtype, quantization, quantize_lm_head, part)
+    loaded = _load_model(path, dtype, quantization, quantize_lm_head, part, mtp)
     freeze_params(loaded.params)
     seconds = time.perf_counter() - t0
     loaded.seconds["load"] = seconds
@@ -115,7 +117,7 @@ def load_model(path: str | None = None, dtype: str = "float32", quantization: st
 
 
 def _load_model(path: str | None, dtype: str, quantization: str | None, quantize_lm_head: bool,
-                part: LoadPart | None = None) -> LoadedModel:
+                part: LoadPart | None = None, mtp: bool = False) -> LoadedModel:
     """Loads config, params and tokenizer from `path` (None: the embedded SmolLM2 model).
 
     `quantization` (vLLM's meaning): None serves a pre-quantized checkpoint in its own scheme
@@ -132,6 +134,9 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
     check_quantization(quantization)
     if not os.path.exists(path):
         raise ModelFileNotFoundError(f"model path does not exist: {path}")
+    if mtp and not hf_loader.is_hf_dir(path):
+        raise ValueError(f"speculative_config: method 'mtp' reads the multi-token-prediction layer from an HF "
+                         f"checkpoint directory; {path} is not one")
     if part is not None and not hf_loader.is_hf_dir(path):
         log.info("%s: every process reads the whole checkpoint (slices are read from HF safetensors only)", path)
     if os.path.isfile(path):
@@ -160,6 +165,7 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
         return LoadedModel(cfg, params, tok, name, "orbax", path, method, {"weights": weights, "tokenizer": tok_s})
     if hf_loader.is_hf_dir(path):
         cfg = hf_loader.hf_config(path)
+        cfg = cfg.with_mtp() if mtp else cfg
         published = hf_loader.hf_quantization(path)
         method = resolve_quantization(quantization, published and published.method,
                                       f"{path} ({published and published.description})")

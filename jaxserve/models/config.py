@@ -116,6 +116,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     first_k_dense_replace: int = 0  # the first k layers have a dense MLP of `intermediate_size`
     mla: MLAConfig | None = None
+    # DeepSeek's multi-token-prediction layers: how many the checkpoint holds (after the
+    # `num_layers` decoder layers), and how many are served (`with_mtp`: 0 unless speculative
+    # decoding's method is "mtp", so a plain engine neither loads them nor gives them pages).
+    num_nextn_predict_layers: int = 0
+    mtp_layers: int = 0
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims (GLM-4.5: 0.5)
     # Gemma 2 / 3
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
@@ -208,6 +213,25 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_stacked_layers(self) -> int:
+        """Decoder layers the params stack and the KV cache holds: the model's, then the MTP
+        layers served (whose attention and experts are stacked after them)."""
+        return self.num_layers + self.mtp_layers
+
+    def with_mtp(self) -> ModelConfig:
+        """This config serving its first multi-token-prediction layer (speculative method "mtp")."""
+        from jaxserve.models.registry import family_of
+
+        if not hasattr(family_of(self).model_class, "mtp_forward") or not self.is_moe:
+            raise ValueError(f"speculative_config: method 'mtp' is not supported for {self.architecture} (DeepSeek-V3 "
+                             "and V2 MoE checkpoints with a multi-token-prediction layer only)")
+        if self.num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with a multi-token-prediction "
+                             f"layer; this {self.architecture} config has num_nextn_predict_layers = "
+                             f"{self.num_nextn_predict_layers}")
+        return dataclasses.replace(self, mtp_layers=1)
 
     @property
     def num_dense_layers(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.models import moe
 from jaxserve.models.config import MLAConfig, ModelConfig, UnsupportedModelError, parse_rope_scaling
@@ -53,6 +54,7 @@ HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
 
 # Which stack each layer weight belongs to (the others span every layer).
 DENSE_MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+MTP_GLOBALS = ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_head_norm")
 EXPERT_LAYER_WEIGHTS = ("router", "router_bias", "expert_gate", "expert_up", "expert_down",
                         "shared_gate", "shared_up", "shared_down")
 
@@ -117,6 +119,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,
         mla=mla,
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0),
         **routing,
     )
 
@@ -132,13 +135,13 @@ def layer_ids(cfg: ModelConfig, name: str) -> range:
     if name.removesuffix("_scale") in DENSE_MLP_WEIGHTS + ("gate_up_proj",):
         return range(cfg.num_dense_layers)
     if name.removesuffix("_scale") in EXPERT_LAYER_WEIGHTS + ("expert_gate_up",):
-        return range(cfg.num_dense_layers, cfg.num_layers)
-    return range(cfg.num_layers)
+        return range(cfg.num_dense_layers, cfg.num_stacked_layers)
+    return range(cfg.num_stacked_layers)  # the served MTP layer is checkpoint layer num_layers
 
 
 def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     m = _mla(cfg)
-    L, E, H = cfg.num_layers, cfg.hidden_size, cfg.num_heads
+    L, E, H = cfg.num_stacked_layers, cfg.hidden_size, cfg.num_heads
     layers: dict[str, tuple[int, ...]] = {
         "input_norm": (L, E),
         "post_norm": (L, E),
@@ -156,14 +159,27 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
+    if cfg.mtp_layers:  # the MTP layer's own tensors; it shares the embedding and the head
+        shapes.update(mtp_enorm=(E,), mtp_hnorm=(E,), mtp_eh_proj=(2 * E, E), mtp_head_norm=(E,))
     return shapes
+
+
+def mtp_weight_names(cfg: ModelConfig) -> dict[str, str]:
+    """Checkpoint names of the MTP layer's own tensors (layer `num_layers`; its attention and
+    experts are named as any layer's). Its `embed_tokens` and `shared_head.head` copies are not
+    read: the MTP modules share the main model's embedding and output head."""
+    if not cfg.mtp_layers:
+        return {}
+    prefix = f"model.layers.{cfg.num_layers}."
+    return {"mtp_enorm": prefix + "enorm.weight", "mtp_hnorm": prefix + "hnorm.weight",
+            "mtp_eh_proj": prefix + "eh_proj.weight", "mtp_head_norm": prefix + "shared_head.norm.weight"}
 
 
 def mlp_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The dense first layers' MLP [k, ...] and the MoE layers' experts [L - k, ...]."""
     E = cfg.hidden_size
     layers: dict[str, tuple[int, ...]] = {}
-    k, n = cfg.num_dense_layers, cfg.num_layers - cfg.num_dense_layers
+    k, n = cfg.num_dense_layers, cfg.num_stacked_layers - cfg.num_dense_layers
     if k:
         I = cfg.intermediate_size  # noqa: E741
         layers.update(gate_proj=(k, E, I), up_proj=(k, E, I), down_proj=(k, I, E))
@@ -204,7 +220,12 @@ class LayerStack:
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """The MLA decoder. Embedding, final norm, LM head and their quantized forms are the Llama
     module's; the layers and the cache differ. `kv_cache` is (pages [L, P, S, 1, W],) or, for
-    a quantized cache, (pages, scales); pages [L, P, S, C] in the lanes layout (TPU)."""
+    a quantized cache, (pages, scales); pages [L, P, S, C] in the lanes layout (TPU). With the
+    MTP layer served (`cfg.mtp_layers`), L counts it: stacks and cache hold it last."""
+
+    def __init__(self, config: ModelConfig, params: dict[str, Any], **kwargs: Any):
+        super().__init__(config, params, **kwargs)
+        self.mtp = (nnx.Dict({k: nnx.Param(params[k]) for k in MTP_GLOBALS}) if config.mtp_layers else None)
 
     def __call__(
         self,
@@ -222,17 +243,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if lora is not None:
             raise ValueError(f"{self.config.architecture} does not take LoRA adapters")
         cfg = self.config
-        L, P, S = kv_cache[0].shape[:3]
-        # one pool of every layer's pages (page arrays are [L, P, S, ...]; scales are pooled already)
-        pool = tuple(x.reshape(L * P, *x.shape[2:]) if x.ndim >= 4 else x for x in kv_cache)
-        dtype = self.final_norm[...].dtype
-        h = self._embed(token_ids, dtype)  # [T, E]
+        P, S = kv_cache[0].shape[1:3]
+        pool = _pool(kv_cache)
+        h = self._embed(token_ids, self.final_norm[...].dtype)  # [T, E]
         rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # [T, dr/2] each
-        weights = {k: v[...] for k, v in self.layers.items()}
-        live_rows = md.cu_q_lens[md.num_seqs[0]]
-
-        def stack(i: jax.Array) -> LayerStack:
-            return LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
+        stack = self._stacks(md)
 
         def dense_layer(carry, i):
             h, pool = carry
@@ -242,17 +257,65 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
         def moe_layer(carry, i):
             h, pool = carry
-            h, pool = self._attention(h, stack(i), rope, pool, md, i * P, S, attention_fn, kv_update_fn)
-            x = self._norm(h, stack(i)["post_norm"])
-            return (h + self._experts(x, stack(i - cfg.num_dense_layers), moe_fn), pool), None
+            return self._moe_layer(h, i, stack, rope, pool, md, P, S, attention_fn, kv_update_fn, moe_fn), None
 
-        k = cfg.num_dense_layers
+        k, L = cfg.num_dense_layers, cfg.num_layers  # (the MTP layer, stacked after them, runs in `mtp`)
         if k:
             (h, pool), _ = jax.lax.scan(dense_layer, (h, pool), jnp.arange(k, dtype=jnp.int32))
         if k < L:
             (h, pool), _ = jax.lax.scan(moe_layer, (h, pool), jnp.arange(k, L, dtype=jnp.int32))
         h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
         return h_last, h, tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
+
+    def mtp_forward(
+        self,
+        h_prev: jax.Array,  # [T, E]: the hidden state before each token (see `normalize_prev`)
+        token_ids: jax.Array,  # [T] int32: the token after each position
+        positions: jax.Array,  # [T] int32
+        kv_cache: tuple[jax.Array, ...],
+        md: AttentionMetadata,
+        rows: jax.Array,  # [R] int32: the rows whose output leaves
+        *,
+        normalize_prev: bool,
+        attention_fn: AttentionFn,
+        kv_update_fn: KVUpdateFn,
+        moe_fn: MoEFn = single_device_moe,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """DeepSeek's multi-token-prediction layer: at position t it combines the hidden state
+        that predicted token t+1 with that token's embedding, through one more decoder layer
+        whose latent rows are cache layer `num_layers`, to predict token t+2. `h_prev` is the
+        target's last-layer output (final-normed here, as the layer was trained on:
+        `normalize_prev`) or this layer's own output for a chained draft. Returns the `rows`'
+        outputs [R, E] (before the head's norm: `mtp_logits`) and the cache."""
+        cfg, w = self.config, self.mtp
+        P, S = kv_cache[0].shape[1:3]
+        pool = _pool(kv_cache)
+        dtype = self.final_norm[...].dtype
+        if normalize_prev:
+            h_prev = self.final_hidden(h_prev)
+        e = self._norm(self._embed(token_ids, dtype), w["mtp_enorm"][...])
+        x = jnp.concatenate([e, self._norm(h_prev.astype(dtype), w["mtp_hnorm"][...])], axis=-1)  # [T, 2E]
+        h = tiled_matmul(x, w["mtp_eh_proj"][...], self.row_tile)  # [T, E]
+        rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))
+        h, pool = self._moe_layer(h, jnp.int32(cfg.num_layers), self._stacks(md), rope, pool, md, P, S,
+                                  attention_fn, kv_update_fn, moe_fn)
+        return jnp.take(h, rows, axis=0), tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
+
+    def mtp_logits(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        """The MTP layer's logits [R, V]: its own norm, then the shared head."""
+        return self.compute_logits(self._norm(h, self.mtp["mtp_head_norm"][...]), live_rows)
+
+    def _stacks(self, md: AttentionMetadata):
+        """i -> layer i's view of the stacked weights."""
+        weights = {k: v[...] for k, v in self.layers.items()}
+        live_rows = md.cu_q_lens[md.num_seqs[0]]
+        return lambda i: LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
+
+    def _moe_layer(self, h, i, stack, rope, pool, md, P, S, attention_fn, kv_update_fn, moe_fn):
+        """Decoder layer i (>= the dense ones): latent attention, then the routed and shared experts."""
+        h, pool = self._attention(h, stack(i), rope, pool, md, i * P, S, attention_fn, kv_update_fn)
+        x = self._norm(h, stack(i)["post_norm"])
+        return h + self._experts(x, stack(i - self.config.num_dense_layers), moe_fn), pool
 
     def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
         """One MLA layer: writes this step's latent rows, returns (h + attention, the pool)."""
@@ -301,6 +364,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return y
 
 
+def _pool(kv_cache: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """One pool of every layer's pages (page arrays are [L, P, S, ...]; scales are pooled already)."""
+    L, P = kv_cache[0].shape[:2]
+    return tuple(x.reshape(L * P, *x.shape[2:]) if x.ndim >= 4 else x for x in kv_cache)
+
+
 # ---------------------------------------------------------------------- the latent cache
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
                    tp: int = 1) -> tuple[int, ...]:
@@ -311,15 +380,15 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str
     if layout == "lanes":
         from pallas_kernels.kv_layout import lanes_width
 
-        return (cfg.num_layers, num_pages, page_size, lanes_width(1, W))
-    return (cfg.num_layers, num_pages, page_size, 1, W)
+        return (cfg.num_stacked_layers, num_pages, page_size, lanes_width(1, W))
+    return (cfg.num_stacked_layers, num_pages, page_size, 1, W)
 
 
 def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
     """A quantized latent cache's scales, one per token, for the pool of all layers' pages."""
     from pallas_kernels.kv_layout import kv_scales_shape
 
-    return kv_scales_shape(cfg.num_layers * num_pages, page_size, 1, layout)
+    return kv_scales_shape(cfg.num_stacked_layers * num_pages, page_size, 1, layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
@@ -336,4 +405,4 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout
     `tp` ranks."""
     width = kv_cache_shape(cfg, 1, page_size, layout)[-1]
     per_token = width * np.dtype(dtype).itemsize + (4 if np.dtype(dtype).itemsize == 1 else 0)
-    return tp * cfg.num_layers * page_size * per_token
+    return tp * cfg.num_stacked_layers * page_size * per_token

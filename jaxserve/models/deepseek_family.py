@@ -60,7 +60,7 @@ EXPERT_PARALLEL_SHARDING = {
 
 
 def hf_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(HF_GLOBALS, _HF_LAYERS, _HF_EXPERTS)
+    return WeightNames({**HF_GLOBALS, **deepseek.mtp_weight_names(cfg)}, _HF_LAYERS, _HF_EXPERTS)
 
 
 DEEPSEEK = add_builtin(ModelFamily(
@@ -79,7 +79,7 @@ DEEPSEEK = add_builtin(ModelFamily(
     attention="latent",
     layer_sharding=LAYER_SHARDING,
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
-    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=False, tensor_parallel=True,
+    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True,
                          expert_parallel=True),
 ))
 

@@ -52,8 +52,11 @@ def variant_name(flags: SamplerFlags) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeKey:
-    kind: str  # "backbone" | "logits" | "head" (the sampler) | "prompt_logprobs" | "swap"
-    size: int  # T for the backbone and prompt logprobs, R for logits and the sampler, pages for swaps
+    # "backbone" | "logits" | "head" (the sampler) | "prompt_logprobs" | "swap", and with MTP
+    # speculative decoding "mtp" (its pass over a step), "mtp_chain" (a chained draft's pass) and
+    # "mtp_draft" (its greedy head)
+    kind: str
+    size: int  # T for the backbone, prompt logprobs and MTP passes, R for logits, sampler and MTP drafts, pages for swaps
     flags: SamplerFlags | None = None  # head only
     num_top: int = 0  # prompt_logprobs only: the top-k width (max_logprobs)
 
@@ -67,6 +70,10 @@ class ShapeKey:
             return f"logits[R={self.size}]"
         if self.kind == "prompt_logprobs":
             return f"prompt_logprobs[T={self.size},k={self.num_top}]"
+        if self.kind in ("mtp", "mtp_chain"):
+            return f"{self.kind}[T={self.size}]"
+        if self.kind == "mtp_draft":
+            return f"mtp_draft[R={self.size}]"
         return f"swap[{self.size}]"
 
 
@@ -89,6 +96,7 @@ class CompilePlan:
     # Top-k width of the prompt-logprobs programs (one per token bucket); None: not planned
     # (a draft model's plan).
     prompt_logprobs_top: int | None = None
+    mtp_tokens: int = 0  # drafts per step from the MTP layer (speculative method "mtp"); 0: none
 
     @classmethod
     def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
@@ -114,7 +122,20 @@ class CompilePlan:
             sampler_variants=sampler_variants(config.max_logprobs, config.structured_outputs),
             swap_sizes=SWAP_SIZES if swap_enabled else (),
             prompt_logprobs_top=config.max_logprobs,
+            mtp_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) and spec.method == "mtp" else 0,
         )
+
+    def mtp_shapes(self, token_bucket: int, new_request_buckets: Sequence[int]) -> list[ShapeKey]:
+        """The MTP programs a step of `token_bucket` tokens needs beyond those of smaller steps:
+        its pass, a chained pass where a step's one token per sequence can fill this bucket,
+        and the draft heads of the request buckets it newly allows."""
+        if not self.mtp_tokens:
+            return []
+        out = [ShapeKey("mtp", token_bucket)]
+        smaller = [t for t in self.token_buckets if t < token_bucket]
+        if self.mtp_tokens > 1 and (not smaller or smaller[-1] < self.request_buckets[-1]):
+            out.append(ShapeKey("mtp_chain", token_bucket))
+        return out + [ShapeKey("mtp_draft", r) for r in new_request_buckets]
 
     def shapes(self) -> list[ShapeKey]:
         out = [ShapeKey("backbone", t) for t in self.token_buckets]
@@ -123,6 +144,9 @@ class CompilePlan:
         if self.prompt_logprobs_top is not None:
             out += [ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top) for t in self.token_buckets]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
+        for t in self.token_buckets:
+            out += [k for k in self.mtp_shapes(t, ()) if k.kind != "mtp_draft"]
+        out += [ShapeKey("mtp_draft", r) for r in self.request_buckets if self.mtp_tokens]
         return out
 
     def tiers(self) -> list[CompileTier]:
@@ -142,6 +166,7 @@ class CompilePlan:
                 shapes.append(ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top))
             shapes += [ShapeKey("logits", r) for r in new]
             shapes += [ShapeKey("head", r, f) for r in new for f in self.sampler_variants]
+            shapes += self.mtp_shapes(t, new)
             if i == 0:
                 shapes += [ShapeKey("swap", s) for s in self.swap_sizes]
             tiers.append(CompileTier(t, max(max_seqs, 1), tuple(shapes)))
@@ -149,7 +174,9 @@ class CompilePlan:
 
     def __len__(self) -> int:
         return (len(self.token_buckets) * (1 + (self.prompt_logprobs_top is not None))
-                + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(self.swap_sizes))
+                + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(self.swap_sizes)
+                + sum(len(self.mtp_shapes(t, ())) for t in self.token_buckets)
+                + (len(self.request_buckets) if self.mtp_tokens else 0))
 
 
 # ---------------------------------------------------------------------- traffic-derived buckets

@@ -33,6 +33,7 @@ from jaxserve.models.fused import fuse_projections
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.registry import family_of
+from jaxserve.spec_decode import mtp
 from jaxserve.worker import parallel, prompt_logprobs
 from jaxserve.worker.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.worker.buckets import pick
@@ -52,6 +53,8 @@ from jaxserve.worker.step_programs import (
     backbone_jit,
     gather_pages_jit,
     logits_jit,
+    mtp_draft_jit,
+    mtp_jit,
     prompt_logprob_rows,
     prompt_logprobs_jit,
     sample_jit,
@@ -73,6 +76,7 @@ class StepConfig:
     seed: int = 0
     strict_compile_guard: bool = False
     record_traffic_log: str | None = None  # append each step's token count to this file
+    mtp_tokens: int = 0  # drafts per step from the model's MTP layer (`spec_decode.mtp`); 0: none
 
 
 def num_drafts_kept(drafts: list[int], targets: list[int]) -> int:
@@ -169,6 +173,11 @@ class ModelRunner:
                                           vocab_size=self.config.vocab_size, structured=structured)
             self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size)
         self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
+        # MTP drafts of the last step: request id -> (the history length they follow, drafts)
+        self.mtp_drafts: dict[str, tuple[int, list[int]]] = {}
+        if steps is not None and steps.mtp_tokens:
+            self._mtp_builder = BatchBuilder(pick(steps.token_buckets, steps.max_num_seqs), steps.max_num_seqs,
+                                             max_pages_per_seq, page_size)  # the chained passes' inputs
 
     def _serving_params(self, params: dict[str, Any], config: Any) -> dict[str, Any]:
         """Loaded params (host arrays) as the model holds them: projections fused (and, under
@@ -297,6 +306,8 @@ class ModelRunner:
                             padded_tokens=T, num_rows=R, mask_s=mask_s,
                             num_decode_tokens=sum(1 + s.num_draft_tokens for s in so.scheduled if not s.is_prefill))
         result = self._collect(so, token_ids, lp, timing)
+        if cfg.mtp_tokens:
+            self.mtp_drafts = self._run_mtp(so, T, h_all, result.sampled_token_ids)
         if prompt_lps:
             result = dataclasses.replace(result, prompt_logprobs=prompt_lps)
         self.guard.check([ShapeKey("backbone", T).name, ShapeKey("logits", R).name, ShapeKey("head", R, flags).name])
@@ -455,6 +466,7 @@ class ModelRunner:
         """Runs the layers over the step; returns the sampled rows' hidden states [max_reqs, E]
         and every token's, before the final norm [T, E] (read only for prompt logprobs)."""
         tok, pos, md, lidx = self.device_inputs(arrays)
+        self._step_inputs = (pos, md)  # (the MTP pass reuses them)
         lora = None
         if self.lora is not None:
             slots = arrays.lora_slots if arrays.lora_slots is not None else np.zeros(tok.shape[0], np.int32)
@@ -466,6 +478,75 @@ class ModelRunner:
             h_last, h_all, self.kv_cache = backbone_jit(self.graphdef, self.attention_backend, self.mesh,
                                                          self.state, self.kv_cache, tok, pos, md, lidx, lora)
         return h_last, h_all
+
+    # ------------------------------------------------------------------ MTP drafts
+    def _run_mtp(self, so: SchedulerOutput, T: int, h_all: jax.Array,
+                 sampled: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
+        """The MTP layer's passes after a sampled step (`spec_decode.mtp`): the first over the
+        step's tokens, then one chained pass per further draft. Returns the drafts."""
+        cfg = self.steps
+        first = mtp.first_pass(so, T, cfg.max_num_seqs, sampled, self._known_token)
+        pos, md = self._step_inputs
+        tok, rows, src = self._put((first.token_ids, first.rows, np.arange(T, dtype=np.int32)))
+        h_rows = self._mtp_pass("mtp", T, h_all, src, tok, pos, md, rows)
+        if not first.sequences:
+            return {}
+        out = self._mtp_draft(h_rows, len(so.scheduled))
+        drafts = {s.request_id: [int(out[s.row])] for s in first.sequences}
+        live, src_rows = list(first.sequences), [s.row for s in first.sequences]
+        for j in range(1, cfg.mtp_tokens):
+            keep = [i for i, s in enumerate(live) if mtp.can_chain(s, s.next_position + j - 1, self.page_size)]
+            if not keep:
+                break
+            live, src_rows = [live[i] for i in keep], [src_rows[i] for i in keep]
+            spans = [SequenceSpan(np.array(drafts[s.request_id][-1:], np.int32), s.next_position + j - 1,
+                                  s.block_table) for s in live]
+            T2 = pick(cfg.token_buckets, len(spans))
+            arrays = self._mtp_builder.build(spans, T2, cfg.max_num_seqs)
+            src = np.zeros(T2, np.int32)
+            src[: len(live)] = src_rows
+            tok, pos, md, lidx = self.device_inputs(arrays)
+            h_rows = self._mtp_pass("mtp_chain", T2, h_rows, self._put(src), tok, pos, md, lidx)
+            out = self._mtp_draft(h_rows, len(live))
+            for r, s in enumerate(live):
+                drafts[s.request_id].append(int(out[r]))
+            src_rows = list(range(len(live)))
+        return {s.request_id: (s.next_position + 1, drafts[s.request_id]) for s in first.sequences}
+
+    def _mtp_pass(self, kind: str, T: int, h_src, src, tok, pos, md, rows) -> jax.Array:
+        """One MTP pass (compiled shape `kind`[T]); updates the cache, returns its rows' outputs."""
+        key = ShapeKey(kind, T)
+        self.guard.check([key.name])
+        exe = self.executables.get(key)
+        if exe is not None:
+            h_rows, self.kv_cache = exe(self.state, self.kv_cache, h_src, src, tok, pos, md, rows)
+        else:
+            h_rows, self.kv_cache = mtp_jit(self.graphdef, self.attention_backend, self.mesh, self.state,
+                                            self.kv_cache, h_src, src, tok, pos, md, rows,
+                                            normalize_prev=kind == "mtp")
+        return h_rows
+
+    def _mtp_draft(self, h_rows: jax.Array, num_live: int) -> np.ndarray:
+        """Greedy drafts of h_rows' first `num_live` rows (a request bucket's worth computed)."""
+        R = pick(self.steps.request_buckets, num_live)
+        key = ShapeKey("mtp_draft", R)
+        self.guard.check([key.name])
+        live = self._put(np.int32(num_live))
+        exe = self.executables.get(key)
+        if exe is not None:
+            return np.asarray(exe(self.state, h_rows, live))
+        return np.asarray(mtp_draft_jit(self.graphdef, self.mesh, self.state, h_rows, live, num_rows=R))
+
+    def _known_token(self, request_id: str, position: int) -> int | None:
+        """The request's token at `position` (prompt, then output), None past what is known."""
+        st = self.input_batch.requests.get(request_id)
+        if st is None:
+            return None
+        n = len(st.prompt_token_ids)
+        if position < n:
+            return st.prompt_token_ids[position]
+        out = st.output_token_ids
+        return out[position - n] if position - n < len(out) else None
 
     def sample(self, h_last: jax.Array, tensors: SamplingTensors, num_rows: int,
                flags: SamplerFlags, live_rows: int | None = None) -> SamplerOutput:

@@ -88,6 +88,18 @@ class StepPrograms:
                 self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache,
                 i32(T), i32(T), md, i32(max_reqs), lora,
             ).compile()
+        if key.kind in ("mtp", "mtp_chain"):  # the source rows: the target's [T, E], or the last pass's rows
+            T = key.size
+            md = AttentionMetadata(
+                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
+                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
+            )
+            h = sds((T if key.kind == "mtp" else max_reqs, self.hidden_size), self.dtype, rep)
+            return mtp_jit.lower(self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache, h,
+                                 i32(T), i32(T), i32(T), md, i32(max_reqs), normalize_prev=key.kind == "mtp").compile()
+        if key.kind == "mtp_draft":
+            h = sds((max_reqs, self.hidden_size), self.dtype, rep)
+            return mtp_draft_jit.lower(self.graphdef, self.mesh, self.state, h, i32(), num_rows=key.size).compile()
         if key.kind == "logits":
             h = sds((max_reqs, self.hidden_size), self.dtype, rep)
             return logits_jit.lower(self.graphdef, self.mesh, self.state, h, i32(), num_rows=key.size).compile()
@@ -115,6 +127,17 @@ class StepPrograms:
 def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, positions, md, logits_indices,
               lora=None):
     model = nnx.merge(graphdef, state)
+    attention_fn, kv_update_fn, extra = _layer_fns(model, attention_backend, mesh)
+    h_last, h_all, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
+                                    attention_fn=attention_fn, kv_update_fn=kv_update_fn, lora=lora, **extra)
+    if mesh is not None:  # the heads receive replicated hidden states, as their warmup assumed
+        h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
+        h_all = jax.lax.with_sharding_constraint(h_all, parallel.replicated(mesh))
+    return h_last, h_all, kv_cache
+
+
+def _layer_fns(model, attention_backend, mesh):
+    """The attention, cache-update and (under a mesh) expert functions the model's layers call."""
     extra = {}
     if family_of(model.config).attention == "latent":  # MLA: a latent cache every rank holds whole
         attention_fn = functools.partial(mla_paged_attention, backend=attention_backend,
@@ -128,15 +151,35 @@ def _backbone(graphdef, attention_backend, mesh, state, kv_cache, token_ids, pos
         kv_update_fn = functools.partial(pallas_kernels.update_kv_cache, backend=attention_backend)
         if mesh is not None:
             attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
+    if mesh is not None and model.config.is_moe:
+        extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
+    return attention_fn, kv_update_fn, extra
+
+
+def _mtp(graphdef, attention_backend, mesh, state, kv_cache, h_src, src_rows, token_ids, positions, md, rows, *,
+         normalize_prev):
+    """One pass of the multi-token-prediction layer over a step's T tokens (`spec_decode.mtp`):
+    token t pairs `h_src[src_rows[t]]` with `token_ids[t]`. Returns the outputs of `rows`
+    [max_reqs, E] (the next pass's `h_src` when drafts are chained) and the cache."""
+    model = nnx.merge(graphdef, state)
+    attention_fn, kv_update_fn, extra = _layer_fns(model, attention_backend, mesh)
+    h_prev = jnp.take(h_src, src_rows, axis=0)  # [T, E]
+    h_rows, kv_cache = model.mtp_forward(h_prev, token_ids, positions, kv_cache, md, rows,
+                                         normalize_prev=normalize_prev, attention_fn=attention_fn,
+                                         kv_update_fn=kv_update_fn, **extra)
     if mesh is not None:
-        if model.config.is_moe:
-            extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
-    h_last, h_all, kv_cache = model(token_ids, positions, kv_cache, md, logits_indices,
-                                    attention_fn=attention_fn, kv_update_fn=kv_update_fn, lora=lora, **extra)
-    if mesh is not None:  # the heads receive replicated hidden states, as their warmup assumed
-        h_last = jax.lax.with_sharding_constraint(h_last, parallel.replicated(mesh))
-        h_all = jax.lax.with_sharding_constraint(h_all, parallel.replicated(mesh))
-    return h_last, h_all, kv_cache
+        h_rows = jax.lax.with_sharding_constraint(h_rows, parallel.replicated(mesh))
+    return h_rows, kv_cache
+
+
+def _mtp_draft(graphdef, mesh, state, h_rows, live_rows, *, num_rows):
+    """The greedy draft [num_rows] int32 of each of h_rows' first rows."""
+    model = nnx.merge(graphdef, state)
+    h = jax.lax.optimization_barrier(h_rows[:num_rows])  # (as `_logits`: the slice before the head's GEMM)
+    logits = model.mtp_logits(h, live_rows)  # [R, V]
+    if mesh is not None:
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _logits(graphdef, mesh, state, h_last, live_rows, *, num_rows):
@@ -179,6 +222,8 @@ backbone_jit = jax.jit(_backbone, static_argnums=(0, 1, 2), donate_argnums=(4,))
 logits_jit = jax.jit(_logits, static_argnums=(0, 1), static_argnames=("num_rows",))
 prompt_logprobs_jit = jax.jit(_prompt_logprobs, static_argnums=(0, 1), static_argnames=("num_top",))
 sample_jit = jax.jit(_sample, static_argnames=("flags", "one_row_at_a_time"), donate_argnums=(0,))
+mtp_jit = jax.jit(_mtp, static_argnums=(0, 1, 2), static_argnames=("normalize_prev",), donate_argnums=(4,))
+mtp_draft_jit = jax.jit(_mtp_draft, static_argnums=(0, 1), static_argnames=("num_rows",))
 
 
 def _gather_pages(kv, ids):
