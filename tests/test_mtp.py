@@ -21,13 +21,16 @@ K = 2  # drafts per step: the first from the target's hidden states, the second 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
+    return save_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "ds")
+
+
+def save_mtp_checkpoint(path):
     """(checkpoint dir, transformers target (3 layers), transformers model whose layer 3 is the
     MTP layer's decoder, the MTP layer's own tensors)."""
     import transformers
     from hf_reference import save_tiny_family
     from safetensors.numpy import load_file, save_file
 
-    path = tmp_path_factory.mktemp("mtp") / "ds"
     full = save_tiny_family(path, "deepseek_v3", num_hidden_layers=4)
     tensors = load_file(str(path / "model.safetensors"))
     rng = np.random.default_rng(3)
@@ -179,3 +182,38 @@ def test_mtp_is_refused_by_name_where_it_cannot_run(mtp_checkpoint, tmp_path, sm
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(model=str(path), speculative_config={"method": "mtp"})
+
+
+_TP_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+from jaxserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+          num_pages=40, page_size=4, max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),
+          max_model_len=96, tensor_parallel_size=2, enable_expert_parallel=True, structured_outputs=False,
+          compilation_cache_dir=None)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+print(json.dumps([[o.outputs[0].token_ids for o in outs], llm.engine.spec_decode.num_draft_tokens,
+                  llm.engine.compiles_after_warmup]))
+"""
+
+
+def test_mtp_under_tensor_and_expert_parallelism_keeps_transformers_outputs(mtp_checkpoint):
+    """TP=2 with the experts split whole (EP=2): the MTP pass runs the per-shard latent
+    attention and experts like the model's layers; the outputs stay transformers'."""
+    import subprocess
+    import sys
+
+    from hf_reference import hf_greedy
+
+    path, target, _, _ = mtp_checkpoint
+    prompts = [[1 + (5 * j + 2) % 120 for j in range(21)], [3, 9, 27, 81, 5, 7]]
+    res = subprocess.run([sys.executable, "-c", _TP_CHILD, path, json.dumps(prompts)], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    outputs, num_drafts, compiles = json.loads(res.stdout.strip().splitlines()[-1])
+    assert num_drafts > 0 and compiles == 0
+    for p, got in zip(prompts, outputs):
+        assert got == hf_greedy(target, p, 10)[0]
