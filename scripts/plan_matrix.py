@@ -45,6 +45,10 @@ CASES = {
                                 ["--quantization", "int8", "--enable-expert-parallel"]),
     "deepseek-v3-h200x8-fp8": ("deepseek_v3_config.json", "gpu:h200x8",
                                ["--quantization", "fp8", "--enable-expert-parallel"]),
+    # the same with its MTP layer drafting (one more latent layer of pages, its passes compiled)
+    "deepseek-v3-v5p-8-int8-mtp": ("deepseek_v3_config.json", "tpu:v5p-8",
+                                   ["--quantization", "int8", "--enable-expert-parallel", "--speculative-config",
+                                    '{"method": "mtp", "num_speculative_tokens": 1}']),
 }
 
 
@@ -75,7 +79,7 @@ def representative_shapes(name: str, flags: list[str]) -> list[str]:
     rank = tp_model_config(mc, target.num_devices, cfg.enable_expert_parallel)
     keys = cfg.resolve(mc, rank, platform=target.platform).plan.shapes()
     out = [k.name for k in keys if k.kind == "backbone"]
-    for kind in ("logits", "prompt_logprobs"):
+    for kind in ("logits", "prompt_logprobs", "mtp", "mtp_chain", "mtp_draft"):
         out += [max((k for k in keys if k.kind == kind), key=lambda k: k.size).name] if any(
             k.kind == kind for k in keys) else []
     heads = [k for k in keys if k.kind == "head"]

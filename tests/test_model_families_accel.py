@@ -42,14 +42,16 @@ def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target
         assert backbone.experts == "xla" and report.experts[0] == "xla"
 
 
-@pytest.mark.parametrize("target,quantization,params_gib", [
-    ("tpu:v5p-8", "int8", (79.0, 80.0)),  # 671 B params at a byte each over 8 chips
-    ("gpu:h200x8", "fp8", (79.0, 80.0)),
+@pytest.mark.parametrize("target,quantization,mtp,params_gib", [
+    # 671 B params at a byte each over 8 chips, plus the 11.5 B of the MTP layer on TPU
+    ("tpu:v5p-8", "int8", True, (80.4, 81.4)),
+    ("gpu:h200x8", "fp8", False, (79.0, 80.0)),
 ])
-def test_deepseek_v3_plans_on_the_smallest_targets_that_hold_it(target, quantization, params_gib):
+def test_deepseek_v3_plans_on_the_smallest_targets_that_hold_it(target, quantization, mtp, params_gib):
     """DeepSeek-V3 as published (61 layers, 128 heads, 256 experts), abstract weights: its step
     compiles with the latent cache read in place (no relayout copy: lanes pages on TPU, read by
-    the Mosaic kernel), and the plan fits with room for more than 100k cached tokens per device."""
+    the Mosaic kernel), and the plan fits with room for more than 100k cached tokens per device.
+    On TPU with its MTP layer drafting: its pass compiles too, reading the same cache in place."""
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
     from jaxserve.config.engine_config import EngineConfig
@@ -57,14 +59,18 @@ def test_deepseek_v3_plans_on_the_smallest_targets_that_hold_it(target, quantiza
 
     mc = load_model_config(str(DATA / "deepseek_v3_config.json"))
     settings = {**SETTINGS, "num_pages": 64}
-    report = compile_for_target(mc, EngineConfig(**settings, enable_expert_parallel=True, quantization=quantization),
-                                Target.parse(target), shapes=["backbone[T=16]"])
+    spec = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
+    report = compile_for_target(mc, EngineConfig(**settings, enable_expert_parallel=True, quantization=quantization,
+                                                 speculative_config=spec),
+                                Target.parse(target), shapes=["backbone[T=16]"] + (["mtp[T=16]"] if mtp else []))
     backbone = report.shapes[0]
     assert backbone.compiled, backbone.error
+    for shape in report.shapes[1:]:  # the MTP pass
+        assert shape.compiled and shape.cache_copies == 0, (shape.name, shape.error)
     assert "latent attention over 576-wide rows" in report.attention[1]
     # the Mosaic kernel over 640-lane latent rows on TPU, the Triton one over 16 heads per GPU
     assert backbone.attention == "pallas" and report.attention[0] == "pallas"
-    assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
+    assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1], report.params_bytes / 2**30
     assert report.fits and report.max_num_pages * report.fingerprint["page_size"] > 100_000, report.verdict()
     assert backbone.cache_copies == 0
 

@@ -177,8 +177,8 @@ class ShapeResult:
     attention: str | None  # backbone: "pallas" | "reference"
     hbm_bytes: int | None  # per device: arguments + outputs - aliased + temporaries
     temp_bytes: int | None
-    cache_copies: int | None = None  # backbone: copies of >= one layer's KV pages (relayouts)
-    weight_copies: int | None = None  # backbone: layer-weight slices copied out of the stacked params
+    cache_copies: int | None = None  # backbone, MTP passes: copies of >= one layer's KV pages (relayouts)
+    weight_copies: int | None = None  # backbone, MTP passes: layer-weight slices copied out of the stacked params
     error: str | None = None
     file: str | None = None  # serialized executable, relative to the output directory
     experts: str | None = None  # MoE backbones: "pallas" (Triton) | "cpu" (CPU loop) | "xla" (ragged dot)
@@ -408,7 +408,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         seconds = round(time.perf_counter() - t0, 2)
         first = exe[0] if isinstance(exe, tuple) else exe
         attention = copies = experts = None
-        if key.kind == "backbone":
+        if key.kind in ("backbone", "mtp", "mtp_chain"):  # the programs that run layers over the cache
             hlo = first.as_text()
             markers = KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
