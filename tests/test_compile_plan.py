@@ -268,12 +268,18 @@ def test_the_persistent_cache_is_keyed_by_the_host_cpu(monkeypatch):
     assert len({here, other, host_cpu_key()}) == 3 and here.startswith("host-")
 
 
-def test_tiers_hold_every_shape_once_in_serving_order():
-    plan = CompilePlan.from_config(EngineConfig(max_num_seqs=64, max_num_batched_tokens=512), swap_enabled=True,
-                                   platform="cpu")
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_tiers_hold_every_shape_once_in_serving_order(spec):
+    plan = CompilePlan.from_config(EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, speculative_config=spec),
+                                   swap_enabled=True, platform="cpu")
     tiers = plan.tiers()
     names = [k.name for t in tiers for k in t.shapes]
-    assert sorted(names) == sorted(k.name for k in plan.shapes()) and len(set(names)) == len(names)
+    assert sorted(names) == sorted(k.name for k in plan.shapes()) and len(set(names)) == len(names) == len(plan)
+    if spec is not None:  # an MTP pass per token bucket, a chained one for each bucket 64 sequences reach
+        kinds = [k for k in plan.shapes() if k.kind.startswith("mtp")]
+        assert {k.size for k in kinds if k.kind == "mtp"} == set(plan.token_buckets)
+        assert {k.size for k in kinds if k.kind == "mtp_chain"} == {t for t in plan.token_buckets if t <= 64}
+        assert {k.size for k in kinds if k.kind == "mtp_draft"} == set(plan.request_buckets)
     assert [t.max_tokens for t in tiers] == list(plan.token_buckets)
     assert [t.max_seqs for t in tiers] == [min(t, 64) for t in plan.token_buckets]  # one row per token at most
     for i, tier in enumerate(tiers):
