@@ -474,10 +474,11 @@ def cache_copies(hlo: str, page_dims: tuple[int, ...], min_elements: int) -> int
     """Copy instructions in optimized HLO of a KV-cache-shaped buffer (trailing dims
     `page_dims`: (S, Hkv, D) or (S, C)) of at least `min_elements` elements (one layer's pages): a
     relayout of the cache, which a step must never pay for."""
+    want = tuple(d for d in page_dims if d != 1)  # (a view with a size-1 head axis counts too)
     n = 0
     for m in _COPY.finditer(hlo):
-        dims = tuple(int(d) for d in m.group(1).split(",") if d)
-        n += dims[-len(page_dims):] == tuple(page_dims) and math.prod(dims) >= min_elements
+        dims = tuple(int(d) for d in m.group(1).split(",") if d and int(d) != 1)
+        n += dims[-len(want):] == want and math.prod(dims) >= min_elements
     return n
 
 

@@ -83,7 +83,13 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3's layer scans and expert layers with grouped-query attention over per-head
     K/V pages: `kv_cache` is (k, v[, k_scales, v_scales]) as for the Llama decoder."""
 
-    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
+    def _paged_pool(self, kv_cache):
+        """The Llama cache's K and V pages [L, P, S, Hkv, D] as [L*P, S, Hkv, D] pools."""
+        L, P = kv_cache[0].shape[:2]
+        return tuple(x.reshape(L * P, *x.shape[2:]) if x.ndim >= 4 else x for x in kv_cache), kv_cache[0].shape[2:]
+
+    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, dims, attention_fn, kv_update_fn):
+        S = dims[0]
         cfg = self.config
         T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self._norm(h, w["input_norm"])
