@@ -158,6 +158,14 @@ def test_mtp_drafts_equal_the_reference_and_outputs_equal_transformers(mtp_check
         assert outputs[str(i)] == want, f"prompt {i}: {outputs[str(i)]} != transformers' {want}"
     assert engine.compiles_after_warmup == 0
     assert engine.scheduler.stats().num_used_blocks == 0
+    # the cache is updated in place by the step and the MTP passes (XLA:CPU once copied it whole
+    # twice per program, relaying out the heads layout's size-1 axis)
+    from jaxserve.compilation.aot import cache_copies
+
+    pages = engine.runner.kv_cache[0].shape
+    for key, exe in engine.runner.executables.items():
+        if key.kind in ("backbone", "mtp", "mtp_chain"):
+            assert cache_copies(exe.as_text(), pages[2:], pages[1] * pages[2] * pages[3]) == 0, key.name
 
 
 def test_mtp_is_refused_by_name_where_it_cannot_run(mtp_checkpoint, tmp_path, smollm_path):
