@@ -128,7 +128,7 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(family.model_class(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
                                                  matmul_precision=resolved.quantized_matmul_precision,
-                                                 row_tile=resolved.row_tile))
+                                                 row_tile=resolved.row_tile, kv_layout=resolved.kv_layout))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
     spec, quantized = family.kv_cache, resolved.kv_cache_dtype is not None

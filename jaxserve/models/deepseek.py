@@ -41,7 +41,7 @@ from jaxserve.models.layers import (
     MoEFn,
     tiled_matmul,
 )
-from jaxserve.models.llama import LlamaForCausalLM, single_device_moe
+from jaxserve.models.llama import LlamaForCausalLM, PoolViews, paged_pool_views, single_device_moe
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.quantization import scale_name
@@ -244,20 +244,20 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{self.config.architecture} does not take LoRA adapters")
         cfg = self.config
         P = kv_cache[0].shape[1]
-        pool, dims = self._paged_pool(kv_cache)
+        pool, views = self._paged_pool(kv_cache)
         h = self._embed(token_ids, self.final_norm[...].dtype)  # [T, E]
         rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # [T, dr/2] each
         stack = self._stacks(md)
 
         def dense_layer(carry, i):
             h, pool = carry
-            h, pool = self._attention(h, stack(i), rope, pool, md, i * P, dims, attention_fn, kv_update_fn)
+            h, pool = self._attention(h, stack(i), rope, pool, md, i * P, views, attention_fn, kv_update_fn)
             x = self._norm(h, stack(i)["post_norm"])
             return (h + self._dense_mlp(x, stack(i)), pool), None
 
         def moe_layer(carry, i):
             h, pool = carry
-            return self._moe_layer(h, i, stack, rope, pool, md, P, dims, attention_fn, kv_update_fn, moe_fn), None
+            return self._moe_layer(h, i, stack, rope, pool, md, P, views, attention_fn, kv_update_fn, moe_fn), None
 
         k, L = cfg.num_dense_layers, cfg.num_layers  # (the MTP layer, stacked after them, runs in `mtp`)
         if k:
@@ -289,7 +289,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         outputs [R, E] (before the head's norm: `mtp_logits`) and the cache."""
         cfg, w = self.config, self.mtp
         P = kv_cache[0].shape[1]
-        pool, dims = self._paged_pool(kv_cache)
+        pool, views = self._paged_pool(kv_cache)
         dtype = self.final_norm[...].dtype
         if normalize_prev:
             h_prev = self.final_hidden(h_prev)
@@ -297,7 +297,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         x = jnp.concatenate([e, self._norm(h_prev.astype(dtype), w["mtp_hnorm"][...])], axis=-1)  # [T, 2E]
         h = tiled_matmul(x, w["mtp_eh_proj"][...], self.row_tile)  # [T, E]
         rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))
-        h, pool = self._moe_layer(h, jnp.int32(cfg.num_layers), self._stacks(md), rope, pool, md, P, dims,
+        h, pool = self._moe_layer(h, jnp.int32(cfg.num_layers), self._stacks(md), rope, pool, md, P, views,
                                   attention_fn, kv_update_fn, moe_fn)
         return jnp.take(h, rows, axis=0), tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
 
@@ -305,10 +305,13 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         """The MTP layer's logits [R, V]: its own norm, then the shared head."""
         return self.compute_logits(self._norm(h, self.mtp["mtp_head_norm"][...]), live_rows)
 
-    def _paged_pool(self, kv_cache: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
-        """(every layer's cache in the form the layer loop carries, a page's dims as the
-        layers' attention takes them)."""
-        return _pool(kv_cache), page_dims(self.config, kv_cache[0])
+    _page_arrays = 1  # the latent rows (GLM-4.5: K and V)
+
+    def _paged_pool(self, kv_cache: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], PoolViews]:
+        """(every layer's cache in the form the layer loop carries, the views between that and
+        the kernels' [L*P, S, ...] pages)."""
+        views = paged_pool_views(self.kv_layout, kv_cache[0], self._page_arrays)
+        return views.to_carry(kv_cache), views
 
     def _stacks(self, md: AttentionMetadata):
         """i -> layer i's view of the stacked weights."""
@@ -316,17 +319,18 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         live_rows = md.cu_q_lens[md.num_seqs[0]]
         return lambda i: LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
 
-    def _moe_layer(self, h, i, stack, rope, pool, md, P, dims, attention_fn, kv_update_fn, moe_fn):
+    def _moe_layer(self, h, i, stack, rope, pool, md, P, views, attention_fn, kv_update_fn, moe_fn):
         """Decoder layer i (>= the dense ones): latent attention, then the routed and shared experts."""
-        h, pool = self._attention(h, stack(i), rope, pool, md, i * P, dims, attention_fn, kv_update_fn)
+        h, pool = self._attention(h, stack(i), rope, pool, md, i * P, views, attention_fn, kv_update_fn)
         x = self._norm(h, stack(i)["post_norm"])
         return h + self._experts(x, stack(i - self.config.num_dense_layers), moe_fn), pool
 
-    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, dims, attention_fn, kv_update_fn):
+    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, views: PoolViews, attention_fn,
+                   kv_update_fn):
         """One MLA layer: writes this step's latent rows, returns (h + attention, the pool).
-        `pool[0]` holds every layer's rows [L*P*S, C]; `dims` is a page's shape without the
-        page axis ((S, 1, W) or (S, C)), which the kernels take."""
-        S = dims[0]
+        `views` turns the carried pool into the kernels' [L*P, S, 1, W] / [L*P, S, C] pages."""
+        S = views.page_size
+        pages = views.to_pages(pool)
         cfg, m = self.config, _mla(self.config)
         T, H, dn, dr, dv = h.shape[0], cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         x = self._norm(h, w["input_norm"])
@@ -343,17 +347,16 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             q_rope = jnp.concatenate([q_rope[..., 0::2], q_rope[..., 1::2]], axis=-1)
             k_rope = jnp.concatenate([k_rope[..., 0::2], k_rope[..., 1::2]], axis=-1)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
-        new = kv_update_fn(jnp.concatenate([c_kv, k_rope[:, 0]], axis=-1), pool[0].reshape(-1, *dims),
-                           md.slot_mapping + page_offset * S, *pool[1:])
-        pool = (new[0].reshape(pool[0].shape), *new[1:])
+        pages = tuple(kv_update_fn(jnp.concatenate([c_kv, k_rope[:, 0]], axis=-1), pages[0],
+                                   md.slot_mapping + page_offset * S, *pages[1:]))
         kv_b = w["kv_b_proj"].reshape(m.kv_lora_rank, H, dn + dv)  # [Dl, H, dn + dv]: W_UK | W_UV per head
         q_lat = jnp.einsum("thd,lhd->thl", q_nope, kv_b[..., :dn])  # [T, H, Dl]
         o_lat = attention_fn(jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1),
-                             pool[0].reshape(-1, *dims), md.kv_lens,
+                             pages[0], md.kv_lens,
                              md.block_tables + page_offset, md.cu_q_lens, md.num_seqs, sm_scale=cfg.sm_scale,
-                             latent_dim=m.kv_lora_rank, scales=pool[1] if len(pool) > 1 else None)  # [T, H, Dl]
+                             latent_dim=m.kv_lora_rank, scales=pages[1] if len(pages) > 1 else None)  # [T, H, Dl]
         o = jnp.einsum("thl,lhv->thv", o_lat.astype(h.dtype), kv_b[..., dn:]).reshape(T, H * dv)
-        return h + w.matmul(o, "o_proj"), pool
+        return h + w.matmul(o, "o_proj"), views.to_carry(pages)
 
     def _dense_mlp(self, x, w: LayerStack):
         gate, up = split_gate_up(w.matmul(x, "gate_up_proj"), self.shards)
@@ -374,39 +377,19 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return y
 
 
-def _pool(kv_cache: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """One pool of every layer's rows: the pages [L, P, S, ...] as [L*P*S, C] (scales are
-    pooled already). Two dimensions in the layer loop's carry: with the heads layout's
-    size-1 axis in it, XLA:CPU gave the carry another layout and copied the whole cache
-    twice per step to return it (see `kv_cache_shape`)."""
-    L, P, S = kv_cache[0].shape[:3]
-    return tuple(x.reshape(L * P * S, x.shape[-1]) if x.ndim >= 4 else x for x in kv_cache)
-
-
 # ---------------------------------------------------------------------- the latent cache
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
                    tp: int = 1) -> tuple[int, ...]:
-    """The latent pages: [L, P, S, W] (heads layout: the kernels see each layer's pages as
-    [P, S, 1, W], one KV head) or [L, P, S, C] (lanes, C = W rounded up to 128 lanes); every
-    tensor-parallel rank holds all of them (the latent serves every head). The heads layout's
-    array has no size-1 head axis: with one, XLA:CPU returned the updated cache through two
-    whole-cache copies per step (a layout change of the degenerate axis)."""
+    """The latent pages: [L, P, S, W] (heads layout: one KV head, held without its size-1
+    axis as `llama.kv_cache_shape` holds one head, and seen by the kernels as [P, S, 1, W]
+    pages: `llama.paged_pool_views`) or [L, P, S, C] (lanes, C = W rounded up to 128 lanes);
+    every tensor-parallel rank holds all of them (the latent serves every head)."""
     W = _mla(cfg).latent_width
     if layout == "lanes":
         from pallas_kernels.kv_layout import lanes_width
 
         return (cfg.num_stacked_layers, num_pages, page_size, lanes_width(1, W))
     return (cfg.num_stacked_layers, num_pages, page_size, W)
-
-
-def page_dims(cfg: ModelConfig, pages: jax.Array) -> tuple[int, ...]:
-    """A page's shape as the kernels take it: (S, 1, W) in the heads layout, (S, C) in the
-    lanes layout. The two arrays are alike when W is a multiple of 128 lanes (no MLA model
-    published has such a width): they are then read in the lanes layout, whose reference
-    path every platform runs."""
-    S, width = pages.shape[2], pages.shape[-1]
-    W = _mla(cfg).latent_width
-    return (S, 1, W) if width == W and W % 128 else (S, width)
 
 
 def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:

@@ -83,13 +83,11 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3's layer scans and expert layers with grouped-query attention over per-head
     K/V pages: `kv_cache` is (k, v[, k_scales, v_scales]) as for the Llama decoder."""
 
-    def _paged_pool(self, kv_cache):
-        """The Llama cache's K and V pages [L, P, S, Hkv, D] as [L*P, S, Hkv, D] pools."""
-        L, P = kv_cache[0].shape[:2]
-        return tuple(x.reshape(L * P, *x.shape[2:]) if x.ndim >= 4 else x for x in kv_cache), kv_cache[0].shape[2:]
+    _page_arrays = 2
 
-    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, dims, attention_fn, kv_update_fn):
-        S = dims[0]
+    def _attention(self, h, w: LayerStack, rope, pool, md, page_offset, views, attention_fn, kv_update_fn):
+        S = views.page_size
+        pool = views.to_pages(pool)
         cfg = self.config
         T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self._norm(h, w["input_norm"])
@@ -106,4 +104,4 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
         scales = {"k_scales": pool[2], "v_scales": pool[3]} if len(pool) == 4 else {}
         attn = attention_fn(q, pool[0], pool[1], md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
                             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, **scales)  # [T, Hq, D]
-        return h + w.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), pool
+        return h + w.matmul(attn.reshape(T, Hq * D).astype(h.dtype), "o_proj"), views.to_carry(pool)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +101,12 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False,
-                 matmul_precision: str = "highest", row_tile: int = 0, embed_columns: bool = False):
+                 matmul_precision: str = "highest", row_tile: int = 0, embed_columns: bool = False,
+                 kv_layout: str = "heads"):
         self.config = config
+        # The cache's page layout ("heads" | "lanes"): a heads-layout cache of one KV head comes
+        # without its size-1 head axis (`kv_cache_shape`), and is viewed with it for the kernels.
+        self.kv_layout = kv_layout
         # A quantized tied embedding held [E, V], a column per token (`embed_columns`): on CPU
         # the int8 head kernel reads [K, N] faster than [N, K], and the lookup gathers columns.
         self.embed_columns = embed_columns
@@ -158,7 +163,8 @@ class LlamaForCausalLM(nnx.Module):
 
         # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are
         # offset by l*P, so no per-layer slice of the cache is ever copied.
-        pool = (k_cache.reshape(L * P, S, *row), v_cache.reshape(L * P, S, *row), *kv_cache[2:])
+        to_pages, to_carry, _ = paged_pool_views(self.kv_layout, k_cache, 2)
+        pool = to_carry(kv_cache)
         # Quantized dense projections stay stacked [L, ...] and are read in place by layer index
         # (pallas_kernels.quantized_matmul); everything else is sliced per layer by the scan.
         stacked = {k: v[...] for k, v in self.layers.items() if _stacked_quantized(k, self.layers)}
@@ -180,6 +186,7 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer(carry, xs):
             h, pool = carry
+            pool = to_pages(pool)
             lp, per, lora_lp = xs
             window = per["window"] if not uniform else (windows[0] or None)
             cos_sin = rope
@@ -194,20 +201,20 @@ class LlamaForCausalLM(nnx.Module):
                 h = h + self._norm(attn, lp["post_attn_norm"])
                 x = self._norm(h, lp["post_norm"])
                 y = self._norm(self._mlp(x, lp, moe_fn), lp["post_ffn_norm"])
-                return (h + y, pool), None
+                return (h + y, to_carry(pool)), None
             # h + branch, handed to the branch's last projection (a quantized one adds it in
             # its epilogue on CPU; the same bits as the add).
             h, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
             x = self._norm(h, lp["post_norm"])
-            return (self._mlp(x, lp, moe_fn, residual=h), pool), None
+            return (self._mlp(x, lp, moe_fn, residual=h), to_carry(pool)), None
 
         (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer, lora_weights))
 
         # Only the rows that are sampled leave the backbone: logits are computed later, for
         # those [R] rows only, never for all [T] tokens.
         h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
-        kv_cache = (pool[0].reshape(k_cache.shape), pool[1].reshape(v_cache.shape), *pool[2:])
+        kv_cache = tuple(p.reshape(x.shape) for p, x in zip(pool, kv_cache))
         return h_last, h, kv_cache
 
     def final_hidden(self, h: jax.Array) -> jax.Array:
@@ -294,6 +301,44 @@ class LlamaForCausalLM(nnx.Module):
         return soft_cap(logits, self.config.final_logit_softcap)
 
 
+def page_dims(kv_layout: str, pages: jax.Array) -> tuple[int, ...]:
+    """A page's shape as the kernels take it, from a cache array [L, P, S, ...]: (S, Hkv, D)
+    or (S, 1, D) in the heads layout (a one-head cache is held without the head axis), (S, C)
+    in the lanes layout."""
+    if kv_layout == "heads" and pages.ndim == 4:
+        return (pages.shape[2], 1, pages.shape[3])
+    return tuple(pages.shape[2:])
+
+
+class PoolViews(NamedTuple):
+    to_pages: Callable[[tuple[jax.Array, ...]], tuple[jax.Array, ...]]
+    to_carry: Callable[[tuple[jax.Array, ...]], tuple[jax.Array, ...]]
+    page_size: int
+
+
+def paged_pool_views(kv_layout: str, pages: jax.Array, num_page_arrays: int) -> PoolViews:
+    """(to_pages, to_carry, page size): every layer's cache as the layer loop carries it, and back to the
+    [L*P, S, ...] pools the kernels take (scales, pooled already, pass through). A one-head
+    heads-layout cache is carried as [L*P*S, D] rows: carried with the size-1 head axis (or
+    held with it), XLA:CPU relaid the whole cache out and copied it back on every step (4
+    copies per step at one KV head; none with two or more)."""
+    L, P, S = pages.shape[:3]
+    dims = page_dims(kv_layout, pages)
+    n = num_page_arrays
+    if dims[1:2] == (1,) and len(dims) == 3:
+        def to_pages(pool):
+            return (*(x.reshape(L * P, *dims) for x in pool[:n]), *pool[n:])
+
+        def to_carry(pool):
+            return (*(x.reshape(L * P * S, dims[-1]) for x in pool[:n]), *pool[n:])
+    else:
+        def to_pages(pool):
+            return (*(x.reshape(L * P, *dims) if x.ndim != len(dims) + 1 else x for x in pool[:n]), *pool[n:])
+
+        to_carry = to_pages
+    return PoolViews(to_pages, to_carry, S)
+
+
 def _scales(pool: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
     """The quantized cache's scales as the ops take them (none for a full-precision cache)."""
     return {"k_scales": pool[2], "v_scales": pool[3]} if len(pool) == 4 else {}
@@ -361,12 +406,15 @@ def _plain_or_tiled(x: jax.Array, w: jax.Array, row_tile: int) -> jax.Array:
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads",
                    tp: int = 1) -> tuple[int, ...]:
-    """One of the K/V caches: [L, P, S, Hkv, D] (heads layout) or [L, P, S, C] (lanes layout;
-    under tensor parallelism C holds `tp` rank rows of their own padded width)."""
+    """One of the K/V caches: [L, P, S, Hkv, D] (heads layout; [L, P, S, D] for one KV head,
+    see `paged_pool_views`) or [L, P, S, C] (lanes layout; under tensor parallelism C holds
+    `tp` rank rows of their own padded width)."""
     if layout == "lanes":
         from pallas_kernels.kv_layout import lanes_width
 
         return (cfg.num_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
+    if cfg.num_kv_heads == 1:
+        return (cfg.num_layers, num_pages, page_size, cfg.head_dim)
     return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 

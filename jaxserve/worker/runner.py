@@ -196,7 +196,7 @@ class ModelRunner:
         tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
         return family_of(self.config).model_class(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
                                 matmul_precision=self.matmul_precision, row_tile=self.row_tile,
-                                embed_columns=self.embed_columns)
+                                embed_columns=self.embed_columns, kv_layout=self.kv_layout)
 
     def replace_params(self, params: dict[str, Any], config: Any, mask: dict[str, Any] | None = None) -> None:
         """New weights in place of the running ones, every compiled program kept: each tensor
