@@ -33,7 +33,7 @@ from jaxserve.models.fused import fuse_projections
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.registry import family_of
-from jaxserve.spec_decode import mtp
+from jaxserve.worker import mtp_inputs as mtp
 from jaxserve.worker import parallel, prompt_logprobs
 from jaxserve.worker.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.worker.buckets import pick
