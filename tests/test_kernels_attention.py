@@ -347,3 +347,33 @@ def test_tpu_kernel_lane_windows(heads, dtype, atol):
     hq, hkv, d = heads
     case = make_case(**CASES["mixed"], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=17)
     _check("tpu", case, dtype=dtype, atol=atol)
+
+
+# Attention sinks (gpt-oss): one learned logit per query head in every row's denominator.
+SINK_KERNELS = {"reference": ragged_paged_attention_reference, "cpu": _native_cpu}
+
+
+@pytest.mark.parametrize("kernel", sorted(SINK_KERNELS))
+@pytest.mark.parametrize("name,window", [("mixed", None), ("all_prefill", None), ("long_continuation", 24)])
+def test_sinks_join_the_softmax_denominator(kernel, name, window):
+    """Against the float64 oracle, sinks from -5 to +8 (a sink larger than every score is the
+    case the rescaling exists for), GQA 8:2, head dim 64 as gpt-oss's."""
+    case = make_case(**CASES[name], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=11)
+    sinks = np.linspace(-5.0, 8.0, 8).astype(np.float32)
+    sm_scale = 64 ** -0.5
+    got = SINK_KERNELS[kernel](*_args(case), sm_scale=sm_scale, sliding_window=window, sinks=jnp.asarray(sinks))
+    want = attention_numpy(case, sm_scale=sm_scale, sliding_window=window, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    plain = attention_numpy(case, sm_scale=sm_scale, sliding_window=window)
+    total = int(case.cu_q_lens[int(case.num_seqs[0])])
+    assert np.abs(np.asarray(got)[:total] - plain[:total]).max() > 0.1  # the sinks changed the result
+
+
+def test_sinks_are_refused_by_kernels_that_lack_them():
+    from pallas_kernels import ragged_paged_attention
+
+    case = make_case(**CASES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=11)
+    with pytest.raises(ValueError, match="does not take attention sinks"):
+        ragged_paged_attention(*_args(case), sm_scale=0.125, sinks=jnp.zeros(8), backend="pallas_gpu", interpret=True)
+    with pytest.raises(ValueError, match=r"sinks must be \[Hq=8\]"):
+        ragged_paged_attention(*_args(case), sm_scale=0.125, sinks=jnp.zeros(4))

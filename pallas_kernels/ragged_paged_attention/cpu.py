@@ -95,6 +95,7 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [Hq] f32 learned logits in each row's softmax denominator
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """The reference's contract (see reference.py), computed by the native kernel.
 
@@ -109,5 +110,7 @@ def ragged_paged_attention_cpu(
         name += _QUANTIZED_SUFFIX
         scales = (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    sink_arr = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((q.shape[1],), jnp.float32)
     return call(q, k_pages, v_pages, *scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                window.raw_array(sliding_window), sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
+                window.raw_array(sliding_window), sink_arr, sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(soft_cap or 0.0), use_sinks=sinks is not None)

@@ -323,6 +323,7 @@ struct Problem {
   float sm_scale;
   int64_t sliding_window;  // 0: none
   float soft_cap;          // 0: none
+  const float* sinks;      // [Hq] learned logits that join every row's softmax denominator; nullptr: none
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu_q_lens;
@@ -595,7 +596,13 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
   for (int64_t i = 0; i < nb; ++i) {
     Q* o = out + (t0 + i) * Hq * D;
     for (int64_t r = 0; r < Hq; ++r) {
-      const float l = w.l[i * Hq + r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      float l = w.l[i * Hq + r], scale = 1.0f;
+      if (p.sinks != nullptr && l > 0.0f) {  // the sink's weight joins the denominator only
+        const float m = w.m[i * Hq + r], sink = p.sinks[r], top = std::max(m, sink);
+        scale = std::exp(m - top);
+        l = l * scale + std::exp(sink - top);
+      }
+      const float inv = l > 0.0f ? scale / l : 0.0f;
       for (int64_t d = 0; d < D; ++d) store(w.acc[(i * Hq + r) * Dp + d] * inv, o + r * D + d);
     }
   }
@@ -651,12 +658,15 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
                   const ffi::Buffer<ffi::F32>* k_scales, const ffi::Buffer<ffi::F32>* v_scales,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                  ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+                  ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+                  bool use_sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
   if (qd[1] > 256) return ffi::Error::InvalidArgument("at most 256 query heads");
   if (sliding_window.element_count() != 1) return ffi::Error::InvalidArgument("sliding_window must hold one int32");
+  if (use_sinks && static_cast<int64_t>(sinks.element_count()) != qd[1])
+    return ffi::Error::InvalidArgument("sinks must hold one f32 per query head");
   const auto qt = q.element_type(), kt = k_pages.element_type();
   if ((qt != ffi::F32 && qt != ffi::BF16) || v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("q must be float32 or bfloat16, K and V pages alike");
@@ -681,6 +691,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
   p.sm_scale = sm_scale;
   p.sliding_window = std::max<int64_t>(sliding_window.typed_data()[0], 0);
   p.soft_cap = soft_cap;
+  p.sinks = use_sinks ? sinks.typed_data() : nullptr;
   p.kv_lens = kv_lens.typed_data();
   p.tables = block_tables.typed_data();
   p.cu_q_lens = cu_q_lens.typed_data();
@@ -713,19 +724,20 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::F32> sinks,
+                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, bool use_sinks) {
   return Attend(pool, q, k_pages, v_pages, nullptr, nullptr, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sliding_window, out, sm_scale, soft_cap);
+                sliding_window, sinks, out, sm_scale, soft_cap, use_sinks);
 }
 
 ffi::Error ImplQuantized(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                          ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap) {
+                         ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+                         bool use_sinks) {
   return Attend(pool, q, k_pages, v_pages, &k_scales, &v_scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sliding_window, out, sm_scale, soft_cap);
+                sliding_window, sinks, out, sm_scale, soft_cap, use_sinks);
 }
 
 }  // namespace
@@ -741,9 +753,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("use_sinks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuantized,
                               ffi::Ffi::Bind()
@@ -758,9 +772,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuan
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("use_sinks"));
 
 // The instruction set this build's inner loops were compiled for (the test log and `jaxserve
 // info` name it, so a result says which path produced it).

@@ -97,9 +97,11 @@ def _online_softmax_attention(
     soft_cap: float | None,
     k_scales: jax.Array | None = None,  # quantized pages: kv_layout.kv_scales_shape(...) f32
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [Hq] f32
 ) -> jax.Array:  # [NB, Bq, Hkv, G, D] f32
     """Online softmax over KV chunks; scores laid out per path so no transposes run in the loop.
-    Quantized pages are dequantized per gathered chunk (values * their token's scale).
+    Quantized pages are dequantized per gathered chunk (values * their token's scale). A
+    head's sink logit joins its rows' denominators after the loop (no value of its own).
 
     Per-row (Bq == 1): scores [NB, S, Hkv, G] by multiply-and-reduce.
     Blocked (Bq > 1): scores [NB, Hkv, Bq, G, S] by batched matmuls (batch dims NB, Hkv).
@@ -156,7 +158,13 @@ def _online_softmax_attention(
     m0 = jnp.full(stat_shape, _MASKED, jnp.float32)
     l0 = jnp.zeros(stat_shape, jnp.float32)
     acc0 = jnp.zeros((*stat_shape, d), jnp.float32)
-    _, denom, acc = jax.lax.fori_loop(start_chunk, end_chunk, body, (m0, l0, acc0))
+    m, denom, acc = jax.lax.fori_loop(start_chunk, end_chunk, body, (m0, l0, acc0))
+    if sinks is not None:  # softmax over [scores, sink]: rescale to the larger max, add the sink's weight
+        sink = sinks.astype(jnp.float32).reshape((hkv, g) if per_row else (hkv, 1, g))
+        top = jnp.maximum(m, sink)
+        scale = jnp.where(denom > 0.0, jnp.exp(m - top), 0.0)
+        acc = acc * scale[..., None]
+        denom = jnp.where(denom > 0.0, denom * scale + jnp.exp(sink - top), 0.0)
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     if per_row:
         return out.reshape(nb, 1, hkv, g, d)
@@ -180,6 +188,7 @@ def ragged_paged_attention_reference(
     chunk_pages: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
 
@@ -192,6 +201,8 @@ def ragged_paged_attention_reference(
     `num_kv_heads` is needed with lanes-layout pages (their rows may be padded).
     Quantized pages (int8 / fp8, `kv_quant`) take `k_scales` / `v_scales` (f32,
     `kv_layout.kv_scales_shape`): keys and values are read as `value * scale`.
+    `sinks` ([Hq] f32, gpt-oss): one learned logit per query head, a softmax entry with no
+    value: weights are exp(s) / (sum exp(s) + exp(sink)). A row that sees no key gives zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
@@ -278,6 +289,7 @@ def ragged_paged_attention_reference(
         soft_cap,
         k_scales,
         v_scales,
+        sinks,
     )  # [NB, Bq, Hkv, G, D]
     out = out.reshape(-1, num_q_heads, head_dim)[out_row]  # [T, Hq, D]
     out = jnp.where(tok_valid[:, None, None], out, 0.0)

@@ -107,9 +107,11 @@ def attention_numpy(
     sm_scale: float,
     sliding_window: int | np.ndarray | None = None,
     soft_cap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:  # [T, Hq, D] float64
     """Dead-simple oracle: per sequence, per token, per head, in float64. A window <= 0 is
-    no window, as a per-layer window array's value is in the ops."""
+    no window, as a per-layer window array's value is in the ops. `sinks` [Hq]: one more
+    softmax entry per head, with no value (gpt-oss)."""
     if sliding_window is not None:
         sliding_window = int(np.asarray(sliding_window).reshape(()))
         sliding_window = sliding_window if sliding_window > 0 else None
@@ -137,6 +139,8 @@ def attention_numpy(
                 logits = ks @ q[start + j, h] * sm_scale
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                w = np.exp(logits - logits.max())
-                out[start + j, h] = (w / w.sum()) @ vs
+                top = logits.max() if sinks is None else max(logits.max(), float(sinks[h]))
+                w = np.exp(logits - top)
+                extra = 0.0 if sinks is None else np.exp(float(sinks[h]) - top)
+                out[start + j, h] = (w / (w.sum() + extra)) @ vs
     return out
