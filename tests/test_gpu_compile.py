@@ -235,3 +235,23 @@ def test_latent_attention_compiles_the_triton_kernel_for_a_tensor_parallel_shard
     for tokens in (16, 64):
         assert TRITON in compiled_hlo(fn, args(16, tokens), gpu_device(part))
     assert TRITON not in compiled_hlo(fn, args(128, 16), gpu_device(part))
+
+
+@pytest.mark.parametrize("part,tokens", [("h100", 16), ("h200", 64)])
+def test_sinks_compile_the_triton_kernel_on_gpt_oss_shapes(part, tokens):
+    """64 query heads, 8 KV heads of 64 (gpt-oss), bf16, a 128-token window layer and a full
+    one in one scan with their own sinks: the Triton kernel serves both (the sinks enter where
+    its split partials merge), decode-sized and prefill-sized."""
+    def layers(*args):
+        *attn_args, windows, sinks = args
+
+        def body(_, xs):
+            w, s = xs
+            return None, ATTENTION(*attn_args, sliding_window=w, sinks=s)
+
+        return jax.lax.scan(body, None, (windows, sinks))[1]
+
+    S = jax.ShapeDtypeStruct
+    args = (*attention_args(jnp.bfloat16, 64, 8, 64, tokens), S((2,), jnp.int32), S((2, 64), jnp.float32))
+    hlo = compiled_hlo(layers, args, gpu_device(part))
+    assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo

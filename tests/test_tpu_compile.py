@@ -289,3 +289,28 @@ def test_latent_attention_compiles_the_mosaic_kernel_on_deepseek_shapes(topology
 
     hlo = compiled_hlo(fn, args, tpu_device(topology))
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
+
+
+def sink_and_window_layers(num_kv_heads):
+    """gpt-oss's layer pair in one scan: a 128-token window then full attention (windows as
+    data), each with its own [Hq] sinks (data too)."""
+    def layers(*args):
+        *attn_args, windows, sinks = args
+
+        def body(_, xs):
+            w, s = xs
+            return None, ATTENTION(*attn_args, num_kv_heads=num_kv_heads, sliding_window=w, sinks=s)
+
+        return jax.lax.scan(body, None, (windows, sinks))[1]
+
+    return layers
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_sinks_compile_the_mosaic_kernel_on_gpt_oss_shapes(topology):
+    """64 query heads, 8 KV heads of 64 (gpt-oss), bf16: the sinks reach the Mosaic kernel
+    as an input block, so the kernel (not the reference) serves both layers."""
+    S = jax.ShapeDtypeStruct
+    args = (*attention_args(jnp.bfloat16, 64, 8, 64), S((2,), jnp.int32), S((2, 64), jnp.float32))
+    hlo = compiled_hlo(sink_and_window_layers(8), args, tpu_device(topology))
+    assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo

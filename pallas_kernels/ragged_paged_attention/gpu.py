@@ -249,14 +249,21 @@ def block_schedule(cu_q_lens: jax.Array, num_seqs: jax.Array, num_blocks: int, b
     return seq, jnp.where(b < total, idx, -1).astype(jnp.int32), total.astype(jnp.int32)
 
 
-def _combine(o_part: jax.Array, lse: jax.Array) -> jax.Array:
+def _combine(o_part: jax.Array, lse: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Merge split partials: [S, Hkv, rows, D] f32 and [S, Hkv, rows] -> [Hkv, rows, D] f32.
-    Rows no split wrote (padding) come out zero."""
+    Rows no split wrote (padding) come out zero. `sinks` [Hkv, rows] (each row's head's sink
+    logit): the row's weights shrink by sigmoid(lse - sink), its keys' share of a softmax
+    that has the sink as one more entry."""
     top = lse.max(axis=0)  # [Hkv, rows]
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # -inf (empty split) -> 0
+    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - safe_top)  # -inf (empty split) -> 0
     total = w.sum(axis=0)
     out = jnp.where(w[..., None] > 0.0, w[..., None] * o_part, 0.0).sum(axis=0)
-    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+    out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
+    if sinks is not None:
+        row_lse = safe_top + jnp.log(jnp.where(total == 0.0, 1.0, total))
+        out = out * jax.nn.sigmoid(row_lse - sinks)[..., None]
+    return out
 
 
 @functools.partial(
@@ -294,8 +301,12 @@ def ragged_paged_attention_gpu(
     k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
     v_scales: jax.Array | None = None,
     batch_invariant: bool = False,
+    sinks: jax.Array | None = None,  # [Hq] f32
 ) -> jax.Array:  # [T, Hq, D]
     """Triton (Pallas) ragged paged attention; same contract as the reference.
+
+    `sinks` (gpt-oss) are applied where the split partials merge, from each row's
+    log-sum-exp: a batch with sinks always takes the split path (one split at least).
 
     `batch_invariant`: one block shape (16 query rows) and no KV split whatever the batch, so
     a row's sums never depend on the batch around it (the split count is otherwise data: it
@@ -343,7 +354,7 @@ def ragged_paged_attention_gpu(
     scales = (k_scales.reshape(-1).astype(jnp.float32), v_scales.reshape(-1).astype(jnp.float32)) if quantized \
         else ()
     init_at = 10 + len(scales)  # operand index of the aliased initial output
-    split = max_splits > 1
+    split = max_splits > 1 or sinks is not None  # (the row log-sum-exps carry the sinks)
     if split:
         lse_shape = (max_splits, num_kv_heads, qg.shape[1])
         init = jnp.full(lse_shape, -jnp.inf, jnp.float32)
@@ -393,7 +404,11 @@ def ragged_paged_attention_gpu(
         *scales,
         init,
     )
-    out = _combine(*outs).astype(q.dtype) if split else outs[0]  # [Hkv, (T + Bq) * Gp, D]
+    sink_rows = None
+    if sinks is not None:  # [Hq] -> [Hkv, (T + Bq) * Gp], each row its head's sink
+        per_head = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group), ((0, 0), (0, group_padded - group)))
+        sink_rows = jnp.tile(per_head, (1, num_tokens + block_q))
+    out = _combine(*outs, sink_rows).astype(q.dtype) if split else outs[0]  # [Hkv, (T + Bq) * Gp, D]
     out = out.reshape(num_kv_heads, num_tokens + block_q, group_padded, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_q_heads, head_dim)

@@ -121,8 +121,7 @@ def ragged_paged_attention(
     page_size, Hkv, layout)`, one per token and KV head. Keys and values are read as
     `value * scale`; the output is in q's dtype.
     sinks: [Hq] f32 learned logits (gpt-oss's attention sinks), each a softmax entry of its head
-    with no value. The reference and the native CPU kernel take them; the TPU and GPU kernels
-    do not yet, so `auto` runs the reference there and "pallas" refuses.
+    with no value; every kernel takes them (the GPU one where its split partials merge).
     batch_invariant: the GPU kernel runs one block shape and no KV split (a row's result then
     never depends on the batch); the native CPU kernel already sums each row alone; the TPU
     kernel is unchanged (not verified invariant).
@@ -153,14 +152,11 @@ def ragged_paged_attention(
             cpu=functools.partial(ragged_paged_attention_cpu, **kw)
             if _native_cpu_choice(layout, q.shape[1], k_pages.dtype)[0] else None,
             tpu=functools.partial(ragged_paged_attention_tpu, num_kv_heads=num_kv_heads, **kw)
-            if fits("tpu", device_kind=tpu_kind) and (k_scales is None or tpu_scales_ok(k_pages.shape[1]))
-            and sinks is None else None,
+            if fits("tpu", device_kind=tpu_kind) and (k_scales is None or tpu_scales_ok(k_pages.shape[1])) else None,
             gpu=functools.partial(ragged_paged_attention_gpu, **kw, batch_invariant=batch_invariant)
-            if fits("gpu") and sinks is None else None,
+            if fits("gpu") else None,
         )
     impl = resolve_backend(backend, interpret)
-    if impl != "reference" and sinks is not None:
-        raise ValueError(f"the {impl} kernel does not take attention sinks yet; use backend='auto' or 'reference'")
     if impl != "reference" and layout != _KERNEL_LAYOUT[impl]:
         raise ValueError(f"the {impl} kernel reads the {_KERNEL_LAYOUT[impl]} layout; got {layout}-layout pages")
     # Interpret mode has no tiling limits; the check guards the compiled kernels only.

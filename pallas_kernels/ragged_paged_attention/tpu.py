@@ -94,14 +94,19 @@ def _kernel(
     num_kv_heads: int,
     head_dim: int,
     quantized: bool,
+    has_sinks: bool = False,
 ):
     # Quantized pages add inputs ks_hbm, vs_hbm ([Hkv, N, 128] f32 HBM) and scratch ks_buf,
     # vs_buf ([2, Hkv, Cp * R, 128] f32 VMEM: R rows of 128 scales per page and head).
     # o_ref: [Bq, Hq, W] output; k_buf, v_buf: [2, Cp, ps, C] VMEM (double-buffered chunks of
     # whole pages); sems: DMA semaphores [2, 2 or 4] (buffer slot, k/v/k scales/v scales);
     # m_ref, l_ref: [Hkv, Bq * G, 1] f32; acc_ref: [Hkv, Bq * G, W] f32.
+    # With sinks, one more input: sink_ref [Hkv, Bq * G, 1] f32 (each row's head's sink logit).
+    refs = list(refs)
+    ks_hbm, vs_hbm = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    sink_ref = refs.pop(0) if has_sinks else None
     if quantized:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, m_ref, l_ref, acc_ref = refs
+        o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, m_ref, l_ref, acc_ref = refs
     else:
         o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     block_q, num_q_heads, width = q_ref.shape
@@ -257,7 +262,15 @@ def _kernel(
         end_slot = jax.lax.fori_loop(lo_chunk, hi_chunk, chunk_body, first_slot)
         for h in range(num_kv_heads):
             denom = l_ref[h, rows_of, :]
-            out = acc_ref[h, rows_of, :] / jnp.where(denom == 0.0, 1.0, denom)  # [N, W]
+            acc = acc_ref[h, rows_of, :]
+            if sink_ref is not None:  # the sink joins the denominator, rescaled to the larger max
+                m = m_ref[h, rows_of, :]
+                sink = sink_ref[h, rows_of, :]
+                top = jnp.maximum(m, sink)
+                scale = jnp.where(denom > 0.0, jnp.exp(m - top), 0.0)
+                acc = acc * scale
+                denom = jnp.where(denom > 0.0, denom * scale + jnp.exp(sink - top), 0.0)
+            out = acc / jnp.where(denom == 0.0, 1.0, denom)  # [N, W]
             out = jnp.where(in_seq, out, 0.0).reshape(ntok, group, width)
             keep = in_seq.reshape(ntok, group, 1)
             cur = o_ref[pl.ds(t0, ntok), h * group : (h + 1) * group, :]
@@ -356,6 +369,7 @@ def ragged_paged_attention_tpu(
     interpret: bool | pltpu.InterpretParams = False,
     k_scales: jax.Array | None = None,  # quantized pages: [Hkv, ceil(P * ps / 128), 128] f32
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [Hq] f32 (gpt-oss): one more softmax entry per head, no value
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic (Pallas TPU) ragged paged attention over the lanes layout; same contract as
     the reference (which reads either layout).
@@ -395,8 +409,13 @@ def ragged_paged_attention_tpu(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         quantized=quantized,
+        has_sinks=sinks is not None,
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, width), lambda j, *_: (j, 0, 0))
+    sink_in = []
+    if sinks is not None:  # [Hq] -> [Hkv, Bq * G, 1]: row t * G + g of KV head h holds sinks[h * G + g]
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
+        sink_in = [sink_rows.reshape(num_kv_heads, rows, 1)]
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
     buf_shape = (2, chunk_pages, page_size, lanes)
     scale_bufs = [pltpu.VMEM((2, num_kv_heads, chunk_pages * max(1, page_size // LANE), LANE), jnp.float32)] * 2 \
@@ -406,7 +425,8 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(padded_tokens // block_q,),
-            in_specs=[q_spec, hbm, hbm] + [hbm, hbm] * quantized,
+            in_specs=[q_spec, hbm, hbm] + [hbm, hbm] * quantized
+            + [pl.BlockSpec((num_kv_heads, rows, 1), lambda j, *_: (0, 0, 0))] * len(sink_in),
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf_shape, k_pages.dtype),
@@ -434,6 +454,7 @@ def ragged_paged_attention_tpu(
         k_pages,
         v_pages,
         *((k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)) if quantized else ()),
+        *sink_in,
     )
     out = out[:num_tokens]
     return _own_lanes(out, group, head_dim) if width != head_dim else out
