@@ -255,3 +255,20 @@ def test_sinks_compile_the_triton_kernel_on_gpt_oss_shapes(part, tokens):
     args = (*attention_args(jnp.bfloat16, 64, 8, 64, tokens), S((2,), jnp.int32), S((2, 64), jnp.float32))
     hlo = compiled_hlo(layers, args, gpu_device(part))
     assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_chunked_attention_compiles_the_triton_kernel_on_llama4_shapes(tokens):
+    """Llama 4 Scout's heads (40 q, 8 KV, D 128), bf16, on an H100: chunked and global layers
+    in one scan with the chunk size as data, decode-sized (split) and prefill-sized."""
+    def layers(*args):
+        *attn_args, chunks = args
+
+        def body(_, c):
+            return None, ATTENTION(*attn_args, attention_chunk=c)
+
+        return jax.lax.scan(body, None, chunks)[1]
+
+    args = (*attention_args(jnp.bfloat16, 40, 8, 128, tokens), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = compiled_hlo(layers, args, gpu_device("h100"))
+    assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo

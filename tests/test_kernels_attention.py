@@ -369,9 +369,30 @@ def test_sinks_join_the_softmax_denominator(kernel, name, window):
     assert np.abs(np.asarray(got)[:total] - plain[:total]).max() > 0.1  # the sinks changed the result
 
 
-def test_sinks_of_the_wrong_shape_are_refused():
+def test_sinks_and_chunks_of_the_wrong_form_are_refused():
     from pallas_kernels import ragged_paged_attention
 
     case = make_case(**CASES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=11)
     with pytest.raises(ValueError, match=r"sinks must be \[Hq=8\]"):
         ragged_paged_attention(*_args(case), sm_scale=0.125, sinks=jnp.zeros(4))
+    with pytest.raises(ValueError, match="attention_chunk must be a positive int, got 0"):
+        ragged_paged_attention(*_args(case), sm_scale=0.125, attention_chunk=0)
+    with pytest.raises(ValueError, match=r"attention_chunk must be an int or an int32 array"):
+        ragged_paged_attention(*_args(case), sm_scale=0.125, attention_chunk=jnp.zeros(2, jnp.int32))
+
+
+# Chunked local attention (Llama 4): a position sees only its own C-token chunk.
+@pytest.mark.parametrize("kernel", sorted(SINK_KERNELS))
+@pytest.mark.parametrize("chunk,traced", [(16, False), (24, True), (0, True)], ids=["c16", "c24_data", "none_data"])
+def test_chunked_attention_sees_only_the_rows_own_chunk(kernel, chunk, traced):
+    """Chunks of 16 (page-aligned) and 24 (not), the 24 as per-layer data, and 0 as data (no
+    chunking: the global result), against the float64 oracle, on prefill that crosses chunk
+    boundaries and decode deep into a later chunk."""
+    case = make_case(**WINDOW_CASE, head_dim=64, seed=13)
+    sm_scale = 64 ** -0.5
+    arg = jnp.asarray(chunk, jnp.int32) if traced else chunk
+    fn = SINK_KERNELS[kernel]
+    got = jax.jit(lambda *a: fn(*a, sm_scale=sm_scale, attention_chunk=arg))(*_args(case)) if traced else \
+        fn(*_args(case), sm_scale=sm_scale, attention_chunk=arg)
+    want = attention_numpy(case, sm_scale=sm_scale, attention_chunk=chunk or None)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)

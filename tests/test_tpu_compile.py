@@ -314,3 +314,20 @@ def test_sinks_compile_the_mosaic_kernel_on_gpt_oss_shapes(topology):
     args = (*attention_args(jnp.bfloat16, 64, 8, 64), S((2,), jnp.int32), S((2, 64), jnp.float32))
     hlo = compiled_hlo(sink_and_window_layers(8), args, tpu_device(topology))
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_chunked_attention_compiles_the_mosaic_kernel_on_llama4_shapes(topology):
+    """Llama 4 Scout's heads (40 q, 8 KV, D 128), bf16: chunked layers and a NoPE global one in
+    one scan, the chunk size as data ([L] int32, 0: none), so one kernel serves both."""
+    def layers(*args):
+        *attn_args, chunks = args
+
+        def body(_, c):
+            return None, ATTENTION(*attn_args, num_kv_heads=8, attention_chunk=c)
+
+        return jax.lax.scan(body, None, chunks)[1]
+
+    args = (*attention_args(jnp.bfloat16, 40, 8, 128), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = compiled_hlo(layers, args, tpu_device(topology))
+    assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo

@@ -96,6 +96,7 @@ def ragged_paged_attention_cpu(
     k_scales: jax.Array | None = None,  # quantized pages: [num_pages, page_size, Hkv] f32
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32 learned logits in each row's softmax denominator
+    attention_chunk: int | jax.Array | None = None,  # chunked local attention (<= 0: none)
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """The reference's contract (see reference.py), computed by the native kernel.
 
@@ -112,5 +113,5 @@ def ragged_paged_attention_cpu(
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype))
     sink_arr = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((q.shape[1],), jnp.float32)
     return call(q, k_pages, v_pages, *scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                window.raw_array(sliding_window), sink_arr, sm_scale=np.float32(sm_scale),
+                window.raw_bounds(sliding_window, attention_chunk), sink_arr, sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(soft_cap or 0.0), use_sinks=sinks is not None)

@@ -322,6 +322,7 @@ struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages;
   float sm_scale;
   int64_t sliding_window;  // 0: none
+  int64_t attention_chunk;  // 0: none; else a position sees only keys of its own chunk
   float soft_cap;          // 0: none
   const float* sinks;      // [Hq] learned logits that join every row's softmax denominator; nullptr: none
   const int32_t* kv_lens;
@@ -470,6 +471,7 @@ ItemKeys item_keys(const Problem& p, int64_t item, int64_t* pos, int64_t* lo) {
   for (int64_t i = 0; i < nb; ++i) {
     pos[i] = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
     lo[i] = p.sliding_window > 0 ? std::max<int64_t>(0, pos[i] - p.sliding_window + 1) : 0;
+    if (p.attention_chunk > 0) lo[i] = std::max(lo[i], pos[i] - pos[i] % p.attention_chunk);
     key_lo = std::min(key_lo, lo[i]);
     key_hi = std::max(key_hi, std::min(pos[i] + 1, kv_len));
   }
@@ -664,7 +666,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
   if (qd[1] > 256) return ffi::Error::InvalidArgument("at most 256 query heads");
-  if (sliding_window.element_count() != 1) return ffi::Error::InvalidArgument("sliding_window must hold one int32");
+  if (sliding_window.element_count() != 1 && sliding_window.element_count() != 2)
+    return ffi::Error::InvalidArgument("sliding_window must hold the window, and optionally the attention chunk");
   if (use_sinks && static_cast<int64_t>(sinks.element_count()) != qd[1])
     return ffi::Error::InvalidArgument("sinks must hold one f32 per query head");
   const auto qt = q.element_type(), kt = k_pages.element_type();
@@ -690,6 +693,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
   p.max_pages = block_tables.dimensions()[1];
   p.sm_scale = sm_scale;
   p.sliding_window = std::max<int64_t>(sliding_window.typed_data()[0], 0);
+  p.attention_chunk = sliding_window.element_count() > 1 ? std::max<int64_t>(sliding_window.typed_data()[1], 0) : 0;
   p.soft_cap = soft_cap;
   p.sinks = use_sinks ? sinks.typed_data() : nullptr;
   p.kv_lens = kv_lens.typed_data();
@@ -752,7 +756,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // [window, attention chunk], <= 0: none
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
@@ -771,7 +775,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuan
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window [1], <= 0: none
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // [window, attention chunk], <= 0: none
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")

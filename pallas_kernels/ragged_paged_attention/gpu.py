@@ -105,7 +105,7 @@ def _kernel(
     block_seq_ref,  # [NB] int32: the sequence of query block b
     block_idx_ref,  # [NB] int32: its index within the sequence's chunk; -1 past the last block
     num_splits_ref,  # [1] int32: splits this batch uses (<= max_splits)
-    window_ref,  # [1] int32: the effective sliding window (INT32_MAX: none), read if has_window
+    window_ref,  # [2] int32: the effective sliding window and attention chunk (INT32_MAX: none)
     kv_lens_ref,  # [R] int32
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
@@ -126,6 +126,7 @@ def _kernel(
     soft_cap: float | None,
     split: bool,
     quantized: bool,
+    has_chunk: bool = False,
 ):
     # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
     # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
@@ -136,6 +137,7 @@ def _kernel(
     num_splits = num_splits_ref[0]
     # Data, not a constant: one kernel serves the sliding-window and global layers of a scan.
     sliding_window = window_ref[0] if has_window else None
+    attention_chunk = window_ref[1] if has_chunk else None  # Llama 4's chunked local attention
     b, s = item // num_splits, item % num_splits
     b_safe = jnp.minimum(b, num_blocks - 1)
     r = block_seq_ref[b_safe]
@@ -158,6 +160,9 @@ def _kernel(
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.maximum(kv_len - q_len + first - sliding_window + 1, 0)
+        if attention_chunk is not None:
+            lo = jnp.maximum(lo, window.chunk_start(kv_len - q_len + first, attention_chunk))
+        if sliding_window is not None or attention_chunk is not None:
             lo = (lo // block_k) * block_k
         blocks = (hi - lo + block_k - 1) // block_k
         per_split = (blocks + num_splits - 1) // num_splits
@@ -191,6 +196,8 @@ def _kernel(
             mask = (k_pos[None, :] <= row_pos[:, None]) & live[None, :]
             if sliding_window is not None:
                 mask &= row_pos[:, None] - k_pos[None, :] < sliding_window
+            if attention_chunk is not None:
+                mask &= k_pos[None, :] >= window.chunk_start(row_pos, attention_chunk)[:, None]
             s_ = jnp.where(mask, s_, _MASKED)
             m_new = jnp.maximum(m, s_.max(axis=1))
             p = jnp.where(mask, jnp.exp(s_ - m_new[:, None]), 0.0)  # [BM, BK]
@@ -302,6 +309,7 @@ def ragged_paged_attention_gpu(
     v_scales: jax.Array | None = None,
     batch_invariant: bool = False,
     sinks: jax.Array | None = None,  # [Hq] f32
+    attention_chunk: int | jax.Array | None = None,  # Llama 4's chunked local attention (<= 0: none)
 ) -> jax.Array:  # [T, Hq, D]
     """Triton (Pallas) ragged paged attention; same contract as the reference.
 
@@ -378,6 +386,7 @@ def ragged_paged_attention_gpu(
         pieces=pieces,
         sm_scale=sm_scale,
         has_window=sliding_window is not None,
+        has_chunk=attention_chunk is not None,
         soft_cap=soft_cap,
         split=split,
         quantized=quantized,
@@ -394,7 +403,7 @@ def ragged_paged_attention_gpu(
         block_seq,
         block_idx,
         num_splits,
-        window.effective_array(sliding_window),
+        window.bounds_array(sliding_window, attention_chunk),
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),

@@ -97,6 +97,7 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | jax.Array | None = None,
     backend: str = "auto",
     interpret: bool | object = False,
     batch_invariant: bool = False,
@@ -122,6 +123,8 @@ def ragged_paged_attention(
     `value * scale`; the output is in q's dtype.
     sinks: [Hq] f32 learned logits (gpt-oss's attention sinks), each a softmax entry of its head
     with no value; every kernel takes them (the GPU one where its split partials merge).
+    attention_chunk: Llama 4's chunked local attention, like `sliding_window` a static int or
+    int32 data ([] or [1], <= 0: none): position p sees only keys k >= p - p % C.
     batch_invariant: the GPU kernel runs one block shape and no KV split (a row's result then
     never depends on the batch); the native CPU kernel already sums each row alone; the TPU
     kernel is unchanged (not verified invariant).
@@ -132,6 +135,14 @@ def ragged_paged_attention(
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if k_scales is not None:
         kw.update(k_scales=k_scales, v_scales=v_scales)
+    if attention_chunk is not None:
+        if isinstance(attention_chunk, int) and not isinstance(attention_chunk, bool):
+            if attention_chunk < 1:
+                raise ValueError(f"attention_chunk must be a positive int, got {attention_chunk}")
+        elif jax.numpy.dtype(attention_chunk.dtype) != jax.numpy.int32 or attention_chunk.size != 1:
+            raise ValueError(f"attention_chunk must be an int or an int32 array of shape [] or [1], got "
+                             f"{attention_chunk.dtype}{list(attention_chunk.shape)}")
+        kw["attention_chunk"] = attention_chunk
     if sinks is not None:
         if sinks.shape != (q.shape[1],):
             raise ValueError(f"sinks must be [Hq={q.shape[1]}] (one logit per query head), got {tuple(sinks.shape)}")

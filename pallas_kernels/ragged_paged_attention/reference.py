@@ -95,6 +95,7 @@ def _online_softmax_attention(
     chunk_pages: int,
     sliding_window: int | jax.Array | None,  # a static int, or the effective window ([] int32)
     soft_cap: float | None,
+    attention_chunk: jax.Array | None = None,  # the effective chunk size ([] int32) or None
     k_scales: jax.Array | None = None,  # quantized pages: kv_layout.kv_scales_shape(...) f32
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32
@@ -135,6 +136,8 @@ def _online_softmax_attention(
         mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
         if sliding_window is not None:
             mask &= row_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+        if attention_chunk is not None:  # only the row's own chunk
+            mask &= k_pos[None, None, :] >= window.chunk_start(row_pos, attention_chunk)[:, :, None]
         mask &= row_valid[:, :, None]
         if per_row:
             s = (q_in * k[:, :, :, None, :]).sum(-1)  # [NB, S, Hkv, G]
@@ -189,6 +192,7 @@ def ragged_paged_attention_reference(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
 
@@ -203,6 +207,8 @@ def ragged_paged_attention_reference(
     `kv_layout.kv_scales_shape`): keys and values are read as `value * scale`.
     `sinks` ([Hq] f32, gpt-oss): one learned logit per query head, a softmax entry with no
     value: weights are exp(s) / (sum exp(s) + exp(sink)). A row that sees no key gives zeros.
+    `attention_chunk` (Llama 4's chunked local attention, C; an int, or int32 data where <= 0
+    is none): position p also needs k >= p - p % C.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
@@ -216,6 +222,8 @@ def ragged_paged_attention_reference(
         # A traced window: INT32_MAX where it is <= 0, so the same mask and chunk skipping
         # below serve global layers too (every key passes, the first chunk is 0).
         sliding_window = window.effective_array(sliding_window).reshape(())
+    if attention_chunk is not None:
+        attention_chunk = window.effective_array(attention_chunk).reshape(())
     if block_q is None:
         block_q = default_block_q(num_tokens, num_rows)
     if chunk_pages is None:
@@ -270,9 +278,14 @@ def ragged_paged_attention_reference(
     max_kv = jnp.max(jnp.where(real_seq, kv_lens, 0))
     end_chunk = (max_kv + chunk - 1) // chunk
     start_chunk = jnp.int32(0)
-    if sliding_window is not None:
+    if sliding_window is not None or attention_chunk is not None:
         min_pos = jnp.min(jnp.where(tok_valid, tok_pos, jnp.iinfo(jnp.int32).max))
-        start_chunk = jnp.clip((min_pos - sliding_window + 1) // chunk, 0, end_chunk)
+        first_key = jnp.int32(0)
+        if sliding_window is not None:
+            first_key = jnp.maximum(first_key, min_pos - sliding_window + 1)
+        if attention_chunk is not None:
+            first_key = jnp.maximum(first_key, window.chunk_start(min_pos, attention_chunk))
+        start_chunk = jnp.clip(first_key // chunk, 0, end_chunk)
     del num_blocks
 
     out = _online_softmax_attention(
@@ -287,9 +300,10 @@ def ragged_paged_attention_reference(
         chunk_pages,
         sliding_window,
         soft_cap,
-        k_scales,
-        v_scales,
-        sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sinks=sinks,
+        attention_chunk=attention_chunk,
     )  # [NB, Bq, Hkv, G, D]
     out = out.reshape(-1, num_q_heads, head_dim)[out_row]  # [T, Hq, D]
     out = jnp.where(tok_valid[:, None, None], out, 0.0)

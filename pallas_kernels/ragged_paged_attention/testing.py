@@ -108,10 +108,12 @@ def attention_numpy(
     sliding_window: int | np.ndarray | None = None,
     soft_cap: float | None = None,
     sinks: np.ndarray | None = None,
+    attention_chunk: int | None = None,
 ) -> np.ndarray:  # [T, Hq, D] float64
     """Dead-simple oracle: per sequence, per token, per head, in float64. A window <= 0 is
     no window, as a per-layer window array's value is in the ops. `sinks` [Hq]: one more
-    softmax entry per head, with no value (gpt-oss)."""
+    softmax entry per head, with no value (gpt-oss). `attention_chunk` C: a position sees only
+    its own C-token chunk (Llama 4)."""
     if sliding_window is not None:
         sliding_window = int(np.asarray(sliding_window).reshape(()))
         sliding_window = sliding_window if sliding_window > 0 else None
@@ -127,7 +129,8 @@ def attention_numpy(
         kv_len = int(case.kv_lens[i])
         for j in range(end - start):
             pos = kv_len - (end - start) + j
-            keys = [k for k in range(pos + 1) if sliding_window is None or pos - k < sliding_window]
+            keys = [k for k in range(pos + 1) if (sliding_window is None or pos - k < sliding_window)
+                    and (not attention_chunk or k // attention_chunk == pos // attention_chunk)]
             for h in range(num_q_heads):
                 kh = h // group
                 ks = np.stack(

@@ -81,7 +81,7 @@ def _kernel(
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
     num_seqs_ref,  # [1] int32
-    window_ref,  # [1] int32: the effective sliding window (INT32_MAX: none), read if has_window
+    window_ref,  # [2] int32: the effective sliding window and attention chunk (INT32_MAX: none)
     # inputs
     q_ref,  # [Bq, Hq, W] VMEM block of the token axis, each head in its KV head's lanes
     k_hbm,  # [P, ps, C] HBM
@@ -95,6 +95,7 @@ def _kernel(
     head_dim: int,
     quantized: bool,
     has_sinks: bool = False,
+    has_chunk: bool = False,
 ):
     # Quantized pages add inputs ks_hbm, vs_hbm ([Hkv, N, 128] f32 HBM) and scratch ks_buf,
     # vs_buf ([2, Hkv, Cp * R, 128] f32 VMEM: R rows of 128 scales per page and head).
@@ -118,6 +119,7 @@ def _kernel(
     num_seqs = num_seqs_ref[0]
     # Data, not a constant: one kernel serves the sliding-window and global layers of a scan.
     sliding_window = window_ref[0] if has_window else None
+    attention_chunk = window_ref[1] if has_chunk else None  # Llama 4's chunked local attention
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
     # First sequence that ends after the block start (scalar loop over <= R entries).
@@ -175,9 +177,11 @@ def _kernel(
         ctx = kv_lens_ref[seq] - (q_end - q_start)  # position of the sequence's first query
         hi = ctx + jnp.minimum(q_end, blk_end) - q_start  # last visible key + 1
         lo_chunk = jnp.int32(0)
+        first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
         if sliding_window is not None:
-            first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
             lo_chunk = jnp.maximum(first_pos - sliding_window + 1, 0) // chunk
+        if attention_chunk is not None:
+            lo_chunk = jnp.maximum(lo_chunk, window.chunk_start(first_pos, attention_chunk) // chunk)
         return q_start, q_end, ctx, lo_chunk, (hi + chunk - 1) // chunk
 
     def attend(seq, first_slot, tok0, ntok: int):
@@ -219,6 +223,8 @@ def _kernel(
             mask = in_seq & (k_pos <= row_pos)  # [N, S]
             if sliding_window is not None:
                 mask &= row_pos - k_pos < sliding_window
+            if attention_chunk is not None:
+                mask &= k_pos >= window.chunk_start(row_pos, attention_chunk)
             # Slots past the context may hold anything (NaN too): p is 0 there, 0 * NaN is not.
             live = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, width), 0) < kv_len  # [S, W]
             if quantized:
@@ -370,6 +376,7 @@ def ragged_paged_attention_tpu(
     k_scales: jax.Array | None = None,  # quantized pages: [Hkv, ceil(P * ps / 128), 128] f32
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32 (gpt-oss): one more softmax entry per head, no value
+    attention_chunk: int | jax.Array | None = None,  # Llama 4's chunked local attention (<= 0: none)
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic (Pallas TPU) ragged paged attention over the lanes layout; same contract as
     the reference (which reads either layout).
@@ -410,6 +417,7 @@ def ragged_paged_attention_tpu(
         head_dim=head_dim,
         quantized=quantized,
         has_sinks=sinks is not None,
+        has_chunk=attention_chunk is not None,
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, width), lambda j, *_: (j, 0, 0))
     sink_in = []
@@ -449,7 +457,7 @@ def ragged_paged_attention_tpu(
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
-        window.effective_array(sliding_window),
+        window.bounds_array(sliding_window, attention_chunk),
         q_p,
         k_pages,
         v_pages,
