@@ -10,6 +10,7 @@ which speculative decoding must not change.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -24,14 +25,18 @@ def mtp_checkpoint(tmp_path_factory):
     return save_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "ds")
 
 
-def save_mtp_checkpoint(path):
+# The attention projections of layer 3 scaled up in each family (see below).
+_ATTENTION_OUT = {"deepseek_v3": ("o_proj", "kv_b_proj"), "glm4_moe": ("o_proj", "v_proj")}
+
+
+def save_mtp_checkpoint(path, family: str = "deepseek_v3"):
     """(checkpoint dir, transformers target (3 layers), transformers model whose layer 3 is the
     MTP layer's decoder, the MTP layer's own tensors)."""
     import transformers
     from hf_reference import save_tiny_family
     from safetensors.numpy import load_file, save_file
 
-    full = save_tiny_family(path, "deepseek_v3", num_hidden_layers=4)
+    full = save_tiny_family(path, family, num_hidden_layers=4)
     tensors = load_file(str(path / "model.safetensors"))
     rng = np.random.default_rng(3)
     E = full.config.hidden_size
@@ -41,11 +46,11 @@ def save_mtp_checkpoint(path):
     own = {k: v.astype(np.float32) for k, v in own.items()}
     tensors.update({f"model.layers.3.{k}": v for k, v in own.items()})
     # attention's share of the layer's output made large, so its positions decide the drafts
-    for name in ("self_attn.o_proj.weight", "self_attn.kv_b_proj.weight"):
-        tensors[f"model.layers.3.{name}"] = tensors[f"model.layers.3.{name}"] * 4
-    with torch.no_grad():
-        full.model.layers[3].self_attn.o_proj.weight.mul_(4)
-        full.model.layers[3].self_attn.kv_b_proj.weight.mul_(4)
+    for proj in _ATTENTION_OUT[family]:
+        name = f"model.layers.3.self_attn.{proj}.weight"
+        tensors[name] = tensors[name] * 4
+        with torch.no_grad():
+            getattr(full.model.layers[3].self_attn, proj).weight.mul_(4)
     # the checkpoint's copies of the shared embedding and head (not read: they are the model's)
     tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     tensors["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"]
@@ -95,7 +100,15 @@ def _argmax_or_tie(logits: np.ndarray, token: int, what: str) -> None:
         f"({logits.max():.4f})")
 
 
-def test_mtp_drafts_equal_the_reference_and_outputs_equal_transformers(mtp_checkpoint):
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def family_mtp_checkpoint(request, mtp_checkpoint, tmp_path_factory):
+    """DeepSeek-V3's (latent attention) and GLM-4.5's (grouped-query attention, partial rotary)."""
+    if request.param == "deepseek_v3":
+        return mtp_checkpoint
+    return save_mtp_checkpoint(tmp_path_factory.mktemp("mtp_glm") / "glm", request.param)
+
+
+def test_mtp_drafts_equal_the_reference_and_outputs_equal_transformers(family_mtp_checkpoint):
     """Chunked prefill (16-token budget) and a prefix-cache hit: after every step, each
     sequence's drafts are the MTP layer's greedy tokens (the chained one included), and the
     greedy outputs are transformers' (drafts never change them). The random MTP layer's drafts
@@ -106,7 +119,7 @@ def test_mtp_drafts_equal_the_reference_and_outputs_equal_transformers(mtp_check
 
     from jaxserve import LLM, SamplingParams
 
-    path, target, full, own = mtp_checkpoint
+    path, target, full, own = family_mtp_checkpoint
     llm = LLM(model=path, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": K},
               num_pages=40, page_size=4, max_num_seqs=8, max_num_batched_tokens=16, token_buckets=(8, 16),
               max_model_len=96, enable_prefix_caching=True, structured_outputs=False, compilation_cache_dir=None)
@@ -165,7 +178,7 @@ def test_mtp_drafts_equal_the_reference_and_outputs_equal_transformers(mtp_check
     pages = engine.runner.kv_cache[0].shape
     for key, exe in engine.runner.executables.items():
         if key.kind in ("backbone", "mtp", "mtp_chain"):
-            assert cache_copies(exe.as_text(), pages[2:], pages[1] * pages[2] * pages[3]) == 0, key.name
+            assert cache_copies(exe.as_text(), pages[2:], math.prod(pages[1:])) == 0, key.name
 
 
 def test_mtp_is_refused_by_name_where_it_cannot_run(mtp_checkpoint, tmp_path, smollm_path):

@@ -226,7 +226,7 @@ class ModelConfig:
 
         if not hasattr(family_of(self).model_class, "mtp_forward") or not self.is_moe:
             raise ValueError(f"speculative_config: method 'mtp' is not supported for {self.architecture} (DeepSeek-V3 "
-                             "and V2 MoE checkpoints with a multi-token-prediction layer only)")
+                             "and V2 MoE and GLM-4.5 MoE checkpoints with a multi-token-prediction layer only)")
         if self.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with a multi-token-prediction "
                              f"layer; this {self.architecture} config has num_nextn_predict_layers = "

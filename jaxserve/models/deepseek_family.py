@@ -92,7 +92,7 @@ _GLM_LAYERS = {
 
 
 def glm_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(HF_GLOBALS, _GLM_LAYERS, _HF_EXPERTS)
+    return WeightNames({**HF_GLOBALS, **deepseek.mtp_weight_names(cfg)}, _GLM_LAYERS, _HF_EXPERTS)
 
 
 GLM4_MOE = add_builtin(ModelFamily(
@@ -109,6 +109,6 @@ GLM4_MOE = add_builtin(ModelFamily(
                          bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
     layer_sharding={**LLAMA_LAYER_SHARDING, **{k: v for k, v in LAYER_SHARDING.items() if k.startswith("shared_")}},
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
-    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=False, tensor_parallel=True,
+    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True,
                          expert_parallel=True),
 ))

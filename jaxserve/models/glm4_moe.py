@@ -58,11 +58,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         shared_expert_intermediate_size=moe_width * int(hf.get("n_shared_experts") or 0),
         first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
 
 
 def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    L, E, D = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    L, E, D = cfg.num_stacked_layers, cfg.hidden_size, cfg.head_dim  # (with the MTP layer when served)
     layers: dict[str, tuple[int, ...]] = {
         "input_norm": (L, E), "post_norm": (L, E),
         "q_proj": (L, E, cfg.q_size), "k_proj": (L, E, cfg.kv_size), "v_proj": (L, E, cfg.kv_size),
@@ -76,6 +77,8 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
+    if cfg.mtp_layers:  # the MTP layer's own tensors, as DeepSeek's (`deepseek.mtp_weight_names`)
+        shapes.update(mtp_enorm=(E,), mtp_hnorm=(E,), mtp_eh_proj=(2 * E, E), mtp_head_norm=(E,))
     return shapes
 
 

@@ -412,10 +412,10 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str
     if layout == "lanes":
         from pallas_kernels.kv_layout import lanes_width
 
-        return (cfg.num_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
+        return (cfg.num_stacked_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
     if cfg.num_kv_heads == 1:
-        return (cfg.num_layers, num_pages, page_size, cfg.head_dim)
-    return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return (cfg.num_stacked_layers, num_pages, page_size, cfg.head_dim)
+    return (cfg.num_stacked_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
 def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
@@ -423,7 +423,7 @@ def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layou
     flattens the cache into (`pallas_kernels.kv_layout.kv_scales_shape` of L * num_pages)."""
     from pallas_kernels.kv_layout import kv_scales_shape
 
-    return kv_scales_shape(cfg.num_layers * num_pages, page_size, cfg.num_kv_heads, layout)
+    return kv_scales_shape(cfg.num_stacked_layers * num_pages, page_size, cfg.num_kv_heads, layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
@@ -444,5 +444,5 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout
     shape = kv_cache_shape(cfg, 1, page_size, layout, tp)
     total = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
     if np.dtype(dtype).itemsize == 1:  # quantized pages: one f32 scale per token and KV head
-        total += 2 * cfg.num_layers * page_size * cfg.num_kv_heads * 4
+        total += 2 * cfg.num_stacked_layers * page_size * cfg.num_kv_heads * 4
     return total
