@@ -1,10 +1,11 @@
-"""Drafts from DeepSeek's multi-token-prediction (MTP) layer, the speculative method "mtp".
+"""Drafts from a checkpoint's multi-token-prediction (MTP) layer (DeepSeek-V3 / V2, GLM-4.5),
+the speculative method "mtp".
 
 The MTP layer is one more decoder layer that predicts the token after next: at position t it
 takes the target's hidden state h_t (which predicted token t+1) and the embedding of token t+1,
 and predicts token t+2. It runs inside the target's runner, right after each step is sampled
-(`ModelRunner._run_mtp`, its inputs in `worker/mtp_inputs.py`), and its latent rows are one more layer of the target's cache, on the
-same pages and block tables. So prefix caching, chunked prefill, swap and recompute carry its
+(`ModelRunner._run_mtp`, its inputs in `worker/mtp_inputs.py`), and its cache rows are one
+more layer of the target's cache, on the same pages and block tables. So prefix caching, chunked prefill, swap and recompute carry its
 cache as they carry the model's, and the planner counts it as one layer more.
 
 Each step, for every scheduled span (vLLM's MTP/EAGLE scheme):
