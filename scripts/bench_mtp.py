@@ -26,18 +26,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def save_checkpoint(path: str, layers: int, hidden: int, vocab: int) -> None:
@@ -91,6 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import numpy as np
+    from bench_mla import cpu_name  # (this directory's: the CPU's name and matrix units)
 
     from jaxserve import LLM
 

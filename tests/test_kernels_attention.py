@@ -375,9 +375,9 @@ def test_sinks_and_chunks_of_the_wrong_form_are_refused():
     case = make_case(**CASES["mixed"], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=11)
     with pytest.raises(ValueError, match=r"sinks must be \[Hq=8\]"):
         ragged_paged_attention(*_args(case), sm_scale=0.125, sinks=jnp.zeros(4))
-    with pytest.raises(ValueError, match="attention_chunk must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="attention_chunk must be a positive int or None, got 0"):
         ragged_paged_attention(*_args(case), sm_scale=0.125, attention_chunk=0)
-    with pytest.raises(ValueError, match=r"attention_chunk must be an int or an int32 array"):
+    with pytest.raises(ValueError, match=r"attention_chunk as an array must have shape \[\] or \[1\], got \[2\]"):
         ragged_paged_attention(*_args(case), sm_scale=0.125, attention_chunk=jnp.zeros(2, jnp.int32))
 
 

@@ -77,12 +77,15 @@ class StepPrograms:
         def i32(*shape):
             return sds(shape, jnp.int32, rep)
 
-        if key.kind == "backbone":
-            T = key.size
-            md = AttentionMetadata(
+        def metadata(T: int) -> AttentionMetadata:
+            return AttentionMetadata(
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
             )
+
+        if key.kind == "backbone":
+            T = key.size
+            md = metadata(T)
             lora = LoRABatch(self.lora, i32(T)) if self.lora is not None else None
             return backbone_jit.lower(
                 self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache,
@@ -90,10 +93,7 @@ class StepPrograms:
             ).compile()
         if key.kind in ("mtp", "mtp_chain"):  # the source rows: the target's [T, E], or the last pass's rows
             T = key.size
-            md = AttentionMetadata(
-                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
-                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
-            )
+            md = metadata(T)
             h = sds((T if key.kind == "mtp" else max_reqs, self.hidden_size), self.dtype, rep)
             return mtp_jit.lower(self.graphdef, self.attention_backend, self.mesh, self.state, self.kv_cache, h,
                                  i32(T), i32(T), i32(T), md, i32(max_reqs), normalize_prev=key.kind == "mtp").compile()

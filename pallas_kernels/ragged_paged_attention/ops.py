@@ -65,20 +65,20 @@ def _validate(
     return num_kv_heads
 
 
-def _check_window(sliding_window) -> None:
-    """A static window is a positive Python int or None; a per-layer one an int32 array of
-    shape [] or [1] (traced or concrete: only its dtype and shape are checked, its value is
-    data, <= 0 meaning no window)."""
-    if window.is_static(sliding_window):
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+def _check_window(value, name: str = "sliding_window") -> None:
+    """A static window (or attention chunk) is a positive Python int or None; a per-layer one
+    an int32 array of shape [] or [1] (any value, concrete or traced: the kernels read it as
+    data, <= 0 meaning none)."""
+    if window.is_static(value):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be a positive int or None, got {value}")
         return
-    if not hasattr(sliding_window, "dtype") or not hasattr(sliding_window, "shape"):
-        raise ValueError("sliding_window must be a positive int, None or an int32 array of shape [] or [1], "
-                         f"got {type(sliding_window).__name__}")
-    if tuple(sliding_window.shape) not in ((), (1,)):
-        raise ValueError(f"sliding_window as an array must have shape [] or [1], got {list(sliding_window.shape)}")
-    check_int32("sliding_window", sliding_window)
+    if not hasattr(value, "dtype") or not hasattr(value, "shape"):
+        raise ValueError(f"{name} must be a positive int, None or an int32 array of shape [] or [1], "
+                         f"got {type(value).__name__}")
+    if tuple(value.shape) not in ((), (1,)):
+        raise ValueError(f"{name} as an array must have shape [] or [1], got {list(value.shape)}")
+    check_int32(name, value)
 
 
 def ragged_paged_attention(
@@ -136,12 +136,7 @@ def ragged_paged_attention(
     if k_scales is not None:
         kw.update(k_scales=k_scales, v_scales=v_scales)
     if attention_chunk is not None:
-        if isinstance(attention_chunk, int) and not isinstance(attention_chunk, bool):
-            if attention_chunk < 1:
-                raise ValueError(f"attention_chunk must be a positive int, got {attention_chunk}")
-        elif jax.numpy.dtype(attention_chunk.dtype) != jax.numpy.int32 or attention_chunk.size != 1:
-            raise ValueError(f"attention_chunk must be an int or an int32 array of shape [] or [1], got "
-                             f"{attention_chunk.dtype}{list(attention_chunk.shape)}")
+        _check_window(attention_chunk, "attention_chunk")
         kw["attention_chunk"] = attention_chunk
     if sinks is not None:
         if sinks.shape != (q.shape[1],):
