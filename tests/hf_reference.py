@@ -79,6 +79,13 @@ FAMILY_CONFIGS = {
         head_dim=16, attention_bias=True, use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
         moe_intermediate_size=32, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
         first_k_dense_replace=1)),
+    # sinks, 8-token windows on alternate layers, YaRN on the NeoX halves, a biased router,
+    # biased experts with the clamped SwiGLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -105,6 +112,10 @@ def save_tiny_family(path, family: str, **overrides):
                 p.add_(0.2 * torch.randn_like(p))
             elif p.dim() >= 2:
                 p.mul_(4.0)
+            if family == "gpt_oss":  # sinks and biases as large as trained ones (experts' start at zero)
+                for name, p in model.named_parameters():
+                    if name.endswith(("sinks", "bias")):
+                        p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (zero as initialised)
                 b.copy_(0.1 * torch.randn_like(b))

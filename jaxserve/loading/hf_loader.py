@@ -18,6 +18,7 @@ from jaxserve.loading.hf_quant import (
     read_linear,
 )
 from jaxserve.loading.host_copy import copy_into
+from jaxserve.loading.mxfp4 import check_mxfp4, dequantize_mxfp4
 from jaxserve.loading.params import TRANSPOSED, QuantizedTensor, assemble_params
 from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
@@ -231,7 +232,7 @@ def hf_tensor_getter(index: Any, cfg: ModelConfig, published: str | None = None)
     key_of, decoder = _hf_names(index, cfg)
 
     def get(name: str, layer: int | None) -> np.ndarray | QuantizedTensor:
-        if layer is not None and name in MOE_WEIGHTS:
+        if layer is not None and name in _EXPERT_TENSORS:
             return _expert_tensor(index, cfg, name, f"{decoder}layers.{layer}.", published)
         key = key_of(name, layer)
         if name in TRANSPOSED:
@@ -248,7 +249,7 @@ def hf_tensor_filler(index: Any, cfg: ModelConfig) -> Any:
     key_of, _ = _hf_names(index, cfg)
 
     def fill(name: str, layer: int | None, out: np.ndarray, part: TensorPart | None = None) -> bool:
-        if layer is not None and name in MOE_WEIGHTS:
+        if layer is not None and name in _EXPERT_TENSORS:
             return False
         key = key_of(name, layer)
         module = key.removesuffix(".weight")
@@ -277,6 +278,8 @@ def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix
     router, module, gate, up, down = experts
     if name == "router":
         return _transposed(read_linear(index, (prefix + router).removesuffix(".weight"), published))
+    if family_of(cfg).hf_weight_names(cfg).stacked_experts == "interleaved":
+        return _interleaved_expert_tensor(index, cfg, name, f"{prefix}{module}")
     per_expert = {"expert_gate": gate, "expert_up": up, "expert_down": down}[name]
     stacked_gate_up = f"{prefix}{module}.gate_up_proj"
     if not index.has(f"{prefix}{module}.0.{per_expert}.weight") and index.has(stacked_gate_up):
@@ -294,3 +297,37 @@ def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix
     experts = [t if isinstance(t, QuantizedTensor) else QuantizedTensor(*quantize_weight(t, published, axis=-1))
                for t in experts]
     return QuantizedTensor(np.stack([t.values.T for t in experts]), np.stack([t.scale for t in experts]))
+
+
+# The stacked routed-expert tensors (and gpt-oss's expert biases), read through `_expert_tensor`.
+_EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
+_EXPERT_TENSORS = frozenset(MOE_WEIGHTS + _EXPERT_BIASES)
+
+
+def _interleaved_expert_tensor(index: Any, cfg: ModelConfig, name: str, module: str) -> np.ndarray:
+    """gpt-oss's stacked experts in jaxserve's layout: gate / up [X, E, I] (the even / odd
+    columns of `gate_up_proj` [X, E, 2I]), down [X, I, E], and their biases ([X, I], [X, E]),
+    from float tensors or from the released MXFP4 `*_blocks` / `*_scales` (stored [X, out, in],
+    decoded one expert at a time so the f32 copy of a layer is never held twice)."""
+    proj = "down_proj" if name.startswith("expert_down") else "gate_up_proj"
+    half = {"expert_gate": 0, "expert_up": 1, "expert_gate_bias": 0, "expert_up_bias": 1}.get(name)
+    if name.endswith("_bias"):
+        bias = index.get(f"{module}.{proj}_bias")  # [X, 2I] or [X, E]
+        return bias if half is None else bias[:, half::2]
+    if not index.has(f"{module}.{proj}_blocks"):
+        w = index.get(f"{module}.{proj}")  # [X, E, 2I] or [X, I, E]
+        return w if half is None else w[..., half::2]
+    blocks, scales = index.raw(f"{module}.{proj}_blocks"), index.raw(f"{module}.{proj}_scales")
+    X, E, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size  # noqa: E741
+    rows, inputs = (E, I) if half is None else (2 * I, E)
+    where = f"{module}.{proj}_blocks"
+    check_mxfp4(blocks, scales, where, rows, inputs)
+    if blocks.shape[0] != X:
+        raise CheckpointError(f"MXFP4 tensor {where!r}: blocks {blocks.shape} hold {blocks.shape[0]} experts, "
+                              f"expected {X}")
+    if half is not None:  # the gate's or the up projection's output rows only
+        blocks, scales = blocks[:, half::2], scales[:, half::2]
+    out = np.empty((X, inputs, blocks.shape[1]), np.float32)  # [X, in, out]
+    for j in range(X):
+        out[j] = dequantize_mxfp4(blocks[j], scales[j], where).T
+    return out

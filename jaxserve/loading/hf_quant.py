@@ -72,6 +72,10 @@ def hf_checkpoint_quantization(raw: dict[str, Any], path: str) -> CheckpointQuan
     if not isinstance(qc, dict):
         raise CheckpointError(f"{path}: config.json quantization_config is not an object")
     method = qc.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's released experts (`loading/mxfp4.py`); the rest is floats
+        log.info("%s: MXFP4 expert weights are dequantized at load (losslessly): served in the model's dtype, or "
+                 "quantized again per output channel with quantization='int8' / 'fp8'", path)
+        return None
     if method == "fp8" and qc.get("weight_block_size") is not None:
         _check_block_fp8(qc, path)
         log.info("%s: block-scaled fp8 weights (%s blocks) are dequantized at load: served in the model's dtype, "

@@ -34,6 +34,9 @@ GGUF_ARCH_NAMES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qw
                     "qwen3moe": "qwen3_moe"}
 
 
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint describes a model family or feature jaxserve does not implement."""
 
@@ -107,8 +110,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     # Routing beyond softmax top-k (DeepSeek-V3, GLM-4.5): "sigmoid" scores choose experts
-    # with a per-expert correction bias, within the best `topk_group` of `n_group` groups.
-    router_scoring: str = "softmax"  # "softmax" | "sigmoid"
+    # with a per-expert correction bias, within the best `topk_group` of `n_group` groups;
+    # "topk_softmax" (gpt-oss): the top k of the biased logits, softmax over those k only.
+    router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
     n_group: int = 1
     topk_group: int = 1
     group_scoring: str = "top2_sum"  # a group's score: its best two experts' sum (V3) | "max" (V2)
@@ -134,6 +138,15 @@ class ModelConfig:
     layer_windows: tuple[int, ...] | None = None
     # RoPE base of the sliding-window layers (Gemma 3's local layers; unscaled). None: rope_theta.
     rope_local_theta: float | None = None
+    # gpt-oss: one learned logit per query head joins every softmax's denominator (`sinks`
+    # [L, Hq]); the attention output projection has a bias (`o_bias` [L, E]); the routed
+    # experts' projections have biases; their SwiGLU is clamped (gate <= limit, |up| <= limit,
+    # then (up + 1) * gate * sigmoid(alpha * gate)); `router_scoring="topk_softmax"`.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures
@@ -155,9 +168,9 @@ class ModelConfig:
                 raise ValueError(
                     f"MoE config needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
                     f"({self.num_experts}) and moe_intermediate_size > 0 (got {self.moe_intermediate_size})")
-            if self.router_scoring not in ("softmax", "sigmoid"):
+            if self.router_scoring not in ROUTER_SCORINGS:
                 raise UnsupportedModelError(f"unsupported router scoring {self.router_scoring!r}; supported: "
-                                            "softmax, sigmoid")
+                                            f"{', '.join(ROUTER_SCORINGS)}")
             if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"expert groups: n_group ({self.n_group}) must divide num_experts "
                                  f"({self.num_experts}) and 1 <= topk_group ({self.topk_group}) <= n_group")

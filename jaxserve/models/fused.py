@@ -11,6 +11,7 @@ output back needs no communication.
     qkv_bias      [L, shards * (q + 2 kv) / shards]          (Qwen2's attention bias)
     gate_up_proj  [L, E, shards * 2I / shards]
     expert_gate_up [L, X, E, expert_shards * 2I / expert_shards]   (routed experts)
+    expert_gate_up_bias [L, X, expert_shards * 2I / expert_shards]  (gpt-oss's expert biases)
 
 Routed experts are interleaved for `expert_shards`: the tensor-parallel degree when each
 device holds a slice of every expert, 1 under expert parallelism (whole experts per device).
@@ -28,12 +29,13 @@ QKV = ("q_proj", "k_proj", "v_proj")
 QKV_BIAS = ("q_bias", "k_bias", "v_bias")
 GATE_UP = ("gate_proj", "up_proj")
 EXPERT_GATE_UP = ("expert_gate", "expert_up")
+EXPERT_GATE_UP_BIAS = ("expert_gate_bias", "expert_up_bias")  # gpt-oss's experts
 # Quantized weights' per-output-channel scales (jaxserve/models/quantization.py) fuse like the columns.
 _SCALES = tuple(f"{n}_scale" for n in QKV + GATE_UP + EXPERT_GATE_UP)
-FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP + _SCALES
+FUSED_AWAY = QKV + QKV_BIAS + GATE_UP + EXPERT_GATE_UP + EXPERT_GATE_UP_BIAS + _SCALES
 # (parts, fused name, the tensor-parallel shards they are interleaved for: "tp" or "experts")
 _FUSIONS = ((QKV, "qkv_proj", "tp"), (QKV_BIAS, "qkv_bias", "tp"), (GATE_UP, "gate_up_proj", "tp"),
-            (EXPERT_GATE_UP, "expert_gate_up", "experts"))
+            (EXPERT_GATE_UP, "expert_gate_up", "experts"), (EXPERT_GATE_UP_BIAS, "expert_gate_up_bias", "experts"))
 # The groups a loader may place side by side in one buffer (`_side_by_side` then fuses them
 # without a copy when they are not interleaved).
 FUSED_GROUPS = tuple(parts for parts, _, _ in _FUSIONS)

@@ -28,6 +28,7 @@ from jaxserve.models.layers import (
     AttentionFn,
     KVUpdateFn,
     MoEFn,
+    clamped_swiglu,
     rms_norm,
     soft_cap,
     tiled_matmul,
@@ -81,15 +82,35 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         layers.update(q_bias=(L, cfg.q_size), k_bias=(L, cfg.kv_size), v_bias=(L, cfg.kv_size))
     if cfg.qk_norm:
         layers.update(q_norm=(L, D), k_norm=(L, D))
+    layers.update(_gpt_oss_shapes(cfg))
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
     return shapes
 
 
-def single_device_moe(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
+def _gpt_oss_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's extra layer tensors: attention sinks, the output projection's bias, the
+    router's logit bias and the experts' biases."""
+    L, E = cfg.num_layers, cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.attention_sinks:
+        shapes["sinks"] = (L, cfg.num_heads)
+    if cfg.o_proj_bias:
+        shapes["o_bias"] = (L, E)
+    if cfg.is_moe and cfg.router_scoring == "topk_softmax":
+        shapes["router_logit_bias"] = (L, cfg.num_experts)
+    if cfg.is_moe and cfg.expert_bias:
+        X, Im = cfg.num_experts, cfg.moe_intermediate_size
+        shapes.update(expert_gate_bias=(L, X, Im), expert_up_bias=(L, X, Im), expert_down_bias=(L, X, E))
+    return shapes
+
+
+def single_device_moe(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None, gate_up_bias=None,
+                      down_bias=None, glu=None):
     return moe.experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu,
-                               gate_up_scale=gate_up_scale, down_scale=down_scale)
+                               gate_up_scale=gate_up_scale, down_scale=down_scale, gate_up_bias=gate_up_bias,
+                               down_bias=down_bias, glu=glu)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -249,12 +270,16 @@ class LlamaForCausalLM(nnx.Module):
         q = apply_rope(q, *cos_sin)
         k = apply_rope(k, *cos_sin)
         pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S, **_scales(pool)))
+        extra = {"sinks": lp["sinks"].astype(jnp.float32)} if cfg.attention_sinks else {}
         attn = attention_fn(
             q, pool[0], pool[1], md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,
-            soft_cap=cfg.attn_logit_softcap, **_scales(pool),
+            soft_cap=cfg.attn_logit_softcap, **_scales(pool), **extra,
         )  # [T, Hq, D]
         attn = attn.reshape(T, Hq * D).astype(h.dtype)
+        if cfg.o_proj_bias:  # (the branch's bias first, then the residual, as HF adds them)
+            out = lp.project(attn, "o_proj") + lp["o_bias"]
+            return (out if residual is None else residual + out), pool
         return lp.project(attn, "o_proj", residual), pool
 
     def _mlp(self, x, lp, moe_fn, residual=None):
@@ -262,11 +287,15 @@ class LlamaForCausalLM(nnx.Module):
         when given)."""
         cfg = self.config
         if cfg.is_moe:
-            weights, experts = moe.route(x, lp["router"], cfg)  # [T, k] each
-            scales = {}
+            weights, experts = moe.route(x, lp["router"], cfg, lp.get("router_logit_bias"))  # [T, k] each
+            extra = {}
             if "expert_gate_up_scale" in lp:  # quantized experts: [X, 2I] and [X, E] scales
-                scales = {"gate_up_scale": lp["expert_gate_up_scale"], "down_scale": lp["expert_down_scale"]}
-            y = moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **scales)
+                extra = {"gate_up_scale": lp["expert_gate_up_scale"], "down_scale": lp["expert_down_scale"]}
+            if cfg.expert_bias:  # gpt-oss: [X, 2I] and [X, E] biases
+                extra.update(gate_up_bias=lp["expert_gate_up_bias"], down_bias=lp["expert_down_bias"])
+            if cfg.swiglu_limit is not None:
+                extra["glu"] = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+            y = moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **extra)
             return y if residual is None else residual + y
         gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
         gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")

@@ -30,6 +30,8 @@ matmuls take them as stored: no dequantized copy of the experts is made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -50,11 +52,14 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
           correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts of each token and their weights, as HF computes them: softmax in f32 over
     all experts, top-k, renormalised when the config says so, cast to the activations' dtype;
-    or, for `router_scoring="sigmoid"`, `route_sigmoid`.
+    for `router_scoring="sigmoid"`, `route_sigmoid`; for "topk_softmax", `route_topk_softmax`
+    (`correction_bias` is then the router's logit bias).
 
     x: [T, E] -> weights [T, k] (x.dtype), experts [T, k] int32."""
     if cfg.router_scoring == "sigmoid":
         return route_sigmoid(x, router, cfg, correction_bias)
+    if cfg.router_scoring == "topk_softmax":
+        return route_topk_softmax(x, router, cfg, correction_bias)
     if cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:  # DeepSeek-V2's routing, in f32 as HF runs it
         logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
     else:
@@ -106,6 +111,21 @@ def route_sigmoid(x: jax.Array, router: jax.Array, cfg: ModelConfig,
     return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
+def route_topk_softmax(x: jax.Array, router: jax.Array, cfg: ModelConfig,
+                       logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """gpt-oss's routing: the router is a linear layer with a bias; the top k of its logits
+    choose the experts and a softmax over those k alone weights them (in the activations'
+    dtype, as HF computes it).
+
+    x: [T, E], router [E, X], logit_bias [X] -> weights [T, k] (x.dtype), experts [T, k] int32."""
+    logits = x @ router  # [T, X]
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(logits.dtype)
+    top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
+    weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
 def experts_forward(
     x: jax.Array,  # [T, E]
     weights: jax.Array,  # [T, k]
@@ -117,6 +137,9 @@ def experts_forward(
     activation,
     gate_up_scale: jax.Array | None = None,  # [Xl, 2 * Il] f32 when gate_up is int8 / float8
     down_scale: jax.Array | None = None,  # [Xl, E] f32 when down is int8 / float8
+    gate_up_bias: jax.Array | None = None,  # [Xl, 2 * Il] (gpt-oss), interleaved like gate_up
+    down_bias: jax.Array | None = None,  # [Xl, E] (gpt-oss; pass it on one width shard only)
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,  # (gate, up) -> activation(gate) * up
 ) -> jax.Array:  # [T, E], this device's share of the output (f32 accumulation, x.dtype)
     T, k = experts.shape
     num_local = gate_up.shape[0]
@@ -132,8 +155,19 @@ def experts_forward(
     token = rows // k  # [M] token of each row
     xs = jnp.take(x, token, axis=0)  # [M, E]
     gu = pallas_kernels.grouped_matmul(xs, gate_up, counts, rhs_scale=gate_up_scale)  # [M, 2 Il]; rows past sum(counts) are zero
+    if gate_up_bias is not None or down_bias is not None:
+        # Each row's local expert (num_local for the rows another device computes, whose
+        # bias must stay out: their products are zero and so must their outputs be).
+        row_expert = jnp.take(local, rows)  # [M]
+        mine = (row_expert < num_local)[:, None]
+        row_expert = jnp.minimum(row_expert, num_local - 1)
+    if gate_up_bias is not None:
+        gu = gu + jnp.where(mine, jnp.take(gate_up_bias, row_expert, axis=0), 0).astype(gu.dtype)
     gate, up = split_gate_up(gu, 1)
-    y = pallas_kernels.grouped_matmul(activation(gate) * up, down, counts, rhs_scale=down_scale)  # [M, E]
+    act = glu(gate, up) if glu is not None else activation(gate) * up
+    y = pallas_kernels.grouped_matmul(act, down, counts, rhs_scale=down_scale)  # [M, E]
+    if down_bias is not None:
+        y = y + jnp.where(mine, jnp.take(down_bias, row_expert, axis=0), 0).astype(y.dtype)
     w = jnp.take(weights.reshape(-1), rows)  # [M]
     y = y.astype(jnp.float32) * w.astype(jnp.float32)[:, None]
     out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)

@@ -18,7 +18,7 @@ from jaxserve.models.config import ModelConfig, UnsupportedModelError
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
-_BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family")
+_BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,11 @@ class WeightNames:
     globals: Mapping[str, str]
     layers: Mapping[str, str]
     experts: tuple[str, str, str, str, str] | None = None
+    # How a checkpoint without per-expert tensors stacks them: "halves" (transformers' Qwen /
+    # Mixtral layout: `gate_up_proj` [X, 2I, E], gate then up; `down_proj` [X, E, I]) or
+    # "interleaved" (gpt-oss: `gate_up_proj` [X, E, 2I], gate and up alternating columns;
+    # `down_proj` [X, I, E]; `*_bias` beside them; MXFP4 `*_blocks` / `*_scales` when released).
+    stacked_experts: str = "halves"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -261,8 +262,11 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
         # Traced operands (a per-layer sliding window, replicated; a quantized cache's scales,
         # split by head) enter the shard_map as operands, not closures.
         extra = {}
-        if isinstance(kwargs.get("sliding_window"), jax.Array):
-            extra["sliding_window"] = (kwargs.pop("sliding_window"), P())
+        for name in ("sliding_window", "attention_chunk"):
+            if isinstance(kwargs.get(name), jax.Array):
+                extra[name] = (kwargs.pop(name), P())
+        if kwargs.get("sinks") is not None:  # [Hq]: each rank's own heads' sinks
+            extra["sinks"] = (kwargs.pop("sinks"), P(MODEL_AXIS))
         for name in ("k_scales", "v_scales"):
             if kwargs.get(name) is not None:
                 extra[name] = (kwargs.pop(name), scales_spec(k_pages))
@@ -303,22 +307,30 @@ def per_shard_moe(mesh: Mesh, expert_parallel: bool):
     else:
         weights_spec, down_spec = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
 
-    def local(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
-        first = jax.lax.axis_index(MODEL_AXIS) * gate_up.shape[0] if expert_parallel else 0
-        y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu,
-                            gate_up_scale=gate_up_scale, down_scale=down_scale)
-        return jax.lax.psum(y, MODEL_AXIS)
-
     specs = (P(), P(), P(), weights_spec, down_spec)
-    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
-    # Quantized experts: per-output-channel scales [X, 2I] / [X, E], split with the experts
-    # (expert parallelism) or with gate/up's columns (width split; E is never split).
-    scale_specs = (P(MODEL_AXIS, None), P(MODEL_AXIS, None)) if expert_parallel else (P(None, MODEL_AXIS), P())
-    quantized = jax.shard_map(local, mesh=mesh, in_specs=(*specs, *scale_specs), out_specs=P(), check_vma=False)
+    # Per-expert vectors: quantized experts' per-output-channel scales and gpt-oss's biases,
+    # [X, 2I] and [X, E], split with the experts (expert parallelism) or with gate/up's
+    # columns (width split; E is never split).
+    vector_specs = {"gate_up": P(MODEL_AXIS, None) if expert_parallel else P(None, MODEL_AXIS),
+                    "down": P(MODEL_AXIS, None) if expert_parallel else P()}
 
-    def moe_fn(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None):
-        if gate_up_scale is None:
-            return plain(x, weights, experts, gate_up, down)
-        return quantized(x, weights, experts, gate_up, down, gate_up_scale, down_scale)
+    def moe_fn(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None, gate_up_bias=None,
+               down_bias=None, glu=None):
+        vectors = {k: v for k, v in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
+                                     ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)) if v is not None}
+        names = list(vectors)
+
+        def local(x, weights, experts, gate_up, down, *ops):
+            kw = dict(zip(names, ops))
+            rank = jax.lax.axis_index(MODEL_AXIS)
+            if "down_bias" in kw and not expert_parallel:  # each rank's partial sum: the bias once
+                kw["down_bias"] = jnp.where(rank == 0, kw["down_bias"], 0)
+            first = rank * gate_up.shape[0] if expert_parallel else 0
+            y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu, glu=glu, **kw)
+            return jax.lax.psum(y, MODEL_AXIS)
+
+        in_specs = (*specs, *(vector_specs["down" if n.startswith("down") else "gate_up"] for n in names))
+        fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)
+        return fn(x, weights, experts, gate_up, down, *vectors.values())
 
     return moe_fn
