@@ -74,6 +74,8 @@ class ServingCore:
         self.started_wall = time.time()
         self._token_text: TokenText | None = None
         self._health_listeners: list[Callable[[bool], Awaitable[None]]] = []
+        self._model_hooks: list[Callable[[ModelInfo], None]] = []
+        self._model_known = False  # the engine is built: model_info() describes what is served
         self._tasks: list[asyncio.Task] = []
         self._trace: Any = None  # a TraceWriter with --record-request-trace
         self._healthy = True
@@ -88,6 +90,16 @@ class ServingCore:
         being served (loaded, engine unhealthy / healthy again, engine dead)."""
         self._health_listeners.append(listener)
 
+    def on_model_loaded(self, hook: Callable[[ModelInfo], None]) -> None:
+        """`hook(model_info)` runs (on a worker thread) once the engine is built and before the
+        server serves, or at once when that is done: a front prepares there what depends on the
+        model (the OpenAI front loads gpt-oss's harmony encoding). Its exception stops the start,
+        so a model the front cannot serve fails loudly instead of failing each request."""
+        if self._model_known:
+            hook(self.model_info())
+        else:
+            self._model_hooks.append(hook)
+
     async def _notify_health(self, serving: bool) -> None:
         for listener in self._health_listeners:
             await listener(serving)
@@ -98,6 +110,9 @@ class ServingCore:
         if self.engine is None:
             from jaxserve.engine.llm_engine import Engine
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
+        self._model_known = True
+        for hook in self._model_hooks:  # before warmup: a front that cannot serve the model fails fast
+            await asyncio.to_thread(hook, self.model_info())
         t1 = time.perf_counter()
         logger.info("model loaded in %.1f s", t1 - t0)
         o = self.options
@@ -240,7 +255,7 @@ class ServingCore:
             return None
         mc = e.model_config
         return ModelInfo(
-            model=self.model_name, architecture=type(mc).__name__, vocab_size=mc.vocab_size,
+            model=self.model_name, architecture=mc.architecture, vocab_size=mc.vocab_size,
             max_model_len=e.max_model_len, num_layers=mc.num_layers,
             hidden_size=mc.hidden_size, dtype=e.dtype,
             eos_token_id=e.eos_token_id if e.eos_token_id is not None else -1,
@@ -510,7 +525,9 @@ class ServingCore:
                 proc.check_text(p.text or "", p.param)
         except InputError as e:
             raise _invalid(e) from None
-        if p.messages is not None:
+        if p.messages is not None and p.render is not None:
+            job = self.frontend.render(p.render, p.messages, tenant.name)
+        elif p.messages is not None:
             job = self.frontend.chat(p.messages, p.add_generation_prompt, tenant.name, p.continue_final_message,
                                      p.tools, p.messages_without_tool_support)
         else:

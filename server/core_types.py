@@ -4,7 +4,7 @@ and what it answers besides generations (`ModelInfo`, `ServerInfo`, `TokenText`)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from scheduler import SamplingParams
@@ -21,6 +21,9 @@ class PromptInput:
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None  # given to the chat template
     messages_without_tool_support: list[dict[str, Any]] | None = None  # when the template ignores tools
+    # A front's own prompt format instead of the chat template (gpt-oss's harmony): called on the
+    # tokenizer pool for the ids; `messages` are still given, for the size checks and the backlog.
+    render: Callable[[], list[int]] | None = None
     add_special_tokens: bool = True
     param: str = "prompt"  # the client's name for the prompt field (errors name it)
 

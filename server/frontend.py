@@ -17,6 +17,7 @@ import asyncio
 import copy
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -82,6 +83,11 @@ class FrontendPool:
         chars = conversation_chars(messages)
         return await self._run(owner, chars, self._chat, messages, add_generation_prompt, continue_final_message,
                                tools, messages_without_tool_support)
+
+    async def render(self, render: Callable[[], list[int]], messages: list[dict[str, Any]], owner: str = "") -> list[int]:
+        """A conversation a front renders itself (`PromptInput.render`), under the same backlog
+        as the chat template: rendering a long one costs the same CPU."""
+        return await self._run(owner, conversation_chars(messages), render)
 
     async def decode(self, token_ids: list[int], owner: str = "", skip_special_tokens: bool = False) -> str:
         return await self._run(owner, len(token_ids), self._decode, token_ids, skip_special_tokens)
