@@ -284,6 +284,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # How long gpt-oss thinks (its harmony system message); other models ignore it, as vLLM's
+    # chat templates that do not read it do.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check(self) -> None:
         self.check_common()

@@ -98,11 +98,13 @@ class ChoiceState:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # what gpt-oss's replies are parsed from
 
     def add(self, delta_text: str, delta_lps: list[TokenLogprob] | None, finish_reason: str | None,
-            stop_reason: int | str | None) -> None:
+            stop_reason: int | str | None, delta_token_ids: Sequence[int] = ()) -> None:
         if delta_text:
             self.text.append(delta_text)
+        self.token_ids.extend(delta_token_ids)
         if delta_lps is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -134,16 +136,23 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceStat
 
 def chat_body(rid: str, created: int, model: str, choices: list[ChoiceState], usage: Usage,
               text: TokenText, tools: Callable[[], Any] | None = None,
-              prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
-    """`tools` makes each choice's tool handling (`tools.ChoiceTools`), for calls in the reply."""
+              prompt_logprobs: list[TokenLogprob | None] | None = None,
+              harmony: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """`tools` makes each choice's tool handling (`tools.ChoiceTools`), for calls in the reply;
+    `harmony` each choice's parser of gpt-oss's tokens (`harmony_reply.HarmonyReply`)."""
     out = []
     for c in choices:
         content, calls, finish = "".join(c.text), [], c.finish_reason
-        if tools is not None:
-            content, calls, finish = tools().reply(content, finish)
-        out.append({"index": c.index,
-                    "message": {"role": "assistant", "content": content, "refusal": None,
-                                "tool_calls": [call.json() for call in calls]},
+        if harmony is not None:
+            reply = harmony()
+            reply.feed(c.token_ids)
+            message, finish = reply.message(), reply.finish_reason(finish)
+        else:
+            if tools is not None:
+                content, calls, finish = tools().reply(content, finish)
+            message = {"role": "assistant", "content": content, "refusal": None,
+                       "tool_calls": [call.json() for call in calls]}
+        out.append({"index": c.index, "message": message,
                     "logprobs": {"content": chat_logprobs(c.logprobs, text)} if c.logprobs is not None else None,
                     "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,

@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from openai_harmony import HarmonyEncoding
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -34,9 +35,11 @@ from jaxserve.engine.detokenizer import TokenText
 from jaxserve.engine.outputs import RequestOutput
 from scheduler import StructuredOutputsParams
 from server.core import ServingCore
-from server.core_types import GenerateInput, PromptInput
+from server.core_types import GenerateInput, ModelInfo, PromptInput
 from server.errors import ErrorKind, ServeError, invalid
 from server.generation import Generation
+from server.http_api.harmony import check_request, harmony_prompt, load_encoding, speaks_harmony
+from server.http_api.harmony_reply import HarmonyReply
 from server.http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +77,8 @@ class ClientGone(Exception):
 class OpenAIFront:
     def __init__(self, core: ServingCore):
         self.core = core
+        self.harmony: HarmonyEncoding | None = None  # gpt-oss: its chat format's encoding
+        core.on_model_loaded(self._model_loaded)
         app = self.app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(StarletteHTTPException, self._http_exception)
         app.add_exception_handler(Exception, self._unexpected)
@@ -87,6 +92,13 @@ class OpenAIFront:
                 ("/v1/unload_lora_adapter", "POST", self.unload_lora_adapter), ("/sleep", "POST", self.sleep),
                 ("/wake_up", "POST", self.wake_up), ("/is_sleeping", "GET", self.is_sleeping)):
             app.add_api_route(path, self._guard(fn, path), methods=[method], include_in_schema=False)
+
+    def _model_loaded(self, info: ModelInfo) -> None:
+        """gpt-oss speaks harmony: its encoding is loaded now, once (HarmonyUnavailable stops
+        the start when it cannot be)."""
+        if speaks_harmony(info.architecture):
+            self.harmony = load_encoding()
+            logger.info("%s speaks harmony: chat prompts and replies use gpt-oss's format", info.model)
 
     # ------------------------------------------------------------------ plumbing
     def _guard(self, fn, path: str):
@@ -202,6 +214,8 @@ class OpenAIFront:
 
     async def chat(self, request: Request) -> Response:
         tenant, req = await self._request(request, ChatCompletionRequest)
+        if self.harmony is not None:
+            return await self._harmony_chat(request, tenant, req)
         mode = req.tool_mode
         messages = req.template_messages()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if mode != "none" else None
@@ -236,6 +250,34 @@ class OpenAIFront:
             choices = await until_disconnect(request, _collect([gen], req.n))
             return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text,
                                           choice_tools, gen.prompt_logprobs))
+
+    async def _harmony_chat(self, request: Request, tenant: Tenant, req: ChatCompletionRequest) -> Response:
+        """A chat with gpt-oss: the prompt rendered by openai-harmony (`harmony.py`), the reply
+        stopped on harmony's end-of-action tokens and parsed from its tokens (`harmony_reply.py`)."""
+        check_request(req)
+        encoding, prompt = self.harmony, harmony_prompt(req)
+        limit = req.output_limit
+        params = req.sampling_params(limit or 1, req.num_logprobs)
+        stops = [t for t in encoding.stop_tokens_for_assistant_actions() if t not in params.stop_token_ids]
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *stops])
+        rid = self._request_id(request, req.request_id, "chatcmpl")
+        gen = await self.core.generate(tenant, GenerateInput(
+            rid, PromptInput(messages=req.template_messages(), render=functools.partial(prompt.token_ids, encoding),
+                             param="messages"),
+            params, fill_max_tokens=limit is None,
+            field_names={"logprobs": "top_logprobs", "max_tokens": req.output_limit_field},
+            lora_name=self._lora_of(req.model)))
+        replies = functools.partial(HarmonyReply, encoding, prompt.tool_names, rid)
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(gen.__aexit__)
+            created, model = int(time.time()), req.model or self.core.served_model_names[0]
+            if req.stream:
+                events = self._chat_events(gen, req, rid, created, model, harmony=replies)
+                return EventStream(events, stack.pop_all(), self.core.options.stream_idle_timeout,
+                                   self.core.count_stream_idle_abort)
+            choices = await until_disconnect(request, _collect([gen], req.n))
+            return JSONResponse(chat_body(rid, created, model, choices, gen.last_usage, self.token_text,
+                                          prompt_logprobs=gen.prompt_logprobs, harmony=replies))
 
     async def _completion_events(self, gens: list[Generation], req: CompletionRequest, rid: str, created: int,
                                  model: str, echo: list[str] | None) -> AsyncIterator[bytes]:
@@ -277,7 +319,8 @@ class OpenAIFront:
         yield b"data: [DONE]\n\n"
 
     async def _chat_events(self, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
-                           model: str, choice_tools=None) -> AsyncIterator[bytes]:
+                           model: str, choice_tools=None, harmony=None) -> AsyncIterator[bytes]:
+        """`choice_tools` / `harmony` make each choice's tool-call parser / gpt-oss reply parser."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         obj = "chat.completion.chunk"
@@ -287,6 +330,7 @@ class OpenAIFront:
                             None, include_usage))
         reported: set[int] = set()
         tools = {i: choice_tools() for i in range(req.n)} if choice_tools is not None else None
+        replies = {i: harmony() for i in range(req.n)} if harmony is not None else None
         async for out in gen:
             for c in out.outputs:
                 new_finish = c.finish_reason is not None and c.index not in reported
@@ -296,7 +340,12 @@ class OpenAIFront:
                     reported.add(c.index)
                 lps = {"content": chat_logprobs(c.delta_logprobs, self.token_text)} if c.delta_logprobs else None
                 usage = usage_json(gen.last_usage) if continuous else None
-                if tools is None:
+                if replies is not None:  # a reply gpt-oss's format cannot parse ends the stream here
+                    deltas, finish = replies[c.index].feed(c.delta_token_ids), replies[c.index].finish_reason(
+                        c.finish_reason)
+                    if not deltas and (lps or new_finish):
+                        deltas = [{}]
+                elif tools is None:
                     deltas, finish = ([{"content": c.delta_text}] if c.delta_text else [{}]), c.finish_reason
                 else:
                     deltas = tools[c.index].feed(c.delta_text)
@@ -456,7 +505,8 @@ async def _collect(gens: list[Generation], n: int) -> list[ChoiceState]:
     choices = {pi * n + j: ChoiceState(pi * n + j) for pi in range(len(gens)) for j in range(n)}
     async for pi, out in _merge(gens):
         for c in out.outputs:
-            choices[pi * n + c.index].add(c.delta_text, c.delta_logprobs, c.finish_reason, c.stop_reason)
+            choices[pi * n + c.index].add(c.delta_text, c.delta_logprobs, c.finish_reason, c.stop_reason,
+                                          c.delta_token_ids)
     return [choices[k] for k in sorted(choices)]
 
 
