@@ -221,3 +221,21 @@ def embedded_server(tmp_path_factory, smollm_adapters):
     s.request_trace = trace
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def harmony_vocab(tmp_path_factory):
+    """A folder holding openai-harmony's o200k_base vocabulary (written from the quicktok-v1
+    wheel: no network), named by TIKTOKEN_ENCODINGS_BASE for the rest of the session."""
+    from harmony_vocab import write_o200k_base
+
+    try:
+        import quicktok  # noqa: F401
+    except ImportError:
+        pytest.skip("quicktok-v1 is not installed (`pip install quicktok-v1`, in the test extra): "
+                    "without it openai-harmony's vocabulary cannot be written offline")
+    folder = tmp_path_factory.mktemp("harmony_vocab")
+    write_o200k_base(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_ENCODINGS_BASE", str(folder))
+        yield folder
