@@ -86,6 +86,13 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
+    # Maverick's pattern in 4 layers: dense and MoE layers alternating (one routed expert plus a
+    # shared one), chunked attention (8 tokens) with L2 q/k norm on RoPE layers, the last layer
+    # NoPE with temperature tuning (floor_scale 4, so its scale moves within the prompts)
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
+        floor_scale=4, attn_scale=0.5)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),

@@ -86,10 +86,11 @@ _CHILD = textwrap.dedent("""
 # heads split over a latent cache every rank holds whole, its experts split whole (ep2) and its
 # int8 projections read by layer index from their stacks; GLM-4.5 MoE its 2 KV heads replicated
 # at tp4 beside the shared expert's split. gpt-oss its sinks split by head and its expert biases
-# (down's added on one width shard only; whole experts' under ep2).
+# (down's added on one width shard only; whole experts' under ep2). Llama 4 its per-layer chunk
+# entering the per-shard attention, its dense / MoE groups and input-scaled experts.
 LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
-           "gpt_oss": ("tp2", "ep2")}
+           "gpt_oss": ("tp2", "ep2"), "llama4": ("tp2", "ep2")}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):

@@ -76,6 +76,13 @@ CASES = {
         head_dim=16, attention_bias=True, use_qk_norm=False, n_routed_experts=6, n_shared_experts=1,
         moe_intermediate_size=40, num_experts_per_tok=2, first_k_dense_replace=0)),
     # every layer of one type: the window and the RoPE base become compile-time constants
+    # Scout's pattern: every layer MoE (one expert of 6 plus the shared one), llama3 RoPE, a
+    # 4-token chunk on the RoPE layer, the NoPE layer with temperature tuning
+    "llama4-scout-all-moe": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=6, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, attention_chunk_size=4, no_rope_layers=[1, 0], floor_scale=2, attn_scale=0.3,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "gemma3-all-sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=5, layer_types=["sliding_attention"] * 2,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},

@@ -278,8 +278,9 @@ def _expert_tensor(index: _SafetensorsIndex, cfg: ModelConfig, name: str, prefix
     router, module, gate, up, down = experts
     if name == "router":
         return _transposed(read_linear(index, (prefix + router).removesuffix(".weight"), published))
-    if family_of(cfg).hf_weight_names(cfg).stacked_experts == "interleaved":
-        return _interleaved_expert_tensor(index, cfg, name, f"{prefix}{module}")
+    layout = family_of(cfg).hf_weight_names(cfg).stacked_experts
+    if layout != "halves":
+        return _in_out_expert_tensor(index, cfg, name, f"{prefix}{module}", layout == "interleaved")
     per_expert = {"expert_gate": gate, "expert_up": up, "expert_down": down}[name]
     stacked_gate_up = f"{prefix}{module}.gate_up_proj"
     if not index.has(f"{prefix}{module}.0.{per_expert}.weight") and index.has(stacked_gate_up):
@@ -304,19 +305,27 @@ _EXPERT_BIASES = ("expert_gate_bias", "expert_up_bias", "expert_down_bias")
 _EXPERT_TENSORS = frozenset(MOE_WEIGHTS + _EXPERT_BIASES)
 
 
-def _interleaved_expert_tensor(index: Any, cfg: ModelConfig, name: str, module: str) -> np.ndarray:
-    """gpt-oss's stacked experts in jaxserve's layout: gate / up [X, E, I] (the even / odd
-    columns of `gate_up_proj` [X, E, 2I]), down [X, I, E], and their biases ([X, I], [X, E]),
-    from float tensors or from the released MXFP4 `*_blocks` / `*_scales` (stored [X, out, in],
+def _in_out_expert_tensor(index: Any, cfg: ModelConfig, name: str, module: str, interleaved: bool) -> np.ndarray:
+    """Experts stacked [X, in, out] in jaxserve's layout: gate / up [X, E, I] from
+    `gate_up_proj` [X, E, 2I] (its even / odd columns when `interleaved`, gpt-oss; its two
+    halves otherwise, Llama 4), down [X, I, E], and gpt-oss's biases ([X, I], [X, E]), from
+    float tensors or from gpt-oss's released MXFP4 `*_blocks` / `*_scales` (stored [X, out, in],
     decoded one expert at a time so the f32 copy of a layer is never held twice)."""
     proj = "down_proj" if name.startswith("expert_down") else "gate_up_proj"
     half = {"expert_gate": 0, "expert_up": 1, "expert_gate_bias": 0, "expert_up_bias": 1}.get(name)
+
+    def columns(t: np.ndarray) -> np.ndarray:  # gate's or up's output columns of a gate_up tensor
+        if half is None:
+            return t
+        width = t.shape[-1] // 2
+        return t[..., half::2] if interleaved else t[..., half * width:(half + 1) * width]
+
     if name.endswith("_bias"):
-        bias = index.get(f"{module}.{proj}_bias")  # [X, 2I] or [X, E]
-        return bias if half is None else bias[:, half::2]
+        return columns(index.get(f"{module}.{proj}_bias"))  # [X, 2I] or [X, E]
     if not index.has(f"{module}.{proj}_blocks"):
-        w = index.get(f"{module}.{proj}")  # [X, E, 2I] or [X, I, E]
-        return w if half is None else w[..., half::2]
+        return columns(index.get(f"{module}.{proj}"))  # [X, E, 2I] or [X, I, E]
+    if not interleaved:
+        raise CheckpointError(f"{module}.{proj}_blocks: MXFP4 experts are read for gpt-oss checkpoints only")
     blocks, scales = index.raw(f"{module}.{proj}_blocks"), index.raw(f"{module}.{proj}_scales")
     X, E, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size  # noqa: E741
     rows, inputs = (E, I) if half is None else (2 * I, E)

@@ -34,7 +34,7 @@ GGUF_ARCH_NAMES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qw
                     "qwen3moe": "qwen3_moe"}
 
 
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 
 
 class UnsupportedModelError(ValueError):
@@ -111,7 +111,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     # Routing beyond softmax top-k (DeepSeek-V3, GLM-4.5): "sigmoid" scores choose experts
     # with a per-expert correction bias, within the best `topk_group` of `n_group` groups;
-    # "topk_softmax" (gpt-oss): the top k of the biased logits, softmax over those k only.
+    # "topk_softmax" (gpt-oss): the top k of the biased logits, softmax over those k only;
+    # "topk_sigmoid" (Llama 4): the top k logits, each weighted by its sigmoid.
     router_scoring: str = "softmax"  # one of ROUTER_SCORINGS
     n_group: int = 1
     topk_group: int = 1
@@ -147,6 +148,20 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Llama 4: per-layer RoPE (1) or NoPE (0) and attention chunk (0: none), None for every
+    # layer rotating / unchunked; a weightless L2 (RMS) norm on q and k after RoPE, on the
+    # RoPE layers; on the NoPE layers q scaled by log1p(floor((pos + 1) / floor_scale)) *
+    # attn_scale + 1 (attention-temperature tuning); routed experts every `moe_layer_step`-th
+    # layer (the others dense of `intermediate_size`), `router_scoring="topk_sigmoid"`, and
+    # the routing weight scaling each expert's input instead of its output.
+    layer_rope: tuple[int, ...] | None = None
+    layer_chunks: tuple[int, ...] | None = None
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    moe_layer_step: int = 1
+    expert_input_scaling: bool = False
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures
@@ -249,7 +264,11 @@ class ModelConfig:
     @property
     def num_dense_layers(self) -> int:
         """Layers with a dense MLP (all of them without experts)."""
-        return self.num_layers if not self.is_moe else self.first_k_dense_replace
+        if not self.is_moe:
+            return self.num_layers
+        if self.moe_layer_step > 1:  # every moe_layer_step-th layer has experts (Llama 4)
+            return self.num_layers - self.num_layers // self.moe_layer_step
+        return self.first_k_dense_replace
 
     @property
     def q_size(self) -> int:
@@ -268,8 +287,9 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
         if d.get("mla") is not None:
             d["mla"] = MLAConfig(**d["mla"])
-        if d.get("layer_windows") is not None:
-            d["layer_windows"] = tuple(d["layer_windows"])
+        for key in ("layer_windows", "layer_rope", "layer_chunks"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         return cls(**d)
 
     # ------------------------------------------------------------------ HF config.json

@@ -206,6 +206,11 @@ class LayerStack:
     def __getitem__(self, name: str) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(self._w[name], self._i, keepdims=False)
 
+    @property
+    def index(self) -> jax.Array:
+        """The stacked index this view reads."""
+        return self._i
+
     def __contains__(self, name: str) -> bool:
         return name in self._w
 
@@ -370,6 +375,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         scales = {}
         if "expert_gate_up_scale" in w:
             scales = {"gate_up_scale": w["expert_gate_up_scale"], "down_scale": w["expert_down_scale"]}
+        if cfg.expert_input_scaling:
+            scales["scale_inputs"] = True
         y = moe_fn(x, weights, experts, w["expert_gate_up"], w["expert_down"], **scales)
         if "shared_gate" in w:
             act = ACTIVATIONS[cfg.hidden_act](w.matmul(x, "shared_gate")) * w.matmul(x, "shared_up")

@@ -107,10 +107,10 @@ def _gpt_oss_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def single_device_moe(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None, gate_up_bias=None,
-                      down_bias=None, glu=None):
+                      down_bias=None, glu=None, scale_inputs=False):
     return moe.experts_forward(x, weights, experts, gate_up, down, 0, activation=jax.nn.silu,
                                gate_up_scale=gate_up_scale, down_scale=down_scale, gate_up_bias=gate_up_bias,
-                               down_bias=down_bias, glu=glu)
+                               down_bias=down_bias, glu=glu, scale_inputs=scale_inputs)
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -60,6 +60,9 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
         return route_sigmoid(x, router, cfg, correction_bias)
     if cfg.router_scoring == "topk_softmax":
         return route_topk_softmax(x, router, cfg, correction_bias)
+    if cfg.router_scoring == "topk_sigmoid":  # Llama 4: each chosen logit's sigmoid (f32, as HF)
+        top, experts = jax.lax.top_k(x @ router, cfg.num_experts_per_tok)
+        return jax.nn.sigmoid(top.astype(jnp.float32)).astype(x.dtype), experts.astype(jnp.int32)
     if cfg.n_group > 1 or cfg.routed_scaling_factor != 1.0:  # DeepSeek-V2's routing, in f32 as HF runs it
         logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
     else:
@@ -140,6 +143,7 @@ def experts_forward(
     gate_up_bias: jax.Array | None = None,  # [Xl, 2 * Il] (gpt-oss), interleaved like gate_up
     down_bias: jax.Array | None = None,  # [Xl, E] (gpt-oss; pass it on one width shard only)
     glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,  # (gate, up) -> activation(gate) * up
+    scale_inputs: bool = False,  # Llama 4: the weights scale each row's input, not its output
 ) -> jax.Array:  # [T, E], this device's share of the output (f32 accumulation, x.dtype)
     T, k = experts.shape
     num_local = gate_up.shape[0]
@@ -154,6 +158,9 @@ def experts_forward(
     rows = order[(jnp.arange(M, dtype=jnp.int32) + start) % M]  # local rows first
     token = rows // k  # [M] token of each row
     xs = jnp.take(x, token, axis=0)  # [M, E]
+    w = jnp.take(weights.reshape(-1), rows)  # [M]
+    if scale_inputs:
+        xs = xs * w[:, None].astype(xs.dtype)
     gu = pallas_kernels.grouped_matmul(xs, gate_up, counts, rhs_scale=gate_up_scale)  # [M, 2 Il]; rows past sum(counts) are zero
     if gate_up_bias is not None or down_bias is not None:
         # Each row's local expert (num_local for the rows another device computes, whose
@@ -168,7 +175,8 @@ def experts_forward(
     y = pallas_kernels.grouped_matmul(act, down, counts, rhs_scale=down_scale)  # [M, E]
     if down_bias is not None:
         y = y + jnp.where(mine, jnp.take(down_bias, row_expert, axis=0), 0).astype(y.dtype)
-    w = jnp.take(weights.reshape(-1), rows)  # [M]
-    y = y.astype(jnp.float32) * w.astype(jnp.float32)[:, None]
+    y = y.astype(jnp.float32)
+    if not scale_inputs:
+        y = y * w.astype(jnp.float32)[:, None]
     out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
     return out.astype(x.dtype)

@@ -18,7 +18,8 @@ from jaxserve.models.config import ModelConfig, UnsupportedModelError
 
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
-_BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss")
+_BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss",
+                    "jaxserve.models.llama4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class WeightNames:
     # How a checkpoint without per-expert tensors stacks them: "halves" (transformers' Qwen /
     # Mixtral layout: `gate_up_proj` [X, 2I, E], gate then up; `down_proj` [X, E, I]) or
     # "interleaved" (gpt-oss: `gate_up_proj` [X, E, 2I], gate and up alternating columns;
-    # `down_proj` [X, I, E]; `*_bias` beside them; MXFP4 `*_blocks` / `*_scales` when released).
+    # `down_proj` [X, I, E]; `*_bias` beside them; MXFP4 `*_blocks` / `*_scales` when released)
+    # or "halves_in_out" (Llama 4: `gate_up_proj` [X, E, 2I], gate then up; `down_proj` [X, I, E]).
     stacked_experts: str = "halves"
 
 

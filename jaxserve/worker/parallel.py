@@ -315,7 +315,7 @@ def per_shard_moe(mesh: Mesh, expert_parallel: bool):
                     "down": P(MODEL_AXIS, None) if expert_parallel else P()}
 
     def moe_fn(x, weights, experts, gate_up, down, gate_up_scale=None, down_scale=None, gate_up_bias=None,
-               down_bias=None, glu=None):
+               down_bias=None, glu=None, scale_inputs=False):
         vectors = {k: v for k, v in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale),
                                      ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)) if v is not None}
         names = list(vectors)
@@ -326,7 +326,8 @@ def per_shard_moe(mesh: Mesh, expert_parallel: bool):
             if "down_bias" in kw and not expert_parallel:  # each rank's partial sum: the bias once
                 kw["down_bias"] = jnp.where(rank == 0, kw["down_bias"], 0)
             first = rank * gate_up.shape[0] if expert_parallel else 0
-            y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu, glu=glu, **kw)
+            y = experts_forward(x, weights, experts, gate_up, down, first, activation=jax.nn.silu, glu=glu,
+                                scale_inputs=scale_inputs, **kw)
             return jax.lax.psum(y, MODEL_AXIS)
 
         in_specs = (*specs, *(vector_specs["down" if n.startswith("down") else "gate_up"] for n in names))
