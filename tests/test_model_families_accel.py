@@ -1,5 +1,6 @@
 """Compile-only: a Qwen3-30B-A3B-shaped MoE (expert parallel) and a Gemma-3-27B-shaped model on
-tpu:v6e-4 (how they are deployed), bf16 with abstract weights, through `jaxserve compile`'s own path:
+tpu:v6e-4 (how they are deployed), bf16 with abstract weights (and gpt-oss-120b in int8 on v6e-4,
+Llama 4 Scout on v6e-8), through `jaxserve compile`'s own path:
 the Mosaic attention kernel is selected (Gemma's per-layer windows reach it as data) and the
 plan fits; on 8 H200s the MoE's experts run as the Triton grouped matmul. The full HBM tables
 are in docs/benchmarks.md.
@@ -18,19 +19,23 @@ SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16,),
                 max_model_len=4096, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("config,target,ep,params_gib", [
-    ("qwen3_30b_a3b_config.json", "tpu:v6e-4", True, (14.0, 14.6)),  # 30.5 B params / 4 chips
-    ("gemma3_27b_config.json", "tpu:v6e-4", False, (12.2, 12.8)),  # 27.0 B params / 4 chips
+@pytest.mark.parametrize("config,target,ep,quantization,params_gib", [
+    ("qwen3_30b_a3b_config.json", "tpu:v6e-4", True, None, (14.0, 14.6)),  # 30.5 B params / 4 chips
+    ("gemma3_27b_config.json", "tpu:v6e-4", False, None, (12.2, 12.8)),  # 27.0 B params / 4 chips
+    # sinks and per-layer windows into the Mosaic kernel; 117 B params at a byte / 4 chips
+    ("gpt_oss_120b_config.json", "tpu:v6e-4", True, "int8", (27.3, 27.9)),
+    # per-layer chunks into the Mosaic kernel; 108 B params in bf16 / 8 chips
+    ("llama4_scout_config.json", "tpu:v6e-8", False, None, (24.8, 25.4)),
 ])
-def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target, ep, params_gib):
+def test_family_flagship_compiles_on_tpu_with_the_kernel_and_fits(config, target, ep, quantization, params_gib):
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
     from jaxserve.config.engine_config import EngineConfig
     from jaxserve.loading import load_model_config
 
     mc = load_model_config(str(DATA / config))
-    report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep), Target.parse(target),
-                                shapes=["backbone[T=16]"])
+    report = compile_for_target(mc, EngineConfig(**SETTINGS, enable_expert_parallel=ep, quantization=quantization),
+                                Target.parse(target), shapes=["backbone[T=16]"])
     backbone = report.shapes[0]
     assert backbone.compiled, backbone.error
     assert backbone.attention == "pallas" and report.attention[0] == "pallas"

@@ -27,12 +27,14 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
+        band = s.high_freq_factor - s.low_freq_factor  # 0 (Llama 4 Scout): no medium band to smooth
+        if band:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / band
+            smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            inv = np.where(medium, smoothed, scaled)
+        else:
+            inv = scaled
     return inv.astype(np.float32)
 
 
