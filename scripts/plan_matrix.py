@@ -62,10 +62,10 @@ CASES = {
     "gpt-oss-20b-v6e-1-int8": ("gpt_oss_20b_config.json", "tpu:v6e-1", ["--quantization", "int8"]),
     "gpt-oss-20b-h100": ("gpt_oss_20b_config.json", "gpu:h100", []),
     # Llama 4 Scout (108 B text params, 16 experts) in bf16 on v6e-8 and fp8 on 2 H100s;
-    # Maverick (401 B, 128 experts) in int8 on v6e-16
+    # Maverick (401 B, 128 experts) in int8 on v5p-8 (its 40 heads split 8 ways, not 16)
     "llama4-scout-v6e-8": ("llama4_scout_config.json", "tpu:v6e-8", []),
     "llama4-scout-h100x2-fp8": ("llama4_scout_config.json", "gpu:h100x2", ["--quantization", "fp8"]),
-    "llama4-maverick-v6e-16-int8": ("llama4_maverick_config.json", "tpu:v6e-16",
+    "llama4-maverick-v5p-8-int8": ("llama4_maverick_config.json", "tpu:v5p-8",
                                     ["--quantization", "int8", "--enable-expert-parallel"]),
 }
 
