@@ -90,7 +90,7 @@ _CHILD = textwrap.dedent("""
 # entering the per-shard attention, its dense / MoE groups and input-scaled experts.
 LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
-           "gpt_oss": ("tp2", "ep2"), "llama4": ("tp2", "ep2")}
+           "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2")}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):
@@ -241,9 +241,11 @@ def _flatten(tree, prefix=""):
             yield prefix + k, v
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4"])
 def test_converted_checkpoint_restores_config_and_params(family_dirs, tmp_path, family):
-    """`jaxserve convert` keeps what makes each family: the experts and Gemma's per-layer windows."""
+    """`jaxserve convert` keeps what makes each family: the experts, Gemma's per-layer windows,
+    DeepSeek's latent attention and stacks, gpt-oss's sinks and biases, Llama 4's per-layer
+    RoPE and chunks."""
     import numpy as np
 
     from jaxserve.cli import main
