@@ -93,6 +93,13 @@ FAMILY_CONFIGS = {
         head_dim=16, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
         num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
         floor_scale=4, attn_scale=0.5)),
+    # two periods of (sliding, full): full layers 32 wide with their own KV heads, values equal
+    # to keys, a quarter of each rotated; the MoE block beside the dense MLP
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=2, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, sliding_window=8, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -123,6 +130,13 @@ def save_tiny_family(path, family: str, **overrides):
                 for name, p in model.named_parameters():
                     if name.endswith(("sinks", "bias")):
                         p.copy_(torch.randn_like(p))
+            if family == "gemma4":  # learned scales that start at one
+                for name, p in model.named_parameters():
+                    if name.endswith(("router.scale", "per_expert_scale")):
+                        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                for name, b in model.named_buffers():
+                    if name.endswith("layer_scalar"):
+                        b.copy_(0.5 + torch.rand_like(b))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (zero as initialised)
                 b.copy_(0.1 * torch.randn_like(b))

@@ -83,6 +83,10 @@ CASES = {
         interleave_moe_layer_step=1, attention_chunk_size=4, no_rope_layers=[1, 0], floor_scale=2, attn_scale=0.3,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # Gemma 4 dense in its released 5:1 pattern: full layers 32 wide with a v_proj of their own
+    "gemma4-dense-5to1": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0, sliding_window=4, num_hidden_layers=6, final_logit_softcapping=None)),
     "gemma3-all-sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=5, layer_types=["sliding_attention"] * 2,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},

@@ -134,8 +134,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     spec, quantized = family.kv_cache, resolved.kv_cache_dtype is not None
     shardings = ((one,) * (2 * spec.page_arrays) if mesh is None
                  else parallel.kv_cache_shardings(mesh, resolved.kv_layout, spec, quantized))
-    kv = spec.shape(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp)
-    kv_cache = tuple(sds(kv, kv_dtype, sh) for sh in shardings[:spec.page_arrays])
+    kv_shapes = spec.page_shapes(c, resolved.num_pages, config.page_size, resolved.kv_layout, tp)
+    kv_cache = tuple(sds(kv, kv_dtype, sh) for kv, sh in zip(kv_shapes, shardings[:spec.page_arrays]))
     if quantized:  # quantized pages carry f32 scales per token (and head)
         scales = spec.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout)
         kv_cache += tuple(sds(scales, jnp.float32, sh) for sh in shardings[spec.page_arrays:])

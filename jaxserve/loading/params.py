@@ -41,7 +41,9 @@ from jaxserve.models.registry import family_of
 TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                         # multi-head latent attention and shared experts (models/deepseek.py)
                         "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "kv_b_proj",
-                        "shared_gate", "shared_up", "shared_down", "mtp_eh_proj"})
+                        "shared_gate", "shared_up", "shared_down", "mtp_eh_proj",
+                        # Gemma 4's full-attention layers (models/gemma4.py)
+                        "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj"})
 # Routed experts come stacked per layer ([X, ...]); loaders return them in jaxserve's layout.
 
 

@@ -162,6 +162,15 @@ class ModelConfig:
     attn_scale: float = 0.1
     moe_layer_step: int = 1
     expert_input_scaling: bool = False
+    # Gemma 4: the full-attention layers' own head width and KV heads (None: the sliding ones');
+    # their values equal to their keys before the norms (`attention_k_eq_v`, no v_proj); their
+    # RoPE rotating the first `global_rotary_fraction` of each head ("proportional"); routed
+    # experts beside the dense MLP in every layer (`moe_block`).
+    global_head_dim: int | None = None
+    global_num_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    global_rotary_fraction: float = 1.0
+    moe_block: bool = False
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures

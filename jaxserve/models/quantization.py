@@ -32,11 +32,13 @@ QUANTIZED_LAYER_WEIGHTS = (
     # multi-head latent attention's plain projections and the shared experts (models/deepseek.py);
     # kv_b_proj, absorbed into the query and the output per head, stays in the activations' dtype
     "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "shared_gate", "shared_up", "shared_down",
+    # Gemma 4's full-attention layers (models/gemma4.py)
+    "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj",
 )
 # After fusion (models/fused.py), as the model holds them.
 QUANTIZED_FUSED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "expert_gate_up", "expert_down",
                            "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "shared_gate", "shared_up",
-                           "shared_down")
+                           "shared_down", "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj")
 
 _STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 _QMAX = {"int8": 127.0, "fp8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}

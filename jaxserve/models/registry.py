@@ -19,7 +19,7 @@ from jaxserve.models.config import ModelConfig, UnsupportedModelError
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
 _BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss",
-                    "jaxserve.models.llama4")
+                    "jaxserve.models.llama4", "jaxserve.models.gemma4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,16 @@ class KVCacheSpec:
     # when quantized, as many scale arrays.
     page_arrays: int = 2
     replicated: bool = False  # every tensor-parallel rank holds all of it (else split by KV head)
+    # The page arrays' shapes when they differ (Gemma 4: a pool per attention kind), as `shape`
+    # takes its arguments; None: `shape` for each.
+    shapes: Callable[..., tuple[tuple[int, ...], ...]] | None = None
+
+    def page_shapes(self, cfg: Any, num_pages: int, page_size: int, layout: str = "heads",
+                    tp: int = 1) -> tuple[tuple[int, ...], ...]:
+        """Every page array's shape."""
+        if self.shapes is not None:
+            return tuple(self.shapes(cfg, num_pages, page_size, layout, tp))
+        return (self.shape(cfg, num_pages, page_size, layout, tp),) * self.page_arrays
 
 
 @dataclasses.dataclass(frozen=True)
