@@ -70,8 +70,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         if hf.get(key):
             raise UnsupportedModelError(f"gemma4 with {key}={hf[key]!r} ({what}: Gemma 4 E2B / E4B) is not "
                                         "supported yet")
-    if hf.get("use_double_wide_mlp") and hf.get("num_kv_shared_layers"):
-        raise UnsupportedModelError("gemma4 with use_double_wide_mlp is not supported yet")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedModelError(f"gemma4 with hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
