@@ -100,6 +100,12 @@ FAMILY_CONFIGS = {
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, sliding_window=8, num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2, enable_moe_block=True, num_experts=4,
         top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0)),
+    # E2B / E4B's features: per-layer input embeddings, the last period reading the K/V of the
+    # layers before it, with double-wide MLPs
+    "gemma4_e": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128, num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=8,
+        num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
@@ -130,7 +136,7 @@ def save_tiny_family(path, family: str, **overrides):
                 for name, p in model.named_parameters():
                     if name.endswith(("sinks", "bias")):
                         p.copy_(torch.randn_like(p))
-            if family == "gemma4":  # learned scales that start at one
+            if family.startswith("gemma4"):  # learned scales that start at one
                 for name, p in model.named_parameters():
                     if name.endswith(("router.scale", "per_expert_scale")):
                         p.copy_(1.0 + 0.3 * torch.randn_like(p))

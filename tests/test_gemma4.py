@@ -1,5 +1,5 @@
-"""Gemma 4's config read as transformers reads it, what it cannot serve yet refused by name, and
-its two K/V pools compiled for a TPU. (Greedy parity, chunked prefill, prefix hits, the MoE
+"""Gemma 4's config read as transformers reads it, what it cannot serve refused by name, and its
+two K/V pools compiled for a TPU. (Greedy parity, chunked prefill, prefix hits, the MoE
 block and TP/EP: test_model_families; the dense 5:1 pattern's logits: test_model_parity.)"""
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ def test_gemma4_config_two_attention_kinds():
     assert cfg.eos_token_id == 1 and cfg.sm_scale == 1.0 and cfg.tie_word_embeddings
 
 
+def test_gemma4_e_config_per_layer_inputs_and_shared_kv():
+    cfg = ModelConfig.from_hf_config(_text_config(num_kv_shared_layers=12, use_double_wide_mlp=True))
+    assert (cfg.per_layer_input_size, cfg.per_layer_vocab_size) == (256, 262144)
+    assert (cfg.num_kv_shared_layers, cfg.double_wide_mlp) == (12, True)
+
+
 @pytest.mark.parametrize("overrides, message", [
-    ({}, "hidden_size_per_layer_input=256 .per-layer input embeddings"),
-    ({"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 10}, "num_kv_shared_layers=10 .KV shared"),
-    ({"hidden_size_per_layer_input": 0, "num_hidden_layers": 4,
+    ({"num_kv_shared_layers": 10}, "num_kv_shared_layers=10: not whole repeats of its 6-layer pattern"),
+    ({"num_hidden_layers": 4,
       "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]},
      "do not repeat"),
 ])
@@ -52,7 +57,7 @@ def test_gemma4_step_compiles_for_tpu_with_both_kv_pools(tmp_path):
     from jaxserve.loading import load_model_config
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(_text_config(hidden_size_per_layer_input=0)))
+    path.write_text(json.dumps(_text_config(hidden_size_per_layer_input=0)))  # (per-layer inputs: CPU-tested)
     mc = load_model_config(str(path))
     settings = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16,), num_pages=256,
                     max_model_len=2048, dtype="bfloat16")

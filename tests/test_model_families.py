@@ -88,11 +88,12 @@ _CHILD = textwrap.dedent("""
 # at tp4 beside the shared expert's split. gpt-oss its sinks split by head and its expert biases
 # (down's added on one width shard only; whole experts' under ep2). Llama 4 its per-layer chunk
 # entering the per-shard attention, its dense / MoE groups and input-scaled experts. Gemma 4 its
-# two attention kinds' stacks and K/V pools split by head, and its MoE block (int8 too).
+# two attention kinds' stacks and K/V pools split by head, and its MoE block (int8 too); E2B's
+# features (per-layer inputs, layers reading earlier K/V, double-wide MLPs) split by head too.
 LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
            "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2"),
-           "gemma4": ("tp2", "ep2", "int8:tp1", "int8:tp2")}
+           "gemma4": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):
@@ -243,7 +244,8 @@ def _flatten(tree, prefix=""):
             yield prefix + k, v
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "gemma4",
+                                    "gemma4_e"])
 def test_converted_checkpoint_restores_config_and_params(family_dirs, tmp_path, family):
     """`jaxserve convert` keeps what makes each family: the experts, Gemma's per-layer windows,
     DeepSeek's latent attention and stacks, gpt-oss's sinks and biases, Llama 4's per-layer

@@ -43,7 +43,9 @@ TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate
                         "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "kv_b_proj",
                         "shared_gate", "shared_up", "shared_down", "mtp_eh_proj",
                         # Gemma 4's full-attention layers (models/gemma4.py)
-                        "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj"})
+                        "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj", "reuse_q_proj",
+                        "reuse_o_proj", "global_reuse_q_proj", "global_reuse_o_proj", "wide_gate_proj",
+                        "wide_up_proj", "wide_down_proj", "ple_gate", "ple_proj", "ple_model_projection"})
 # Routed experts come stacked per layer ([X, ...]); loaders return them in jaxserve's layout.
 
 

@@ -171,6 +171,15 @@ class ModelConfig:
     attention_k_eq_v: bool = False
     global_rotary_fraction: float = 1.0
     moe_block: bool = False
+    # Gemma 4 E2B / E4B: per-layer input embeddings (a `per_layer_input_size`-wide vector per
+    # token and layer, from a table of `per_layer_vocab_size` rows and a projection of the
+    # embedding), and the last `num_kv_shared_layers` layers reading the K/V of the last
+    # earlier layer of their kind instead of their own (with an MLP twice as wide when
+    # `double_wide_mlp`).
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures

@@ -14,10 +14,17 @@ What sets it apart from Gemma 3:
   (RMS-normed, times a learned scale and E^-1/2), softmax top-k renormalised then times a
   learned per-expert scale, with their own pre/post norms.
 
+E2B / E4B add per-layer inputs (a vector per token and layer: a table row plus a projection of
+the embedding, gated into each layer's output) and KV sharing: the last `num_kv_shared_layers`
+layers compute queries only and attend to the pages of their kind's last layer that holds K/V
+(so the pools hold only the layers before them), with MLPs twice as wide when
+`use_double_wide_mlp`. Those layers' attention and MLP weights are stacks of their own
+(`reuse_*`, `wide_*`).
+
 The layers repeat a pattern of p - 1 sliding layers then one full layer (5:1 in the released
-models); one `lax.scan` runs groups of p layers. Not served yet, refused by name: per-layer
-input embeddings and KV sharing between layers (Gemma 4 E2B / E4B), a layer pattern that does
-not repeat, LoRA and quantized KV pages.
+models); one `lax.scan` runs the groups of p layers that hold K/V, a second the groups that
+reuse it. Refused by name: a pattern that does not repeat (or KV sharing that is not whole
+repeats of it), LoRA and quantized KV pages.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig, UnsupportedModelError
@@ -64,12 +72,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if "text_config" in hf:  # Gemma4ForConditionalGeneration: its language model (text prompts only)
         hf = {**hf["text_config"], **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if hf.get(k) is not None}}
     n = int(hf["num_hidden_layers"])
-    for key, what in (("hidden_size_per_layer_input", "per-layer input embeddings"),
-                      ("num_kv_shared_layers", "KV shared between layers"),
-                      ("use_bidirectional_attention", "bidirectional attention")):
-        if hf.get(key):
-            raise UnsupportedModelError(f"gemma4 with {key}={hf[key]!r} ({what}: Gemma 4 E2B / E4B) is not "
-                                        "supported yet")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"gemma4 with use_bidirectional_attention={hf['use_bidirectional_attention']!r} "
+                                    "is not supported")
+    shared = int(hf.get("num_kv_shared_layers") or 0)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedModelError(f"gemma4 with hidden_activation={act!r} is not supported (gelu_pytorch_tanh)")
@@ -80,6 +86,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if n % period or types != (["sliding_attention"] * (period - 1) + ["full_attention"]) * (n // period):
         raise UnsupportedModelError(f"gemma4 layer_types {types} do not repeat p - 1 sliding layers then one full "
                                     "layer")
+    if shared % period or shared >= n:
+        raise UnsupportedModelError(f"gemma4 with num_kv_shared_layers={shared}: not whole repeats of its "
+                                    f"{period}-layer pattern after at least one that holds K/V")
     rope = hf.get("rope_parameters") or {}
     local, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
     if local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in (
@@ -103,6 +112,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         moe = dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
                    moe_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True, moe_block=True)
     window = int(hf.get("sliding_window") or 0)
+    per_layer = int(hf.get("hidden_size_per_layer_input") or 0)
     return ModelConfig(
         architecture=ARCHITECTURE,
         vocab_size=int(hf["vocab_size"]),
@@ -131,6 +141,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         attention_k_eq_v=k_eq_v,
         global_rotary_fraction=float(full.get("partial_rotary_factor", 1.0))
         if full.get("rope_type") == "proportional" else 1.0,
+        per_layer_input_size=per_layer,
+        per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"]) if per_layer else 0,
+        num_kv_shared_layers=shared,
+        double_wide_mlp=bool(hf.get("use_double_wide_mlp")) and shared > 0,
         **moe,
     )
 
@@ -140,28 +154,42 @@ def period(cfg: ModelConfig) -> int:
     return cfg.windows().index(0) + 1
 
 
+def kv_layers(cfg: ModelConfig) -> int:
+    """The first layers, which hold K/V; the rest (`num_kv_shared_layers`) read it."""
+    return cfg.num_layers - cfg.num_kv_shared_layers
+
+
 def local_config(cfg: ModelConfig) -> ModelConfig:
-    """The sliding layers as a config of their own (their count, heads and width)."""
+    """The sliding layers that hold K/V as a config of their own (their count, heads, width)."""
     p = period(cfg)
-    n = cfg.num_layers // p * (p - 1)
-    return dataclasses.replace(cfg, num_layers=n, layer_windows=(cfg.windows()[0],) * n)
+    n = kv_layers(cfg) // p * (p - 1)
+    return dataclasses.replace(cfg, num_layers=n, layer_windows=(cfg.windows()[0],) * n, num_kv_shared_layers=0)
 
 
 def global_config(cfg: ModelConfig) -> ModelConfig:
-    """The full-attention layers as a config of their own."""
-    n = cfg.num_layers // period(cfg)
+    """The full-attention layers that hold K/V as a config of their own."""
+    n = kv_layers(cfg) // period(cfg)
     return dataclasses.replace(cfg, num_layers=n, layer_windows=(0,) * n, num_kv_heads=cfg.global_num_kv_heads,
-                               head_dim=cfg.global_head_dim)
+                               head_dim=cfg.global_head_dim, num_kv_shared_layers=0)
 
 
 def layer_ids(cfg: ModelConfig, name: str) -> list[int]:
-    """The checkpoint layers a stacked weight holds: a kind's attention its layers, the rest all."""
+    """The checkpoint layers a stacked weight holds: each attention stack its kind's layers
+    that hold K/V (`reuse_` ones: that read it), the dense MLP every layer (without the
+    double-wide ones: `wide_`), the rest every layer."""
     base = name.removesuffix("_scale")
-    full = [i for i, w in enumerate(cfg.windows()) if w == 0]
-    if base in GLOBAL_ATTENTION:
-        return full
+    full = {i for i, w in enumerate(cfg.windows()) if w == 0}
+    holds = set(range(kv_layers(cfg)))
+    kinds = {"global_reuse_": full - holds, "global_": full & holds, "reuse_": set(range(cfg.num_layers)) - full - holds}
+    for prefix, layers in kinds.items():
+        if base.startswith(prefix):
+            return sorted(layers)
     if base in LOCAL_ATTENTION:
-        return [i for i in range(cfg.num_layers) if i not in full]
+        return sorted(holds - full)
+    if base.startswith("wide_"):
+        return sorted(set(range(cfg.num_layers)) - holds)
+    if base in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") and cfg.double_wide_mlp:
+        return sorted(holds)
     return list(range(cfg.num_layers))
 
 
@@ -181,6 +209,19 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     }
     if not cfg.attention_k_eq_v:
         layers["global_v_proj"] = (Lf, E, glo.kv_size)
+    if cfg.num_kv_shared_layers:  # the layers that read K/V: only their queries and outputs
+        p = period(cfg)
+        Lr, Lrf = cfg.num_kv_shared_layers // p * (p - 1), cfg.num_kv_shared_layers // p
+        layers.update(reuse_q_proj=(Lr, E, H * Ds), reuse_o_proj=(Lr, H * Ds, E), reuse_q_norm=(Lr, Ds),
+                      global_reuse_q_proj=(Lrf, E, H * Df), global_reuse_o_proj=(Lrf, H * Df, E),
+                      global_reuse_q_norm=(Lrf, Df))
+    if cfg.double_wide_mlp:
+        L0, Ls_, I = kv_layers(cfg), cfg.num_kv_shared_layers, cfg.intermediate_size  # noqa: E741
+        layers.update(gate_proj=(L0, E, I), up_proj=(L0, E, I), down_proj=(L0, I, E),
+                      wide_gate_proj=(Ls_, E, 2 * I), wide_up_proj=(Ls_, E, 2 * I), wide_down_proj=(Ls_, 2 * I, E))
+    if cfg.per_layer_input_size:
+        Pd = cfg.per_layer_input_size
+        layers.update(ple_gate=(L, E, Pd), ple_proj=(L, Pd, E), ple_norm=(L, E))
     if cfg.moe_block:
         X, Im = cfg.num_experts, cfg.moe_intermediate_size
         layers.update(router=(L, E, X), router_scale=(L, E), router_expert_scale=(L, X),
@@ -189,7 +230,14 @@ def expected_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
+    if cfg.per_layer_input_size:
+        LP = L * cfg.per_layer_input_size
+        shapes.update(ple_embed=(cfg.per_layer_vocab_size, LP), ple_model_projection=(E, LP),
+                      ple_projection_norm=(cfg.per_layer_input_size,))
     return shapes
+
+
+PLE_GLOBALS = ("ple_embed", "ple_model_projection", "ple_projection_norm")
 
 
 def inv_freq(dim: int, theta: float, fraction: float = 1.0) -> np.ndarray:
@@ -233,7 +281,7 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout
 
 # ---------------------------------------------------------------------- the model
 class Gemma4ForCausalLM(LlamaForCausalLM):
-    """`kv_cache` is (k, v) of the sliding layers then (k, v) of the full layers."""
+    """`kv_cache` is (k, v) of the sliding layers that hold K/V, then (k, v) of the full ones."""
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], **kwargs: Any):
         super().__init__(config, params, **kwargs)
@@ -242,6 +290,8 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                              f"({config.num_kv_heads} sliding, {config.global_num_kv_heads} full)")
         self._local_inv = inv_freq(config.head_dim, config.rope_local_theta)
         self._global_inv = inv_freq(config.global_head_dim, config.rope_theta, config.global_rotary_fraction)
+        # Per-layer inputs (E2B / E4B): the table [Vp, L*Pd], the embedding's projection [E, L*Pd], its norm.
+        self.ple = nnx.Dict({k: nnx.Param(params[k]) for k in PLE_GLOBALS}) if config.per_layer_input_size else None
 
     def __call__(
         self,
@@ -264,68 +314,106 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         pools = (views[0].to_carry(kv_cache[:2]), views[1].to_carry(kv_cache[2:4]))
         P = kv_cache[0].shape[1]
         h = self._embed(token_ids, dtype) * jnp.asarray(cfg.hidden_size ** 0.5, dtype)  # [T, E]
+        ple = self._per_layer_inputs(token_ids, h)  # [L, T, Pd] or None
         ropes = (rope_tables(positions, self._local_inv), rope_tables(positions, self._global_inv))
         weights = {k: v[...] for k, v in self.layers.items()}
         live_rows = md.cu_q_lens[md.num_seqs[0]]
+        held = (local_config(cfg).num_layers, global_config(cfg).num_layers)  # layers holding K/V, per kind
 
         def stack(i):
             return LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
 
-        def sublayer(h, pools, layer, kind, index):
+        def sublayer(h, pools, layer, kind, index, reuse):
+            """Layer `layer`: attention of `kind` (its stacks' row `index`), then the rest. A
+            reusing layer reads the pool of its kind's last layer that holds K/V."""
             pool = views[kind].to_pages(pools[kind])
-            attn, pool = self._attention(h, stack(layer), stack(index), kind, ropes[kind], pool, md, index * P,
-                                         views[kind].page_size, attention_fn, kv_update_fn)
-            pools = tuple(views[kind].to_carry(pool) if j == kind else x for j, x in enumerate(pools))
-            return self._block(h, attn, stack(layer), moe_fn), pools
+            page_index = held[kind] - 1 if reuse else index
+            attn, pool = self._attention(h, stack(layer), stack(index), kind, reuse, ropes[kind], pool, md,
+                                         page_index * P, views[kind].page_size, attention_fn, kv_update_fn)
+            if not reuse:
+                pools = tuple(views[kind].to_carry(pool) if j == kind else x for j, x in enumerate(pools))
+            mlp = stack(layer - kv_layers(cfg)) if reuse and cfg.double_wide_mlp else stack(layer)
+            return self._block(h, attn, stack(layer), mlp, "wide_" if reuse and cfg.double_wide_mlp else "", ple,
+                               layer, moe_fn), pools
 
-        def group(carry, g):
-            h, pools = carry
-            for j in range(p - 1):
-                h, pools = sublayer(h, pools, g * p + j, 0, g * (p - 1) + j)
-            h, pools = sublayer(h, pools, g * p + p - 1, 1, g)
-            return (h, pools), None
+        def groups(first_group, reuse):
+            def group(carry, g):
+                h, pools = carry
+                i = g - first_group  # the group's rows in its stacks
+                for j in range(p - 1):
+                    h, pools = sublayer(h, pools, g * p + j, 0, i * (p - 1) + j, reuse)
+                h, pools = sublayer(h, pools, g * p + p - 1, 1, i, reuse)
+                return (h, pools), None
+            return group
 
-        (h, pools), _ = jax.lax.scan(group, (h, pools), jnp.arange(cfg.num_layers // p, dtype=jnp.int32))
+        g0, g1 = kv_layers(cfg) // p, cfg.num_layers // p
+        (h, pools), _ = jax.lax.scan(groups(0, False), (h, pools), jnp.arange(g0, dtype=jnp.int32))
+        if g1 > g0:
+            (h, pools), _ = jax.lax.scan(groups(g0, True), (h, pools), jnp.arange(g0, g1, dtype=jnp.int32))
         h_last = self.final_hidden(jnp.take(h, logits_indices, axis=0))
         out = (*pools[0], *pools[1])
         return h_last, h, tuple(x.reshape(c.shape) for x, c in zip(out, kv_cache))
 
-    def _attention(self, h, w, w_kind, kind, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
+    def _per_layer_inputs(self, token_ids: jax.Array, h: jax.Array) -> jax.Array | None:
+        """Each token's per-layer input vectors [L, T, Pd]: its row of the table (times
+        Pd^1/2) and the projection of its scaled embedding h (times E^-1/2, RMS-normed),
+        averaged (times 2^-1/2)."""
+        cfg = self.config
+        if not cfg.per_layer_input_size:
+            return None
+        T, L, Pd, dtype = h.shape[0], cfg.num_layers, cfg.per_layer_input_size, h.dtype
+        rows = jnp.take(self.ple["ple_embed"][...], token_ids, axis=0) * jnp.asarray(Pd ** 0.5, dtype)  # [T, L*Pd]
+        proj = (h @ self.ple["ple_model_projection"][...]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
+        proj = self._norm(proj.reshape(T, L, Pd), self.ple["ple_projection_norm"][...])
+        return jnp.swapaxes((proj + rows.reshape(T, L, Pd)) * jnp.asarray(2 ** -0.5, dtype), 0, 1)
+
+    def _attention(self, h, w, w_kind, kind, reuse, rope, pool, md, page_offset, S, attention_fn, kv_update_fn):
         """One layer's attention (kind 0: sliding, 1: full): [T, E] output (before its norm) and
-        the kind's pool."""
+        the kind's pool. A reusing layer (`reuse`) computes its queries only and attends to the
+        pages at `page_offset`, which an earlier layer wrote."""
         cfg = self.config
         c = local_config(cfg) if kind == 0 else global_config(cfg)
         T, H, Hkv, D = h.shape[0], cfg.num_heads, c.num_kv_heads, c.head_dim
         x = self._norm(h, w["input_norm"])
-        if kind == 0:
+        prefix = ("" if kind == 0 else "global_") + ("reuse_" if reuse else "")
+        if reuse:
+            q = w_kind.matmul(x, prefix + "q_proj")
+        elif kind == 0:
             q, k, v = split_qkv(w_kind.matmul(x, "qkv_proj"), c, self.shards)
-            prefix = ""
         else:
             q, k = w_kind.matmul(x, "global_q_proj"), w_kind.matmul(x, "global_k_proj")
             v = k if cfg.attention_k_eq_v else w_kind.matmul(x, "global_v_proj")
-            prefix = "global_"
-        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        q = apply_rope(self._norm(q, w_kind[prefix + "q_norm"]), *rope)
-        k = apply_rope(self._norm(k, w_kind[prefix + "k_norm"]), *rope)
-        v = rms_norm(v, jnp.ones((D,), v.dtype), cfg.rms_norm_eps, row_tile=self.row_tile)  # weightless
-        pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S))
+        q = apply_rope(self._norm(q.reshape(T, H, D), w_kind[prefix + "q_norm"]), *rope)
+        if not reuse:
+            k, v = k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+            k = apply_rope(self._norm(k, w_kind[prefix + "k_norm"]), *rope)
+            v = rms_norm(v, jnp.ones((D,), v.dtype), cfg.rms_norm_eps, row_tile=self.row_tile)  # weightless
+            pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S))
         window = cfg.windows()[0] if kind == 0 else None
         attn = attention_fn(q, pool[0], pool[1], md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
                             md.num_seqs, sm_scale=1.0, num_kv_heads=Hkv, sliding_window=window)  # [T, H, D]
         out = w_kind.matmul(attn.reshape(T, H * D).astype(h.dtype), prefix + "o_proj")
         return out, pool
 
-    def _block(self, h, attn, w, moe_fn):
-        """The rest of a layer: the attention's norm and skip, the dense MLP (and the MoE
-        block beside it), their norms and skip, the layer's scalar."""
+    def _block(self, h, attn, w, w_mlp, mlp_prefix, ple, layer, moe_fn):
+        """The rest of a layer: the attention's norm and skip, the dense MLP (`w_mlp`'s
+        `mlp_prefix` stack; and the MoE block beside it), their norms and skip, the per-layer
+        input, the layer's scalar."""
         cfg = self.config
         h = h + self._norm(attn, w["post_attn_norm"])
         x = self._norm(h, w["post_norm"])
-        gate, up = split_gate_up(w.matmul(x, "gate_up_proj"), self.shards)
-        y = w.matmul(ACTIVATIONS[cfg.hidden_act](gate) * up, "down_proj")
+        act = ACTIVATIONS[cfg.hidden_act]
+        if mlp_prefix:
+            gate, up = w_mlp.matmul(x, mlp_prefix + "gate_proj"), w_mlp.matmul(x, mlp_prefix + "up_proj")
+        else:
+            gate, up = split_gate_up(w_mlp.matmul(x, "gate_up_proj"), self.shards)
+        y = w_mlp.matmul(act(gate) * up, mlp_prefix + "down_proj")
         if cfg.moe_block:
             y = self._norm(y, w["post_ffn_norm_1"]) + self._norm(self._experts(h, w, moe_fn), w["post_ffn_norm_2"])
         h = h + self._norm(y, w["post_ffn_norm"])
+        if ple is not None:
+            g = act(w.matmul(h, "ple_gate")) * jax.lax.dynamic_index_in_dim(ple, layer, keepdims=False)  # [T, Pd]
+            h = h + self._norm(w.matmul(g, "ple_proj"), w["ple_norm"])
         return h * w["layer_scalar"].astype(h.dtype)
 
     def _experts(self, h, w, moe_fn):
@@ -355,6 +443,12 @@ _HF_LAYERS = {
     "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight",
     **{f"{prefix}{name}": f"self_attn.{name}.weight" for prefix in ("", "global_")
        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+    **{f"{prefix}reuse_{name}": f"self_attn.{name}.weight" for prefix in ("", "global_")
+       for name in ("q_proj", "o_proj", "q_norm")},
+    **{f"wide_{name}": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
+    "ple_gate": "per_layer_input_gate.weight",
+    "ple_proj": "per_layer_projection.weight",
+    "ple_norm": "post_per_layer_input_norm.weight",
     "router_scale": "router.scale",
     "router_expert_scale": "router.per_expert_scale",
     "post_ffn_norm_1": "post_feedforward_layernorm_1.weight",
@@ -364,8 +458,13 @@ _HF_LAYERS = {
 _HF_EXPERTS = ("router.proj.weight", "experts", "gate_proj", "up_proj", "down_proj")
 
 
+_HF_PLE_GLOBALS = {"ple_embed": "model.embed_tokens_per_layer.weight",
+                   "ple_model_projection": "model.per_layer_model_projection.weight",
+                   "ple_projection_norm": "model.per_layer_projection_norm.weight"}
+
+
 def hf_weight_names(cfg: ModelConfig) -> WeightNames:
-    return WeightNames(HF_GLOBALS, _HF_LAYERS, _HF_EXPERTS)
+    return WeightNames({**HF_GLOBALS, **_HF_PLE_GLOBALS}, _HF_LAYERS, _HF_EXPERTS)
 
 
 GEMMA4 = add_builtin(ModelFamily(
@@ -382,7 +481,11 @@ GEMMA4 = add_builtin(ModelFamily(
                          init=init_kv_cache, page_arrays=4, shapes=kv_cache_shapes),
     layer_sharding={**LLAMA_SHARDING,
                     "global_q_proj": (None, None, MODEL_AXIS), "global_k_proj": (None, None, MODEL_AXIS),
-                    "global_v_proj": (None, None, MODEL_AXIS), "global_o_proj": (None, MODEL_AXIS, None)},
+                    "global_v_proj": (None, None, MODEL_AXIS), "global_o_proj": (None, MODEL_AXIS, None),
+                    "reuse_q_proj": (None, None, MODEL_AXIS), "reuse_o_proj": (None, MODEL_AXIS, None),
+                    "global_reuse_q_proj": (None, None, MODEL_AXIS), "global_reuse_o_proj": (None, MODEL_AXIS, None),
+                    "wide_gate_proj": (None, None, MODEL_AXIS), "wide_up_proj": (None, None, MODEL_AXIS),
+                    "wide_down_proj": (None, MODEL_AXIS, None)},
     expert_parallel_sharding={"expert_gate_up": (None, MODEL_AXIS, None, None),
                               "expert_down": (None, MODEL_AXIS, None, None)},
     support=ModelSupport(lora=False, quantized_kv=False, spec_decode=True, tensor_parallel=True,

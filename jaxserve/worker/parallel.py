@@ -130,7 +130,8 @@ def param_specs(params: dict[str, Any], cfg: ModelConfig, tp: int, expert_parall
         specs["lm_head_scale"] = P(MODEL_AXIS) if vocab_split else P()
     if "embed_scale" in params:  # the quantized tied head: one scale per vocabulary row
         specs["embed_scale"] = P(MODEL_AXIS) if vocab_split else P()
-    specs.update({k: P() for k in params if k.startswith("mtp_")})  # the MTP layer's norms and input projection
+    # the MTP layer's norms and input projection; Gemma 4's per-layer input table and projection
+    specs.update({k: P() for k in params if k.startswith(("mtp_", "ple_"))})
     return specs
 
 
