@@ -68,6 +68,12 @@ LOCAL_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "
 
 
 # ---------------------------------------------------------------------- config
+# transformers' RoPE for a config without `rope_parameters`.
+_DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                    "rope_theta": 1_000_000.0}}
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if "text_config" in hf:  # Gemma4ForConditionalGeneration: its language model (text prompts only)
         hf = {**hf["text_config"], **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if hf.get(k) is not None}}
@@ -89,7 +95,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if shared % period or shared >= n:
         raise UnsupportedModelError(f"gemma4 with num_kv_shared_layers={shared}: not whole repeats of its "
                                     f"{period}-layer pattern after at least one that holds K/V")
-    rope = hf.get("rope_parameters") or {}
+    rope = hf.get("rope_parameters") or _DEFAULT_ROPE
     local, full = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
     if local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in (
             "default", "proportional"):
@@ -100,8 +106,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     heads, kv_heads = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or 256)
     k_eq_v = bool(hf.get("attention_k_eq_v", False))
-    per_layer = {int(k): v for k, v in (hf.get("per_layer_config") or {}).items()}
-    full_layer = per_layer.get(period - 1, {})
+    layer_config = {int(k): v for k, v in (hf.get("per_layer_config") or {}).items()}
+    full_layer = layer_config.get(period - 1, {})
     global_dim = int(full_layer.get("head_dim") or hf.get("global_head_dim") or 512)
     global_kv = full_layer.get("num_key_value_heads") or (hf.get("num_global_key_value_heads") if k_eq_v else None)
     eos = hf.get("eos_token_id")
