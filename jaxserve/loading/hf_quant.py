@@ -13,7 +13,8 @@ broadcast to every output channel, which is exact): int weights as "int8", float
 weight-only, with activations in full precision. Everything else (4-bit and other widths,
 group / block / tensor_group strategies, asymmetric weights, NVFP4 / MXFP formats, sparsity,
 transforms) is refused with `UnsupportedQuantizationError` naming the scheme, as is any other
-`quant_method` (awq, gptq, bitsandbytes, ...).
+`quant_method` (awq, gptq, bitsandbytes, ...), and MXFP4 outside gpt-oss (whose released experts
+`loading/mxfp4.py` decodes at load).
 
 HF's block-scaled fp8 (`quant_method: "fp8"` with `weight_block_size`, DeepSeek-V3's release:
 e4m3 `<module>.weight` and one f32 `<module>.weight_scale_inv` per 128x128 block) is
@@ -72,7 +73,7 @@ def hf_checkpoint_quantization(raw: dict[str, Any], path: str) -> CheckpointQuan
     if not isinstance(qc, dict):
         raise CheckpointError(f"{path}: config.json quantization_config is not an object")
     method = qc.get("quant_method")
-    if method == "mxfp4":  # gpt-oss's released experts (`loading/mxfp4.py`); the rest is floats
+    if method == "mxfp4" and _is_gpt_oss(raw):  # its released experts (`loading/mxfp4.py`); the rest is floats
         log.info("%s: MXFP4 expert weights are dequantized at load (losslessly): served in the model's dtype, or "
                  "quantized again per output channel with quantization='int8' / 'fp8'", path)
         return None
@@ -87,6 +88,12 @@ def hf_checkpoint_quantization(raw: dict[str, Any], path: str) -> CheckpointQuan
             f"{path}: quantization method {method!r} (config.json quantization_config.quant_method) "
             f"is not supported; {_SUPPORTED}")
     return _compressed_tensors(qc, path)
+
+
+def _is_gpt_oss(raw: dict[str, Any]) -> bool:
+    """MXFP4 is read where it is published: gpt-oss's expert tensors (other models' MXFP4
+    linears are refused with the other methods)."""
+    return raw.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in (raw.get("architectures") or [])
 
 
 def _check_block_fp8(qc: dict[str, Any], path: str) -> None:

@@ -146,7 +146,13 @@ struct Problem {
 };
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale (+ residual:
-// the product rounded to out's dtype first, then the sum, as two separate ops would).
+// the product rounded to out's dtype first, then the sum, as two separate ops would). The
+// scalar loop (every column on a CPU without AVX-512) must not fuse the product and the sum
+// into one FMA, which GCC does by default (-ffp-contract=fast) and which rounds once instead of
+// twice: the residual's sum would then differ from the separate add in the last bit.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
 void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int64_t rows, int64_t n0,
                 int64_t cols) {
   const float* res32 = p.out_bf16 ? nullptr : static_cast<const float*>(p.residual);
