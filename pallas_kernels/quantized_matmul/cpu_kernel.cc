@@ -47,6 +47,7 @@
 // call returns when every item is done.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -280,7 +281,9 @@ void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t 
 #endif  // QMM_AVX512
 
 // acc[0:rows][0:cols] += x[m0:m0 + rows, k0:k1] @ w[k0:k1, c0:c0 + cols] for the direct
-// path (any rows on a host without AVX-512, which runs every M this way).
+// path (any rows on a host without AVX-512, which runs every M this way). One fused
+// multiply-add per k, written out (not left to the compiler's contraction, which it applied
+// here and not in `direct_t_item_any`'s loop): both layouts then round alike.
 void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int64_t k1, int64_t c0, int64_t cols,
                      float* acc, int64_t ld) {
   const Problem q = [&] {
@@ -301,7 +304,7 @@ void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int
     for (int64_t m = 0; m < rows; ++m) {
       const float xv = q.x[m * q.K + k];
       float* a = acc + m * ld;
-      for (int64_t j = 0; j < cols; ++j) a[j] += xv * static_cast<float>(row[j]);
+      for (int64_t j = 0; j < cols; ++j) a[j] = std::fma(xv, static_cast<float>(row[j]), a[j]);
     }
   }
 #endif
@@ -345,7 +348,10 @@ void direct_item(const Problem& p, int64_t item) {
   store_tile(p, sum, p.N, 0, p.M, c0, cols);
 }
 
-// The direct path for w [N, K] on a host without AVX-512 (every M runs here there).
+// The direct path for w [N, K] on a host without AVX-512 (every M runs here there). Each
+// channel sums its k-parts (`krows` rows each, as `direct_split` cuts them for w [K, N]) in
+// order, then adds the parts up in order: the arithmetic of `direct_item`, so a tied head read
+// as [N, K] gives the bits of the same head held as [K, N].
 void direct_t_item_any(const Problem& p, int64_t item) {
   const int64_t c0 = item * p.cw, cols = std::min(p.cw, p.N - c0);
   thread_local std::vector<float> own;
@@ -353,9 +359,14 @@ void direct_t_item_any(const Problem& p, int64_t item) {
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t c = 0; c < cols; ++c) {
       const int8_t* row = p.w + (c0 + c) * p.K;
-      float sum = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k) sum += p.x[m * p.K + k] * static_cast<float>(row[k]);
-      own[m * cols + c] = sum;
+      float total = 0.0f;
+      for (int64_t k0 = 0; k0 < p.K; k0 += p.krows) {
+        float part = 0.0f;
+        for (int64_t k = k0; k < std::min(p.K, k0 + p.krows); ++k)
+          part = std::fma(p.x[m * p.K + k], static_cast<float>(row[k]), part);  // as direct_rows_any
+        total = k0 == 0 ? part : total + part;
+      }
+      own[m * cols + c] = total;
     }
   store_tile(p, own.data(), cols, 0, p.M, c0, cols);
 }
@@ -980,6 +991,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   } else
 #endif
   if (p.wt) {  // column parts only: each channel's dot product runs along its own row
+    Problem split = p;  // the k-parts w [K, N] would be cut in (`direct_t_item_any` follows them)
+    direct_split(split, workers);
+    p.krows = split.krows;
     p.cw = std::clamp<int64_t>((N + 4 * workers - 1) / (4 * workers), 64, 1024) / 4 * 4;
     items = (N + p.cw - 1) / p.cw;
   } else {
