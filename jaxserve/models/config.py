@@ -343,9 +343,7 @@ def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim") or hidden // num_heads
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
@@ -503,6 +501,22 @@ def _gemma3_text_of_multimodal(hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get(key) is not None:
             text[key] = hf[key]
     return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+
+
+def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config.json -> its language model's (`text_config`, with the
+    top level's end and start tokens, which name the chat's); a text model's as it is."""
+    if "text_config" not in hf:
+        return hf
+    return {**hf["text_config"], **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if hf.get(k) is not None}}
+
+
+def first_eos(hf: dict[str, Any]) -> int | None:
+    """config.json's `eos_token_id`, the first of a list."""
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -32,7 +32,13 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import moe
-from jaxserve.models.config import MLAConfig, ModelConfig, UnsupportedModelError, parse_rope_scaling
+from jaxserve.models.config import (
+    MLAConfig,
+    ModelConfig,
+    UnsupportedModelError,
+    first_eos,
+    parse_rope_scaling,
+)
 from jaxserve.models.fused import split_gate_up
 from jaxserve.models.layers import (
     ACTIVATIONS,
@@ -83,9 +89,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                     rope_interleave=bool(hf.get("rope_interleave", True)))
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     max_pos = int(hf.get("max_position_embeddings", 4096))
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     experts = int(hf.get("n_routed_experts") or 0)
     moe_width = int(hf.get("moe_intermediate_size") or 0)
     routing: dict[str, Any] = {}

@@ -38,7 +38,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import llama
-from jaxserve.models.config import ModelConfig, UnsupportedModelError
+from jaxserve.models.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    first_eos,
+    language_model_config,
+)
 from jaxserve.models.deepseek import LayerStack
 from jaxserve.models.fused import split_gate_up, split_qkv
 from jaxserve.models.layers import ACTIVATIONS, AttentionFn, KVUpdateFn, MoEFn, rms_norm
@@ -75,8 +80,7 @@ _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    if "text_config" in hf:  # Gemma4ForConditionalGeneration: its language model (text prompts only)
-        hf = {**hf["text_config"], **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if hf.get(k) is not None}}
+    hf = language_model_config(hf)  # Gemma4ForConditionalGeneration: its language model (text prompts only)
     n = int(hf["num_hidden_layers"])
     if hf.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"gemma4 with use_bidirectional_attention={hf['use_bidirectional_attention']!r} "
@@ -110,9 +114,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     full_layer = layer_config.get(period - 1, {})
     global_dim = int(full_layer.get("head_dim") or hf.get("global_head_dim") or 512)
     global_kv = full_layer.get("num_key_value_heads") or (hf.get("num_global_key_value_heads") if k_eq_v else None)
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     moe: dict[str, Any] = {}
     if hf.get("enable_moe_block"):
         moe = dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
@@ -296,6 +298,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                              f"({config.num_kv_heads} sliding, {config.global_num_kv_heads} full)")
         self._local_inv = inv_freq(config.head_dim, config.rope_local_theta)
         self._global_inv = inv_freq(config.global_head_dim, config.rope_theta, config.global_rotary_fraction)
+        self._kinds = (local_config(config), global_config(config))  # the K/V-holding layers of each kind
         # Per-layer inputs (E2B / E4B): the table [Vp, L*Pd], the embedding's projection [E, L*Pd], its norm.
         self.ple = nnx.Dict({k: nnx.Param(params[k]) for k in PLE_GLOBALS}) if config.per_layer_input_size else None
 
@@ -324,7 +327,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         ropes = (rope_tables(positions, self._local_inv), rope_tables(positions, self._global_inv))
         weights = {k: v[...] for k, v in self.layers.items()}
         live_rows = md.cu_q_lens[md.num_seqs[0]]
-        held = (local_config(cfg).num_layers, global_config(cfg).num_layers)  # layers holding K/V, per kind
+        held = tuple(c.num_layers for c in self._kinds)  # layers holding K/V, per kind
 
         def stack(i):
             return LayerStack(weights, i, self.matmul_precision, self.row_tile, live_rows)
@@ -378,7 +381,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         the kind's pool. A reusing layer (`reuse`) computes its queries only and attends to the
         pages at `page_offset`, which an earlier layer wrote."""
         cfg = self.config
-        c = local_config(cfg) if kind == 0 else global_config(cfg)
+        c = self._kinds[kind]
         T, H, Hkv, D = h.shape[0], cfg.num_heads, c.num_kv_heads, c.head_dim
         x = self._norm(h, w["input_norm"])
         prefix = ("" if kind == 0 else "global_") + ("reuse_" if reuse else "")

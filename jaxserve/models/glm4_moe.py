@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, UnsupportedModelError, parse_rope_scaling
+from jaxserve.models.config import ModelConfig, UnsupportedModelError, first_eos, parse_rope_scaling
 from jaxserve.models.deepseek import DeepseekV3ForCausalLM, LayerStack, mlp_param_shapes
 from jaxserve.models.fused import split_qkv
 from jaxserve.models.rope import apply_rope
@@ -25,9 +25,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     max_pos = int(hf.get("max_position_embeddings", 131072))
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     moe_width = int(hf["moe_intermediate_size"])
     return ModelConfig(
         architecture="glm4_moe",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.models import llama
-from jaxserve.models.config import ModelConfig, UnsupportedModelError, parse_rope_scaling
+from jaxserve.models.config import ModelConfig, UnsupportedModelError, first_eos, parse_rope_scaling
 from jaxserve.models.llama_family import (
     EXPERT_PARALLEL_SHARDING,
     HF_GLOBALS,
@@ -59,9 +59,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"gpt_oss layer_types {sorted(unknown) or types} not supported")
     window = int(hf.get("sliding_window") or 0)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     bias = bool(hf.get("attention_bias", True))
     return ModelConfig(
         architecture=ARCHITECTURE,

@@ -27,7 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import llama
-from jaxserve.models.config import ModelConfig, UnsupportedModelError, parse_rope_scaling
+from jaxserve.models.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    first_eos,
+    language_model_config,
+    parse_rope_scaling,
+)
 from jaxserve.models.deepseek import LayerStack, mlp_param_shapes
 from jaxserve.models.deepseek_family import EXPERT_PARALLEL_SHARDING
 from jaxserve.models.deepseek_family import LAYER_SHARDING as DEEPSEEK_SHARDING
@@ -54,8 +60,7 @@ HF_MODEL_TYPES = {"llama4_text": ARCHITECTURE, "llama4": ARCHITECTURE}
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    if "text_config" in hf:  # a Llama4ForConditionalGeneration: its language model (text prompts only)
-        hf = {**hf["text_config"], **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if hf.get(k) is not None}}
+    hf = language_model_config(hf)  # Llama4ForConditionalGeneration: its language model (text prompts only)
     n = int(hf["num_hidden_layers"])
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias"):
         raise UnsupportedModelError("llama4 with attention_bias or an activation other than silu is not supported")
@@ -74,9 +79,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     max_pos = int(hf.get("max_position_embeddings", 4096 * 32))
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos = first_eos(hf)
     width = int(hf["intermediate_size"])
     return ModelConfig(
         architecture=ARCHITECTURE,
