@@ -57,7 +57,7 @@ class StubEngine:
         self.num_pages = 100_000
         self.eos_token_id = None
         self.dtype = "float32"
-        self.model_config = types.SimpleNamespace(vocab_size=vocab, num_layers=0, hidden_size=0)
+        self.model_config = types.SimpleNamespace(architecture="llama", vocab_size=vocab, num_layers=0, hidden_size=0)
         self.last_step = StepTiming()
         self.scheduler = types.SimpleNamespace(stats=lambda: SchedulerStats(
             len(self.reqs), 0, 0, len(self.reqs), 0, 100_000, 100_000, 0, 0))
