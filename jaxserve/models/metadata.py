@@ -19,3 +19,19 @@ class AttentionMetadata:
     kv_lens: jax.Array  # [R] int32, cached tokens per sequence after this step
     block_tables: jax.Array  # [R, max_pages_per_seq] int32
     num_seqs: jax.Array  # [1] int32
+    # Hybrid models' linear layers (their state slots and chunk layout); None for the others.
+    recurrent: RecurrentMetadata | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentMetadata:
+    """What linear-attention layers read besides `AttentionMetadata` (hybrid models only; see
+    `models/gated_delta.py`). Built on the host (`worker/recurrent_inputs.py`): shapes depend on
+    the token bucket T and request bucket R only."""
+
+    state_slots: jax.Array  # [R] int32, each row's state slot (0: the null slot, padding rows)
+    token_rows: jax.Array  # [T] int32, each token's row (R: a padding token)
+    chunk_tokens: jax.Array  # [Nc, C] int32, the tokens of each chunk of a multi-token span (T: padding)
+    chunk_rows: jax.Array  # [Nc] int32, the row each chunk belongs to (R: unused chunks)
+    num_chunks: jax.Array  # [1] int32, chunks in use (the first ones)
