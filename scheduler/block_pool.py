@@ -14,7 +14,7 @@ and unused block-table entries point at it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -106,6 +106,8 @@ class BlockPool:
         # One block per hash is enough: a duplicate full block is simply not registered.
         self.cached: dict[bytes, KVBlock] = {}
         self.num_cached_free = 0
+        # Called with a hash whose block stops being cached (hybrid models drop its state snapshot).
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -142,6 +144,8 @@ class BlockPool:
         h = block.block_hash
         if self.cached.get(h) is block:
             del self.cached[h]
+            if self.on_evict is not None:
+                self.on_evict(h)
         block.block_hash = None
         if block.ref_cnt == 0:
             self.num_cached_free -= 1

@@ -34,6 +34,12 @@ class SchedulerConfig:
     # Distinct LoRA adapters the running requests may use at once (the device slots; 0: no
     # adapters). A waiting request whose adapter would exceed it waits, others go ahead.
     max_loras: int = 0
+    # Hybrid models (linear-attention layers): each running request also holds a state slot
+    # (`KVCacheManager.state_slot_of`: 1..max_num_seqs, 0 is the null slot), and prefix hits
+    # need a state snapshot at their last block (`num_state_snapshots` of them, slots after
+    # the running ones; 0: no prefix caching of such models' states).
+    recurrent_state: bool = False
+    num_state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -58,6 +64,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if not isinstance(self.num_state_snapshots, int) or self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be an integer >= 0, got {self.num_state_snapshots!r}")
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
@@ -66,6 +74,11 @@ class SchedulerConfig:
     def max_blocks_per_seq(self) -> int:
         """Width of a block-table row: enough blocks for ``max_model_len`` tokens."""
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_state_slots(self) -> int:
+        """The state pools' slots: the null slot, one per running request, the snapshots."""
+        return 1 + self.max_num_seqs + self.num_state_snapshots if self.recurrent_state else 0
 
     @property
     def num_usable_blocks(self) -> int:

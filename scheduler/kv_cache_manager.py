@@ -26,6 +26,7 @@ from scheduler.block_pool import BlockPool, HostBlockPool, KVBlock
 from scheduler.config import SchedulerConfig
 from scheduler.prefix_cache import extend_block_hashes
 from scheduler.request import Request
+from scheduler.state_snapshots import StateSnapshots
 
 
 class ComputedBlocks:
@@ -34,11 +35,13 @@ class ComputedBlocks:
     Opaque to callers except for its length in tokens; pass it to ``allocate_slots``.
     """
 
-    __slots__ = ("_blocks", "num_tokens")
+    __slots__ = ("_blocks", "num_tokens", "snapshot")
 
-    def __init__(self, blocks: list[KVBlock], block_size: int) -> None:
+    def __init__(self, blocks: list[KVBlock], block_size: int, snapshot: int = 0) -> None:
         self._blocks = blocks
         self.num_tokens = len(blocks) * block_size
+        # Hybrid models: the state snapshot slot to restore (the state at the hit's end); 0: none.
+        self.snapshot = snapshot
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -96,6 +99,16 @@ class KVCacheManager:
         self._host: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.recurrent = config.recurrent_state
+        self.snapshots = StateSnapshots(config.max_num_seqs + 1, config.num_state_snapshots)
+        if self.recurrent:
+            self.pool.on_evict = self.snapshots.drop
+        # A swapped-out hybrid request's state waits in a host state slot (one per request that
+        # can be preempted); the copies of this step's swaps, drained by the scheduler.
+        self.host_states = HostBlockPool(config.max_num_seqs if self.recurrent and config.num_host_blocks else 0)
+        self._host_state: dict[str, int] = {}
+        self.state_swap_out: list[tuple[int, int]] = []  # (state slot, host state slot)
+        self.state_swap_in: list[tuple[int, int]] = []  # (host state slot, state slot)
 
     # ----------------------------------------------------------------- queries
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -134,8 +147,15 @@ class KVCacheManager:
         """Copies of the given table rows, ``[len(slots), max_blocks_per_seq]`` int32."""
         return self.tables[slots] if slots else np.zeros((0, self.width), dtype=np.int32)
 
+    def state_slot_of(self, request_id: str) -> int:
+        """A hybrid model's state slot of a request holding device blocks: its table row + 1
+        (slot 0 is the null slot); 0 for other models."""
+        return self._reqs[request_id].slot + 1 if self.recurrent else 0
+
     def _new_state(self, request_id: str) -> _Blocks:
         if not self._free_slots:
+            if self.recurrent:  # the state pools hold max_num_seqs running slots, no more
+                raise AssertionError(f"more than max_num_seqs={self.config.max_num_seqs} requests hold blocks")
             old = self.tables.shape[0]
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
             self._free_slots = list(range(2 * old - 1, old - 1, -1))
@@ -180,7 +200,29 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, self.block_size)
+        if not self.recurrent:
+            return ComputedBlocks(hits, self.block_size)
+        # A hybrid model resumes only where a state snapshot was kept: the longest such hit.
+        for n in range(len(hits), 0, -1):
+            if self.snapshots.has(hashes[n - 1]):
+                return ComputedBlocks(hits[:n], self.block_size, self.snapshots.lookup(hashes[n - 1]))
+        return _NO_HIT
+
+    def snapshot_state(self, request: Request, num_tokens: int) -> tuple[int, int] | None:
+        """A hybrid model's request computed exactly `num_tokens` (a block boundary): the
+        (state slot, snapshot slot) copy that keeps its state for prefix hits, or None (no
+        snapshots, not a registered block, or one is kept already)."""
+        if not (self.recurrent and self.enable_caching) or num_tokens % self.block_size or not num_tokens:
+            return None
+        st = self._reqs.get(request.request_id)
+        i = num_tokens // self.block_size - 1
+        if st is None or not st.cacheable or i >= len(request.block_hashes):
+            return None
+        block_hash = request.block_hashes[i]
+        if block_hash not in self.pool.cached:
+            return None
+        snap = self.snapshots.reserve(block_hash)
+        return None if snap is None else (st.slot + 1, snap)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one lookup in tokens. The scheduler calls this once per admission, so a
@@ -293,6 +335,9 @@ class KVCacheManager:
         host = self._host.pop(request.request_id, None)
         if host is not None:
             self.host_pool.free(host)
+        host_state = self._host_state.pop(request.request_id, None)
+        if host_state is not None:
+            self.host_states.free([host_state])
 
     # ----------------------------------------------------------------- swapping
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -308,10 +353,22 @@ class KVCacheManager:
             num_copy = min(num_copy, len(st.blocks))
         else:
             num_copy = 0
+        host_state = None
+        if self.recurrent:
+            if st is None:
+                return None
+            host_state = self.host_states.allocate(1)
+            if host_state is None:
+                return None
         host = self.host_pool.allocate(num_copy)
         if host is None:
+            if host_state is not None:
+                self.host_states.free(host_state)
             return None
         mapping = [(st.blocks[i].block_id, host[i]) for i in range(num_copy)] if st else []
+        if host_state is not None:
+            self._host_state[request.request_id] = host_state[0]
+            self.state_swap_out.append((st.slot + 1, host_state[0]))
         if st is not None:
             self._drop_state(request.request_id)
             self.pool.free_blocks(reversed(st.blocks))
@@ -338,6 +395,10 @@ class KVCacheManager:
         self.tables[st.slot, :num_needed] = ids
         mapping = list(zip(host, ids))
         self.host_pool.free(host)
+        host_state = self._host_state.pop(request.request_id, None)
+        if host_state is not None:
+            self.state_swap_in.append((host_state, st.slot + 1))
+            self.host_states.free([host_state])
         return mapping, ids
 
     # ----------------------------------------------------------------- introspection
@@ -355,4 +416,5 @@ class KVCacheManager:
         Returns how many blocks lost their hash."""
         for st in self._reqs.values():
             st.cacheable = False
+        self.snapshots.clear()
         return self.pool.reset_prefix_cache()

@@ -54,6 +54,7 @@ class ScheduledRequest:
     block_table: np.ndarray
     samples: bool
     num_draft_tokens: int = 0
+    state_slot: int = 0  # hybrid models: the request's state slot (0 otherwise)
 
     @property
     def kv_len_after(self) -> int:
@@ -107,6 +108,13 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Requests preempted in this step (recompute or swap); they are not in ``scheduled``.
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Hybrid models' state slots, copied in this order before the step's compute: snapshots
+    # taken (state slot -> snapshot slot), swap-outs (state slot -> host state slot), swap-ins
+    # (host state slot -> state slot), prefix hits restored (snapshot slot -> state slot).
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_requests(self) -> int:
@@ -114,7 +122,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
+        return (not self.scheduled and not self.swap_out and not self.swap_in and not self.state_saves
+                and not self.state_swap_out)
 
 
 @dataclass(slots=True)

@@ -63,6 +63,7 @@ class _StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
 
 # Steps a waiting request may be passed over for want of a LoRA slot before the adapters that
@@ -97,6 +98,10 @@ class Scheduler:
         self._preemptions = {"recompute": 0, "swap": 0}
         self._num_finished = {r.value: 0 for r in FinishReason}
         self._swap_enabled = config.preemption_mode == "swap" and config.num_host_blocks > 0
+        # Hybrid models: state snapshots taken at the last step's block boundaries, copied
+        # before the next step (`SchedulerOutput.state_saves`).
+        self._state_saves: list[tuple[int, int]] = []
+        self._snapshots = config.recurrent_state and config.enable_prefix_caching and config.num_state_snapshots > 0
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request, share_prompt_with: str | None = None) -> None:
@@ -284,6 +289,10 @@ class Scheduler:
         tables = self.kv.gather_block_tables(plan.slots)
         for k, sr in enumerate(plan.scheduled):
             sr.block_table = tables[k]
+        saves, self._state_saves = self._state_saves, []
+        kv = self.kv
+        swap_out, kv.state_swap_out = kv.state_swap_out, []
+        swap_in, kv.state_swap_in = kv.state_swap_in, []
         return SchedulerOutput(
             scheduled=plan.scheduled,
             num_scheduled_tokens=self.step_tokens - plan.budget,
@@ -293,11 +302,27 @@ class Scheduler:
             swap_in=plan.swap_in,
             finished_request_ids=finished_ids,
             preempted_request_ids=plan.preempted,
+            state_saves=saves,
+            state_swap_out=swap_out,
+            state_swap_in=swap_in,
+            state_restores=plan.state_restores,
         )
 
     def _span_len(self, req: Request, budget: int) -> int:
         """Tokens the request may compute this step (see ``_clamp``)."""
-        return self._clamp(req.num_tokens - req.num_computed_tokens, budget)
+        n = self._clamp(req.num_tokens - req.num_computed_tokens, budget)
+        return self._snapshot_aligned(req, req.num_computed_tokens, n)
+
+    def _snapshot_aligned(self, req: Request, start: int, n: int) -> int:
+        """A hybrid model with state snapshots: a multi-token span that would end inside a
+        block ends at the last block boundary it crosses instead, so its state there can be
+        kept for prefix hits (a chunk cut by the budget, or a prompt's prefill before its last,
+        partial block, which follows in the next step)."""
+        if not self._snapshots or n <= 1:
+            return n
+        bs = self.config.block_size
+        cut = (start + n) // bs * bs
+        return cut - start if start < cut < start + n else n
 
     def _clamp(self, n: int, budget: int) -> int:
         """The one budget rule: ``n`` tokens to compute, capped by the long-prefill threshold
@@ -411,7 +436,7 @@ class Scheduler:
                 continue
             hits = kv.get_computed_blocks(req)
             num_hit = hits.num_tokens
-            n = self._clamp(req.num_tokens - num_hit, plan.budget)
+            n = self._snapshot_aligned(req, num_hit, self._clamp(req.num_tokens - num_hit, plan.budget))
             new_ids = kv.allocate_slots(req, n, hits)
             if new_ids is None and not running:
                 # Nothing else holds device blocks: take what fits, or give up for good.
@@ -439,6 +464,8 @@ class Scheduler:
             req.status = _RUNNING
             running.append(req)
             self._append_scheduled(plan, req, n, new_ids)
+            if hits.snapshot:  # the linear layers resume from the state at the hit's end
+                plan.state_restores.append((hits.snapshot, plan.scheduled[-1].state_slot))
 
     def _schedule_drafts(self, plan: _StepPlan, drafts: dict[str, list[int]]) -> None:
         """Extends scheduled decodes with their drafts, in batch order, while budget, rows
@@ -468,7 +495,7 @@ class Scheduler:
         plan.scheduled.append(ScheduledRequest(
             req.request_id, start, n, req.all_token_ids[start:end], new_ids,
             None,  # type: ignore[arg-type]  # the block-table row, filled by schedule()
-            end == req.num_tokens,
+            end == req.num_tokens, state_slot=self.kv.state_slot_of(req.request_id),
         ))
         plan.slots.append(self.kv.slot_of(req.request_id))
         plan.budget -= n
@@ -512,6 +539,7 @@ class Scheduler:
         survives. Swapped-out requests keep their host copies. Returns the requeued ids."""
         lost = list(self.running)
         self.running = []
+        self._state_saves = []
         for req in reversed(lost):
             self._requeue_for_recompute(req)
         self.kv.reset_prefix_cache()
@@ -549,6 +577,10 @@ class Scheduler:
             end = req.num_computed_tokens = start + sr.num_tokens
             if caching and end // bs > start // bs:
                 kv.cache_computed_blocks(req)  # only when a block was completed
+                if self._snapshots and sr.num_tokens > 1 and end % bs == 0:
+                    save = kv.snapshot_state(req, end)
+                    if save is not None:
+                        self._state_saves.append(save)
             if not sr.samples:
                 continue
             if self._parked:

@@ -192,6 +192,16 @@ class EngineConfig:
             self.max_model_len if self.max_model_len is not None else 1,
             self.num_host_pages if self.num_host_pages is not None else 0)
 
+    def _state_fitting_seqs(self, model_config: Any, platform: str | None) -> int:
+        """A hybrid model's `max_num_seqs` default: the platform's, capped so that the state
+        slots (one per sequence, and as many prefix-cache snapshots) take at most half of
+        `kv_cache_memory_gb` (an explicit `num_pages` leaves the platform's)."""
+        seqs = self.with_platform_defaults(platform).max_num_seqs
+        if self.num_pages is not None:
+            return seqs
+        per_seq = state_bytes_per_slot(model_config) * (2 if self.enable_prefix_caching else 1)
+        return max(1, min(seqs, int(self.kv_cache_memory_gb * 2**30) // 2 // per_seq))
+
     def with_platform_defaults(self, platform: str | None = None) -> EngineConfig:
         """This config with the unset `max_num_batched_tokens` / `max_num_seqs` filled in for
         `platform` (default: this host's backend). A set token budget smaller than the default
@@ -257,14 +267,16 @@ class EngineConfig:
     def resolved_dtype(self, platform: str | None = None) -> str:
         return default_dtype_for_platform(platform) if self.dtype == "auto" else self.dtype
 
-    def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
+    def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
+                         recurrent: bool = False) -> SchedulerConfig:
         try:
-            return self._scheduler_config(num_pages, max_model_len, num_host_pages)
+            return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent)
         except ValueError as e:  # name the field as the user wrote it
             msg = re.sub(r"^(\w+)", lambda m: _ENGINE_NAME.get(m.group(1), m.group(1)), str(e))
             raise ValueError(msg) from None
 
-    def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int) -> SchedulerConfig:
+    def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
+                          recurrent: bool = False) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.page_size,
             num_blocks=num_pages,
@@ -277,6 +289,8 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else 0,
+            recurrent_state=recurrent,
+            num_state_snapshots=self.max_num_seqs if recurrent and self.enable_prefix_caching else 0,
         )
 
     def resolve(self, model_config: Any, kv_model_config: Any | None = None,
@@ -285,36 +299,62 @@ class EngineConfig:
         per-device model config under tensor parallelism (it sizes a KV page); `platform`
         the one compiled for (default: this host's backend), which picks `auto` dtype, the
         smallest token bucket, the KV page layout and the unset scheduling limits."""
+        from jaxserve.models.registry import family_of
+
+        kv_config = kv_model_config or model_config
+        states = family_of(kv_config).kv_cache
+        if states.recurrent and self.max_num_seqs is None:
+            return dataclasses.replace(self, max_num_seqs=self._state_fitting_seqs(kv_config, platform)).resolve(
+                model_config, kv_model_config, platform)
         if self.max_num_batched_tokens is None or self.max_num_seqs is None:
             return self.with_platform_defaults(platform).resolve(model_config, kv_model_config, platform)
-        from jaxserve.models.registry import family_of
         from jaxserve.worker.compile_plan import CompilePlan
         from pallas_kernels import kv_cache_layout
 
         dtype = self.resolved_dtype(platform)
         max_model_len = self.resolved_max_model_len(model_config)
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype) or np.dtype(np.float32 if dtype == "float32" else np.float16)
-        kv_config = kv_model_config or model_config
         tp = self.tensor_parallel_size
         kv_layout = kv_cache_layout(platform or jax.default_backend())
         if self.num_pages is not None:
             num_pages = self.num_pages
         else:
             per_page = family_of(kv_config).kv_cache.bytes_per_page(kv_config, self.page_size, kv_dtype, kv_layout, tp)
-            num_pages = max(2, int(self.kv_cache_memory_gb * 2**30) // per_page)
+            budget = int(self.kv_cache_memory_gb * 2**30)
+            if states.recurrent:  # the state slots come first out of the same memory
+                slots = self.scheduler_config(2, max_model_len, 0, recurrent=True).num_state_slots
+                need = slots * state_bytes_per_slot(kv_config)
+                if need >= budget:
+                    raise ValueError(
+                        f"kv_cache_memory_gb {self.kv_cache_memory_gb:g}: the {slots} state slots of max_num_seqs "
+                        f"{self.max_num_seqs} (and as many prefix-cache snapshots) alone take {need / 2**30:.2f} GiB "
+                        f"({state_bytes_per_slot(kv_config) / 2**20:.1f} MiB each); raise it or lower max_num_seqs")
+                budget -= need
+            num_pages = max(2, budget // per_page)
         if self.num_host_pages is not None:
             num_host_pages = self.num_host_pages
         else:
             num_host_pages = num_pages if self.preemption_mode == "swap" else 0
         return ResolvedConfig(
-            scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages),
+            scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent),
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
             quantized_matmul_precision="highest" if self.quantized_matmul_precision == "highest" else "bf16",
             row_tile=BATCH_INVARIANT_ROW_TILE if self.batch_invariant else 0,
-            plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform),
+            plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform,
+                                         recurrent=states.recurrent),
         )
+
+
+def state_bytes_per_slot(model_config: Any) -> int:
+    """Bytes of one state slot of a hybrid model (f32 pools; 0 for other models)."""
+    from jaxserve.models.registry import family_of
+
+    spec = family_of(model_config).kv_cache
+    if not spec.recurrent:
+        return 0
+    return sum(4 * int(np.prod(s)) for s in spec.state_shapes(model_config, 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from jaxserve.models.quantization import (
     quantize_params,
     storage_dtype,
 )
-from jaxserve.models.registry import check_support
+from jaxserve.models.registry import check_support, family_of
 from jaxserve.spec_decode import SpeculativeConfig, make_ngram_proposer
 from jaxserve.structured import StructuredOutputManager, make_manager
 from jaxserve.worker import distributed, parallel
@@ -76,6 +76,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         self.distributed = self._join_processes(config)  # before anything touches a JAX backend
+        asked = config
         self.config = config = config.with_platform_defaults()
         self.healthy = True
         self.weights_version = 0  # update_weights calls so far
@@ -91,6 +92,9 @@ class Engine:
         if self.model.tokenizer is None:
             logger.warning("model has no tokenizer: only token-id prompts are accepted")
         self.tokenizer = self.model.tokenizer
+        if family_of(mc).kv_cache.recurrent and asked.max_num_seqs is None:  # as many as state slots fit
+            self.config = config = dataclasses.replace(config, max_num_seqs=min(
+                config.max_num_seqs, asked._state_fitting_seqs(mc, None)))
         check_support(mc, lora=config.enable_lora, quantized_kv=config.kv_cache_dtype != "auto",
                       spec_decode=config.speculative_config is not None,
                       tensor_parallel=config.tensor_parallel_size > 1, expert_parallel=config.enable_expert_parallel)
@@ -234,6 +238,7 @@ class Engine:
             structured=self.structured, expert_parallel=config.enable_expert_parallel,
             matmul_precision=self.resolved.quantized_matmul_precision, row_tile=self.resolved.row_tile,
             lora=(config.max_loras, config.max_lora_rank, self.lora_registry) if config.enable_lora else None,
+            num_state_slots=self.scheduler_config.num_state_slots,
         )
 
     @property

@@ -45,7 +45,10 @@ TRANSPOSED = frozenset({"lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate
                         # Gemma 4's full-attention layers (models/gemma4.py)
                         "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj", "reuse_q_proj",
                         "reuse_o_proj", "global_reuse_q_proj", "global_reuse_o_proj", "wide_gate_proj",
-                        "wide_up_proj", "wide_down_proj", "ple_gate", "ple_proj", "ple_model_projection"})
+                        "wide_up_proj", "wide_down_proj", "ple_gate", "ple_proj", "ple_model_projection",
+                        # Qwen3-Next / Qwen3.5's gated attention and Gated DeltaNet (models/qwen3_next.py)
+                        "attn_q", "attn_k", "attn_v", "attn_o", "lin_qkvz", "lin_ba", "lin_qkv", "lin_z",
+                        "lin_b", "lin_a", "lin_out"})
 # Routed experts come stacked per layer ([X, ...]); loaders return them in jaxserve's layout.
 
 

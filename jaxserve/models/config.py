@@ -84,6 +84,37 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): every `full_attention_interval`-th layer is
+    gated full attention, the others linear attention with `num_key_heads` query/key heads of
+    `key_head_dim` and `num_value_heads` value heads of `value_head_dim` (each key head serves
+    num_value_heads / num_key_heads of them), after a causal depthwise conv of `conv_kernel`
+    taps. `grouped_projection`: q, k, v, z in one projection grouped per key head and b, a in
+    another (Qwen3-Next); else four projections (Qwen3.5)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    grouped_projection: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -180,6 +211,11 @@ class ModelConfig:
     per_layer_vocab_size: int = 0
     num_kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet layers between the full-attention ones (whose query
+    # projection also gives a sigmoid gate on their output), and the routed experts' shared
+    # expert scaled by a sigmoid gate of its own (`shared_expert_gate`).
+    linear_attention: LinearAttentionConfig | None = None
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures

@@ -19,7 +19,7 @@ from jaxserve.models.config import ModelConfig, UnsupportedModelError
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
 _BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss",
-                    "jaxserve.models.llama4", "jaxserve.models.gemma4")
+                    "jaxserve.models.llama4", "jaxserve.models.gemma4", "jaxserve.models.qwen3_next")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,15 @@ class KVCacheSpec:
     # The page arrays' shapes when they differ (Gemma 4: a pool per attention kind), as `shape`
     # takes its arguments; None: `shape` for each.
     shapes: Callable[..., tuple[tuple[int, ...], ...]] | None = None
+    # Hybrid models (Qwen3-Next, Qwen3.5): fixed-size per-sequence state pools after the page
+    # arrays, as (cfg, num_slots) -> their shapes (f32, slot axis 1: [layers, slots, ...]);
+    # `init` then takes `state_slots=`. None: pages only.
+    state_shapes: Callable[..., tuple[tuple[int, ...], ...]] | None = None
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the cache holds per-sequence state slots besides pages."""
+        return self.state_shapes is not None
 
     def page_shapes(self, cfg: Any, num_pages: int, page_size: int, layout: str = "heads",
                     tp: int = 1) -> tuple[tuple[int, ...], ...]:

@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxserve.worker.recurrent_inputs import recurrent_inputs
+
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSpan:
@@ -24,6 +26,7 @@ class SequenceSpan:
     block_table: np.ndarray  # [<= max_pages_per_seq] int32
     num_rows: int = 1
     lora_slot: int = 0  # the LoRA adapter's device slot (1..max_loras; 0: the base model)
+    state_slot: int = 0  # hybrid models: the sequence's state slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +45,13 @@ class StepArrays:
     num_reqs: int  # real sequences
     num_rows: int = 0  # real logits rows (num_reqs, plus one per speculative draft)
     lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA slot (0: the base model)
+    recurrent: dict[str, np.ndarray] | None = None  # hybrid models: `RecurrentMetadata`'s arrays
 
 
 class BatchBuilder:
-    def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, page_size: int):
+    def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, page_size: int,
+                 recurrent: bool = False):
+        self.recurrent = recurrent  # also lay out the linear layers' state slots and chunks
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self._token_ids = np.zeros(max_tokens, np.int32)
@@ -94,4 +100,6 @@ class BatchBuilder:
         tables[n_reqs:] = 0
         lidx[row:] = 0
         self._num_seqs[0] = n_reqs
-        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row, lora_slots=lora)
+        rec = recurrent_inputs(cu, n_reqs, [sp.state_slot for sp in spans], T, R) if self.recurrent else None
+        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row, lora_slots=lora,
+                          recurrent=rec)

@@ -16,6 +16,7 @@ from jaxserve.worker.buckets import request_buckets, token_buckets
 from jaxserve.worker.sampler import SamplerFlags
 
 SWAP_SIZES = (8, 64, 512)  # pages per swap copy call (lists are padded up or split)
+STATE_COPY_SIZE = 8  # hybrid models' state slots per copy call (padded with the null slot, or split)
 
 
 def sampler_variant(sampling: bool, top: bool, penalties: bool, logprobs: bool, max_logprobs: int,
@@ -74,6 +75,8 @@ class ShapeKey:
             return f"{self.kind}[T={self.size}]"
         if self.kind == "mtp_draft":
             return f"mtp_draft[R={self.size}]"
+        if self.kind == "states":
+            return f"states[{self.size}]"
         return f"swap[{self.size}]"
 
 
@@ -97,9 +100,11 @@ class CompilePlan:
     # (a draft model's plan).
     prompt_logprobs_top: int | None = None
     mtp_tokens: int = 0  # drafts per step from the MTP layer (speculative method "mtp"); 0: none
+    state_copies: bool = False  # a hybrid model's state slot copies (snapshots, state swaps)
 
     @classmethod
-    def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None) -> CompilePlan:
+    def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None,
+                    recurrent: bool = False) -> CompilePlan:
         """`config` is an EngineConfig; `platform` the one compiled for (None: the host's)."""
         config = config.with_platform_defaults(platform)
         midpoints = config.resolved_midpoint_buckets_from(platform)
@@ -123,6 +128,7 @@ class CompilePlan:
             swap_sizes=SWAP_SIZES if swap_enabled else (),
             prompt_logprobs_top=config.max_logprobs,
             mtp_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) and spec.method == "mtp" else 0,
+            state_copies=recurrent,
         )
 
     def mtp_shapes(self, token_bucket: int, new_request_buckets: Sequence[int]) -> list[ShapeKey]:
@@ -144,6 +150,7 @@ class CompilePlan:
         if self.prompt_logprobs_top is not None:
             out += [ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top) for t in self.token_buckets]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
+        out += [ShapeKey("states", STATE_COPY_SIZE)] if self.state_copies else []
         for t in self.token_buckets:
             out += [k for k in self.mtp_shapes(t, ()) if k.kind != "mtp_draft"]
         out += [ShapeKey("mtp_draft", r) for r in self.request_buckets if self.mtp_tokens]
@@ -169,12 +176,14 @@ class CompilePlan:
             shapes += self.mtp_shapes(t, new)
             if i == 0:
                 shapes += [ShapeKey("swap", s) for s in self.swap_sizes]
+                shapes += [ShapeKey("states", STATE_COPY_SIZE)] if self.state_copies else []
             tiers.append(CompileTier(t, max(max_seqs, 1), tuple(shapes)))
         return tiers
 
     def __len__(self) -> int:
         return (len(self.token_buckets) * (1 + (self.prompt_logprobs_top is not None))
                 + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(self.swap_sizes)
+                + int(self.state_copies)
                 + sum(len(self.mtp_shapes(t, ())) for t in self.token_buckets)
                 + (len(self.request_buckets) if self.mtp_tokens else 0))
 

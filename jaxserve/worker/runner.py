@@ -31,14 +31,14 @@ from jaxserve.loading import LoadedModel
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.models.fused import fuse_projections
 from jaxserve.models.lora import LoRABatch
-from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
 from jaxserve.models.registry import family_of
 from jaxserve.worker import mtp_inputs as mtp
 from jaxserve.worker import parallel, prompt_logprobs
 from jaxserve.worker.batch import BatchBuilder, SequenceSpan, StepArrays
 from jaxserve.worker.buckets import pick
 from jaxserve.worker.compile_cache import CompileGuard
-from jaxserve.worker.compile_plan import SWAP_SIZES, ShapeKey
+from jaxserve.worker.compile_plan import STATE_COPY_SIZE, SWAP_SIZES, ShapeKey
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.runner_output import (
     ModelRunnerOutput,
@@ -54,11 +54,13 @@ from jaxserve.worker.step_programs import (
     gather_pages_jit,
     logits_jit,
     mtp_draft_jit,
+    gather_states_jit,
     mtp_jit,
     prompt_logprob_rows,
     prompt_logprobs_jit,
     sample_jit,
     scatter_pages_jit,
+    scatter_states_jit,
 )
 from scheduler import SchedulerOutput
 
@@ -108,14 +110,17 @@ class ModelRunner:
         matmul_precision: str = "highest",
         row_tile: int = 0,
         lora: tuple[int, int, Any] | None = None,
+        num_state_slots: int = 0,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
         before it runs; `structured` the `StructuredOutputManager` filling token bitmasks;
         `kv_cache_dtype` a quantized page dtype (int8 / float8; pages then carry f32 scales);
         `lora` (max_loras, max_lora_rank, LoRARegistry): the adapter slots and where their
-        weights come from."""
+        weights come from; `num_state_slots` a hybrid model's state slots (null, running,
+        snapshots: `SchedulerConfig.num_state_slots`)."""
         self.page_size = page_size
+        self.num_state_slots = num_state_slots
         self.num_pages = num_pages
         self.kv_layout = kv_layout
         self.max_pages_per_seq = max_pages_per_seq
@@ -144,6 +149,13 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(self._model(params))
         self.dtype = params["final_norm"].dtype  # the activations' (the embedding may be quantized)
         self.kv_dtype = jnp.dtype(kv_cache_dtype) if kv_cache_dtype is not None else self.dtype
+        spec = family_of(self.config).kv_cache
+        self.recurrent = spec.recurrent
+        if self.recurrent and num_state_slots < 2:
+            raise ValueError(f"{self.config.architecture} keeps per-sequence states: num_state_slots must be >= 2, "
+                             f"got {num_state_slots}")
+        # The cache's arrays: pages (and their scales), then a hybrid model's state pools.
+        self.num_state_arrays = len(spec.state_shapes(self.config, 1)) if self.recurrent else 0
         t1 = time.perf_counter()
         self.kv_cache = self._new_kv_cache()
         # Start-up split for reports (`Engine.startup_seconds`): params placed on the devices
@@ -159,9 +171,13 @@ class ModelRunner:
         # Host-side swap pool, as the swap gather returns pages: [L, H, S, ...] per array (K, V
         # and, for a quantized cache, their scales [L, H, S, Hkv]); pages keep their dtype.
         self.host_pool: list[np.ndarray] | None = None
+        self.host_states: list[np.ndarray] | None = None
         if num_host_pages:
-            pages = gather_pages_jit.eval_shape(abstract(self.kv_cache), jax.ShapeDtypeStruct((1,), jnp.int32))
+            pages = gather_pages_jit.eval_shape(abstract(self._pages()), jax.ShapeDtypeStruct((1,), jnp.int32))
             self.host_pool = [np.zeros((p.shape[0], num_host_pages, *p.shape[2:]), p.dtype) for p in pages]
+            if self.recurrent:  # a host state slot per request that can be swapped out
+                n = steps.max_num_seqs if steps is not None else 1
+                self.host_states = [np.zeros((x.shape[0], n, *x.shape[2:]), x.dtype) for x in self._states()]
         # Ahead-of-time compiled executables by shape (filled by warmup or `--compiled`); a shape
         # missing here falls back to the jit, which the compile guard reports.
         self.executables: dict[ShapeKey, Any] = {}
@@ -171,7 +187,8 @@ class ModelRunner:
         if steps is not None:
             self.input_batch = InputBatch(steps.request_buckets, steps.max_model_len, steps.max_logprobs, steps.seed,
                                           vocab_size=self.config.vocab_size, structured=structured)
-            self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size)
+            self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size,
+                                        recurrent=self.recurrent)
         self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
         # MTP drafts of the last step: request id -> (the history length they follow, drafts)
         self.mtp_drafts: dict[str, tuple[int, list[int]]] = {}
@@ -271,17 +288,25 @@ class ModelRunner:
         ragged step over every scheduled span. Returns host data only."""
         self.input_batch.update(so.finished_request_ids, so.new_requests)
         td = time.perf_counter()
+        if so.state_saves:
+            self.copy_states(so.state_saves)
         if so.swap_out:
             self.swap_out(so.swap_out)
+        if so.state_swap_out:
+            self.swap_out_states(so.state_swap_out)
         if so.swap_in:
             self.swap_in(so.swap_in)
+        if so.state_swap_in:
+            self.swap_in_states(so.state_swap_in)
+        if so.state_restores:
+            self.copy_states(so.state_restores)
         device_s = time.perf_counter() - td
         if not so.scheduled:
             return ModelRunnerOutput.empty(StepTiming(device_s))
         cfg = self.steps
         lora_slots = self._lora_slots(so)
         spans = [SequenceSpan(np.asarray(sr.token_ids, np.int32), sr.start, sr.block_table, 1 + sr.num_draft_tokens,
-                              lora_slots.get(sr.request_id, 0))
+                              lora_slots.get(sr.request_id, 0), sr.state_slot)
                  for sr in so.scheduled]
         T = pick(cfg.token_buckets, so.num_scheduled_tokens)
         arrays = self.builder.build(spans, T, cfg.max_num_seqs)
@@ -431,9 +456,10 @@ class ModelRunner:
             if self.mesh is not None:
                 shardings = parallel.kv_cache_shardings(self.mesh, self.kv_layout, family_of(self.config).kv_cache,
                                                         quantized=self.kv_dtype.itemsize == 1)
+            extra = {"state_slots": self.num_state_slots} if self.recurrent else {}
             self._init_kv_cache = jax.jit(
                 functools.partial(family_of(self.config).kv_cache.init, self.config, self.num_pages, self.page_size, self.kv_dtype,
-                                  self.kv_layout, tp),
+                                  self.kv_layout, tp, **extra),
                 out_shardings=shardings,
             )
         return self._init_kv_cache()
@@ -444,7 +470,14 @@ class ModelRunner:
         host = (arrays.token_ids, arrays.positions, arrays.slot_mapping, arrays.cu_q_lens,
                 arrays.kv_lens, arrays.block_tables, arrays.num_seqs, arrays.logits_indices)
         tok, pos, slots, cu, kv, tables, nseq, lidx = self._put(host)
-        md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq)
+        rec = None
+        if self.recurrent:
+            if arrays.recurrent is None:
+                raise ValueError(f"{self.config.architecture}: the step's arrays lack the state slots "
+                                 "(BatchBuilder(recurrent=True))")
+            rec = RecurrentMetadata(**self._put(arrays.recurrent))
+        md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq,
+                               recurrent=rec)
         return tok, pos, md, lidx
 
     def _put(self, tree):
@@ -579,7 +612,7 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device pages to host pages: [(device_page, host_page), ...]."""
         for dev, host in _chunks([(d, h) for d, h in pairs]):
-            pages = self._swap_exe(len(dev), 0, gather_pages_jit)(self.kv_cache, _page_ids(dev))
+            pages = self._swap_exe(len(dev), 0, gather_pages_jit)(self._pages(), _page_ids(dev))
             n = len(host)
             for pool, x in zip(self.host_pool, pages):
                 pool[:, host] = np.asarray(x)[:, :n]
@@ -593,8 +626,48 @@ class ModelRunner:
                 x = np.zeros((pool.shape[0], len(dev), *pool.shape[2:]), pool.dtype)
                 x[:, :n] = pool[:, host]
                 pages.append(x)
-            self.kv_cache = self._swap_exe(len(dev), 1, scatter_pages_jit)(self.kv_cache, _page_ids(dev),
-                                                                           tuple(pages))
+            new = self._swap_exe(len(dev), 1, scatter_pages_jit)(self._pages(), _page_ids(dev), tuple(pages))
+            self.kv_cache = (*new, *self._states())
+
+    def _pages(self) -> tuple[jax.Array, ...]:
+        """The cache's page arrays (and their scales)."""
+        return self.kv_cache[:len(self.kv_cache) - self.num_state_arrays]
+
+    def _states(self) -> tuple[jax.Array, ...]:
+        """A hybrid model's state pools ([layers, slots, ...] each; none for other models)."""
+        return self.kv_cache[len(self.kv_cache) - self.num_state_arrays:]
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """State slot copies on the device: [(source slot, destination slot), ...], in order."""
+        for src, dst in pairs:  # one at a time: a later pair may read what an earlier one wrote
+            ids = _state_ids([src])
+            values = self._state_exe(0, gather_states_jit)(self._states(), ids)
+            self._set_states(_state_ids([dst]), values)
+
+    def swap_out_states(self, pairs: list[tuple[int, int]]) -> None:
+        """State slots to host state slots: [(state slot, host slot), ...]."""
+        for chunk in _state_chunks(pairs):
+            values = self._state_exe(0, gather_states_jit)(self._states(), _state_ids([s for s, _ in chunk]))
+            for store, x in zip(self.host_states, values):
+                store[:, [h for _, h in chunk]] = np.asarray(x)[:, :len(chunk)]
+
+    def swap_in_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Host state slots back to state slots: [(host slot, state slot), ...]."""
+        for chunk in _state_chunks(pairs):
+            values = []
+            for store in self.host_states:
+                x = np.zeros((store.shape[0], STATE_COPY_SIZE, *store.shape[2:]), store.dtype)
+                x[:, :len(chunk)] = store[:, [h for h, _ in chunk]]
+                values.append(x)
+            self._set_states(_state_ids([d for _, d in chunk]), tuple(values))
+
+    def _set_states(self, ids: jax.Array, values) -> None:
+        new = self._state_exe(1, scatter_states_jit)(self._states(), ids, tuple(values))
+        self.kv_cache = (*self._pages(), *new)
+
+    def _state_exe(self, which: int, fallback):
+        pair = self.executables.get(ShapeKey("states", STATE_COPY_SIZE))
+        return pair[which] if pair is not None else fallback
 
     def _swap_exe(self, size: int, which: int, fallback):
         pair = self.executables.get(ShapeKey("swap", size))
@@ -608,7 +681,8 @@ class ModelRunner:
             input_sharding=self.input_sharding, index_sharding=None, hidden_size=self.config.hidden_size,
             vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
             max_pages_per_seq=self.max_pages_per_seq,
-            lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0)
+            lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0,
+            num_state_arrays=self.num_state_arrays)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
@@ -631,6 +705,18 @@ def _page_ids(dev: np.ndarray) -> jax.Array:
     """A swap call's page ids on the device. `jnp.asarray` of a host array compiles a staging
     program per new shape (jax 0.10), which the first swap of each size then did while serving."""
     return jax.device_put(dev)
+
+
+def _state_ids(slots: list[int]) -> jax.Array:
+    """State slots padded with the null slot 0 to one copy's fixed size."""
+    ids = np.zeros(STATE_COPY_SIZE, np.int32)
+    ids[:len(slots)] = slots
+    return jax.device_put(ids)
+
+
+def _state_chunks(pairs: list[tuple[int, int]]):
+    for i in range(0, len(pairs), STATE_COPY_SIZE):
+        yield pairs[i:i + STATE_COPY_SIZE]
 
 
 def _chunks(pairs: list[tuple[int, int]]):

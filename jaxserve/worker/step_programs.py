@@ -23,10 +23,11 @@ from jax.sharding import Mesh, Sharding
 
 import pallas_kernels
 from jaxserve.models.lora import LoRABatch
-from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
 from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import ShapeKey
+from jaxserve.worker.recurrent_inputs import chunk_grid
 from jaxserve.worker.sampler import SamplingTensors, per_row, sample, token_logprobs
 from pallas_kernels.mla_attention.ops import mla_paged_attention, update_latent_cache
 
@@ -63,6 +64,7 @@ class StepPrograms:
     max_pages_per_seq: int
     lora: dict[str, jax.ShapeDtypeStruct] | None = None  # the LoRA slots (`LoRABatch.weights`); None: off
     batch_invariant: bool = False  # the sampler one row at a time (`sampler.per_row`)
+    num_state_arrays: int = 0  # a hybrid model's state pools, last in `kv_cache`
 
     @property
     def dtype(self) -> Any:
@@ -78,9 +80,14 @@ class StepPrograms:
             return sds(shape, jnp.int32, rep)
 
         def metadata(T: int) -> AttentionMetadata:
+            rec = None
+            if self.num_state_arrays:
+                nc, C = chunk_grid(T, max_reqs)
+                rec = RecurrentMetadata(state_slots=i32(max_reqs), token_rows=i32(T), chunk_tokens=i32(nc, C),
+                                        chunk_rows=i32(nc), num_chunks=i32(1))
             return AttentionMetadata(
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
-                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1),
+                block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1), recurrent=rec,
             )
 
         if key.kind == "backbone":
@@ -113,13 +120,15 @@ class StepPrograms:
             logits = sds((key.size, self.vocab_size), jnp.float32, rep)
             t = jax.tree.map(lambda x: sds(x.shape, x.dtype, rep), tensors)
             return sample_jit.lower(logits, t, flags=key.flags, one_row_at_a_time=self.batch_invariant).compile()
-        if key.kind == "swap":
+        if key.kind in ("swap", "states"):
+            n = self.num_state_arrays
+            arrays = self.kv_cache[len(self.kv_cache) - n:] if key.kind == "states" else self.kv_cache[
+                :len(self.kv_cache) - n]
+            gather_jit, scatter_jit = ((gather_states_jit, scatter_states_jit) if key.kind == "states"
+                                       else (gather_pages_jit, scatter_pages_jit))
             ids = sds((key.size,), jnp.int32, self.index_sharding)
-            pages = tuple(sds(p.shape, p.dtype, self.index_sharding)
-                          for p in gather_pages_jit.eval_shape(self.kv_cache, ids))
-            gather = gather_pages_jit.lower(self.kv_cache, ids).compile()
-            scatter = scatter_pages_jit.lower(self.kv_cache, ids, pages).compile()
-            return gather, scatter
+            values = tuple(sds(p.shape, p.dtype, self.index_sharding) for p in gather_jit.eval_shape(arrays, ids))
+            return gather_jit.lower(arrays, ids).compile(), scatter_jit.lower(arrays, ids, values).compile()
         raise ValueError(f"unknown shape kind {key.kind!r}")
 
 
@@ -257,5 +266,16 @@ def _set_scale_pages(s, L, P, S, ids, new):
     return flat.reshape(s.shape)
 
 
+def _gather_states(states, ids):
+    """State slots `ids` of every linear layer: [Ll, n, ...] per pool."""
+    return tuple(x[:, ids] for x in states)
+
+
+def _scatter_states(states, ids, values):
+    return tuple(x.at[:, ids].set(v) for x, v in zip(states, values))
+
+
+gather_states_jit = jax.jit(_gather_states)
+scatter_states_jit = jax.jit(_scatter_states, donate_argnums=(0,))
 gather_pages_jit = jax.jit(_gather_pages)
 scatter_pages_jit = jax.jit(_scatter_pages, donate_argnums=(0,))
