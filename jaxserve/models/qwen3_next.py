@@ -45,7 +45,13 @@ from jaxserve.models.layers import ACTIVATIONS, AttentionFn, KVUpdateFn, MoEFn
 from jaxserve.models.llama import LlamaForCausalLM, paged_pool_views, single_device_moe
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
-from jaxserve.models.registry import KVCacheSpec, ModelFamily, ModelSupport, WeightNames, add_builtin
+from jaxserve.models.registry import (
+    KVCacheSpec,
+    ModelFamily,
+    ModelSupport,
+    WeightNames,
+    add_builtin,
+)
 from jaxserve.models.rope import apply_rope, rope_tables
 
 HF_ARCHITECTURES = {
