@@ -152,3 +152,30 @@ def test_what_hybrid_models_do_not_serve_is_refused_by_name(checkpoints):
     hf["architectures"] = ["Qwen3NextForCausalLM"]
     with pytest.raises(UnsupportedModelError, match="must repeat 3 linear_attention layers"):
         ModelConfig.from_hf_config(hf)
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+def test_hybrid_step_compiles_for_tpu(tmp_path):
+    """Qwen3-Next's real layer shapes (16 key / 32 value heads of 128 in the linear layers,
+    16 query / 2 KV heads of 256 in the full ones; 4 layers, 32 experts to stay small) compiled
+    for one v6e in bf16: the chunked delta rule's loop and triangular solves, the conv and the
+    state pools lower through XLA:TPU, beside the Mosaic attention kernel."""
+    import json
+
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    hf = transformers.Qwen3NextConfig(num_hidden_layers=4, num_experts=32).to_dict()
+    hf["architectures"] = ["Qwen3NextForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    mc = load_model_config(str(tmp_path))
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(128,), num_pages=256,
+                    max_model_len=2048, dtype="bfloat16")
+    report = compile_for_target(mc, EngineConfig(**settings), Target.parse("tpu:v6e-1"),
+                                shapes=["backbone[T=128]", "states[8]"])
+    for shape in report.shapes:
+        assert shape.compiled, shape.error
+    assert report.shapes[0].attention == "pallas"
+    assert report.fits, report.verdict()

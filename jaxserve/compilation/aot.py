@@ -139,6 +139,11 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     if quantized:  # quantized pages carry f32 scales per token (and head)
         scales = spec.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout)
         kv_cache += tuple(sds(scales, jnp.float32, sh) for sh in shardings[spec.page_arrays:])
+    num_state_arrays = 0
+    if spec.recurrent:  # a hybrid model's state pools (f32), after the pages
+        states = spec.state_shapes(c, resolved.scheduler.num_state_slots)
+        kv_cache += tuple(sds(shape, jnp.float32, rep) for shape in states)
+        num_state_arrays = len(states)
     lora = None
     if config.enable_lora:  # the adapter slots, sharded like the projections they adapt
         lora_specs = slot_specs(c, parallel.MODEL_AXIS)
@@ -147,7 +152,7 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
-        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora)
+        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora, num_state_arrays=num_state_arrays)
     return programs, resolved
 
 
