@@ -158,8 +158,8 @@ def test_what_hybrid_models_do_not_serve_is_refused_by_name(checkpoints):
 def test_hybrid_step_compiles_for_tpu(tmp_path):
     """Qwen3-Next's real layer shapes (16 key / 32 value heads of 128 in the linear layers,
     16 query / 2 KV heads of 256 in the full ones; 4 layers, 32 experts to stay small) compiled
-    for one v6e in bf16: the chunked delta rule's loop and triangular solves, the conv and the
-    state pools lower through XLA:TPU, beside the Mosaic attention kernel."""
+    for one v6e in bf16: the chunked delta rule as its Mosaic kernel beside the Mosaic attention
+    kernel; the conv, the recurrent step and the state pools through XLA:TPU."""
     import json
 
     from jaxserve.compilation.aot import compile_for_target
@@ -178,4 +178,5 @@ def test_hybrid_step_compiles_for_tpu(tmp_path):
     for shape in report.shapes:
         assert shape.compiled, shape.error
     assert report.shapes[0].attention == "pallas"
+    assert report.shapes[0].delta_rule == "pallas"
     assert report.fits, report.verdict()

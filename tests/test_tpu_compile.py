@@ -331,3 +331,21 @@ def test_chunked_attention_compiles_the_mosaic_kernel_on_llama4_shapes(topology)
     args = (*attention_args(jnp.bfloat16, 40, 8, 128), jax.ShapeDtypeStruct((2,), jnp.int32))
     hlo = compiled_hlo(layers, args, tpu_device(topology))
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
+
+
+@pytest.mark.parametrize("topology,heads", [("v5e:2x2", (16, 32)), ("v6e:2x2", (16, 64))],
+                         ids=["v5e-qwen3-next", "v6e-qwen3.5-397b"])
+def test_the_delta_rule_compiles_the_mosaic_kernel_on_qwen3_next_shapes(topology, heads):
+    """The chunked delta rule on real linear-attention heads (d_k = d_v = 128; 16 query/key
+    heads over 32 value heads for Qwen3-Next-80B, 64 for Qwen3.5-397B), chunks of 64: the
+    Mosaic kernel, not the jnp loop."""
+    from pallas_kernels.gated_delta_rule.ops import chunked_delta_rule
+
+    hk, h = heads
+    S = jax.ShapeDtypeStruct
+    nc, c, d, rows = 12, 64, 128, R + 1
+    args = (S((nc, c, hk, d), jnp.float32), S((nc, c, hk, d), jnp.float32), S((nc, c, h, d), jnp.float32),
+            S((nc, c, h), jnp.float32), S((nc, c, h), jnp.float32), S((rows, h, d, d), jnp.float32),
+            S((nc,), jnp.int32), S((1,), jnp.int32))
+    hlo = compiled_hlo(chunked_delta_rule, args, tpu_device(topology))
+    assert KERNEL in hlo and "chunked_delta_rule_tpu" in hlo

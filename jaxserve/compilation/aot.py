@@ -187,6 +187,7 @@ class ShapeResult:
     error: str | None = None
     file: str | None = None  # serialized executable, relative to the output directory
     experts: str | None = None  # MoE backbones: "pallas" (Triton) | "cpu" (CPU loop) | "xla" (ragged dot)
+    delta_rule: str | None = None  # hybrid backbones: "pallas" (the Mosaic kernel) | "reference" (jnp loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,13 +413,15 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
                                None, error=_first_line(e))
         seconds = round(time.perf_counter() - t0, 2)
         first = exe[0] if isinstance(exe, tuple) else exe
-        attention = copies = experts = None
+        attention = copies = experts = delta_rule = None
         if key.kind in ("backbone", "mtp", "mtp_chain"):  # the programs that run layers over the cache
             hlo = first.as_text()
             markers = KERNEL_MARKERS.get(target.platform)
             attention = "pallas" if markers and all(m in hlo for m in markers) else "reference"
             if model_config.is_moe:
                 experts = next((k for k, m in GROUPED_MATMUL_MARKERS.items() if m in hlo), "xla")
+            if model_config.linear_attention is not None:
+                delta_rule = "pallas" if "chunked_delta_rule_tpu" in hlo else "reference"
             copies = cache_copies(hlo, page_dims, layer_elements)
             weights = weight_copies(hlo, layer_weight_dims)
         else:
@@ -426,7 +429,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         hbm, temp = _memory(exe)
         file = _serialize(out_dir, key, exe) if out_dir is not None else None
         return ShapeResult(key.name, key.kind, key.size, True, seconds, attention, hbm, temp, copies, weights,
-                           file=file, experts=experts)
+                           file=file, experts=experts, delta_rule=delta_rule)
 
     workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
     results = []

@@ -10,10 +10,11 @@ so a slot needs no clearing between owners.
 The delta rule runs two ways in one program, chosen per sequence by its span length (data):
 - one token (decode): the recurrent step for every row at once, O(R H dk dv);
 - more (prefill, chunked prefill, recompute): the chunked (WY) form over chunks of C tokens that
-  the host lays out per sequence (`chunk_tokens`, `chunk_rows`), run by a loop whose trip count
-  is the step's real chunk count, so padding chunks cost nothing. Per chunk: a C x C triangular
-  solve and matmuls, O(C^2 (dk + dv) + C dk dv) per head; a prompt of n tokens costs
-  O(n C (dk + dv) + n dk dv) per head with n / C sequential steps.
+  the host lays out per sequence (`chunk_tokens`, `chunk_rows`), by
+  `pallas_kernels.gated_delta_rule` (a Mosaic kernel on TPU; on CPU and GPU a jnp loop whose trip
+  count is the step's real chunk count, so padding chunks cost nothing). Per chunk and head:
+  O(C^2 (dk + dv) + C dk dv) work and a C x C triangular solve; a prompt of n tokens costs
+  O(n C (dk + dv) + n dk dv) per head in n / C sequential steps (quadratic only within a chunk).
 Everything is f32 (as transformers' torch paths compute it); the state pools are f32.
 """
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
+from pallas_kernels.gated_delta_rule.ops import chunked_delta_rule
 
 CHUNK = 64  # tokens per chunk of the delta rule's chunked form (the larger token buckets)
 
@@ -78,30 +80,6 @@ def causal_conv(x: jax.Array, w: jax.Array, pool: jax.Array, md: AttentionMetada
 
 
 # ---------------------------------------------------------------------- the delta rule
-def _chunk(q, k, v, g, beta, state):
-    """The chunked form on one chunk of one sequence. q, k [C, H, dk] (normalised, q scaled);
-    v [C, H, dv]; g (log decay), beta [C, H]; state [H, dk, dv]. Padding positions carry
-    k = 0, beta = 0, g = 0 and change nothing. Returns out [C, H, dv] and the state after."""
-    C = q.shape[0]
-    q, k, v = (jnp.swapaxes(a, 0, 1) for a in (q, k, v))  # [H, C, d]
-    g, beta = g.T, beta.T  # [H, C]
-    cum = jnp.cumsum(g, axis=-1)  # [H, C]
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, :, None] - cum[:, None, :], 0.0)), 0.0)  # [H, C, C]
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = jnp.where(jnp.tril(lower, -1), (k_beta @ jnp.swapaxes(k, 1, 2)) * decay, 0.0) + jnp.eye(C)
-    solve = jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True, unit_diagonal=True))
-    u = solve(system, v_beta)  # [H, C, dv]
-    w = solve(system, k_beta * jnp.exp(cum)[..., None])  # [H, C, dk]
-    v_new = u - w @ state  # [H, C, dv]
-    attn = (q @ jnp.swapaxes(k, 1, 2)) * decay  # [H, C, C]
-    out = (q * jnp.exp(cum)[..., None]) @ state + attn @ v_new
-    last = cum[:, -1:]  # [H, 1]
-    k_dec = k * jnp.exp(last - cum)[..., None]
-    state = state * jnp.exp(last)[..., None] + jnp.swapaxes(k_dec, 1, 2) @ v_new
-    return jnp.swapaxes(out, 0, 1), state
-
-
 def _step(q, k, v, g, beta, state):
     """The recurrent form, one token per row: q, k [R, H, dk]; v [R, H, dv]; g, beta [R, H];
     state [R, H, dk, dv]. Returns out [R, H, dv] and the new state."""
@@ -114,10 +92,11 @@ def _step(q, k, v, g, beta, state):
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                      pool: jax.Array, md: AttentionMetadata, rm: RecurrentMetadata) -> tuple[jax.Array, jax.Array]:
-    """q, k [T, H, dk] (raw: l2-normalised and scaled here), v [T, H, dv], g [T, H] (log decay,
-    <= 0), beta [T, H], pool [N, H, dk, dv] f32. Returns out [T, H, dv] f32 and the pool with
-    each row's final state written to its slot."""
-    T, H, dk = q.shape
+    """q, k [T, Hk, dk] (raw: l2-normalised and scaled here; value head h reads head
+    h // (H / Hk)), v [T, H, dv], g [T, H] (log decay, <= 0), beta [T, H], pool [N, H, dk, dv]
+    f32. Returns out [T, H, dv] f32 and the pool with each row's final state in its slot."""
+    T, Hk, dk = q.shape
+    H = v.shape[1]
     R = rm.state_slots.shape[0]
     f32 = jnp.float32
     q = l2norm(q.astype(f32)) * dk ** -0.5
@@ -129,22 +108,16 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
 
     # One-token rows: the recurrent step on each row's token.
     first = jnp.minimum(md.cu_q_lens[:R], T - 1)
-    o1, s1 = _step(q[first], k[first], v[first], g[first], beta[first], s0)
+    heads = lambda a: jnp.repeat(a, H // Hk, axis=1)  # noqa: E731
+    o1, s1 = _step(heads(q[first]), heads(k[first]), v[first], g[first], beta[first], s0)
 
-    # Longer rows: their chunks, in order; the dummy row R and dummy token T absorb padding.
+    # Longer rows: their chunks, in order (the TPU kernel or the jnp loop); the dummy row R and
+    # the dummy token T absorb padding.
     pad = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # noqa: E731
-    qp, kp, vp, gp, bp = (pad(a) for a in (q, k, v, g, beta))
-    states = pad(s0)  # [R+1, H, dk, dv]
-    out = jnp.zeros((T + 1, H, v.shape[-1]), f32)
-
-    def body(c, carry):
-        states, out = carry
-        idx = rm.chunk_tokens[c]  # [C]
-        r = rm.chunk_rows[c]
-        o, s = _chunk(qp[idx], kp[idx], vp[idx], gp[idx], bp[idx], states[r])
-        return states.at[r].set(s), out.at[idx].set(o)
-
-    states, out = jax.lax.fori_loop(0, rm.num_chunks[0], body, (states, out))
+    idx = rm.chunk_tokens  # [Nc, C]
+    chunks = [pad(a)[idx] for a in (q, k, v, g, beta)]
+    o_chunks, states = chunked_delta_rule(*chunks, pad(s0), rm.chunk_rows, rm.num_chunks)
+    out = jnp.zeros((T + 1, H, v.shape[-1]), f32).at[idx.reshape(-1)].set(o_chunks.reshape(-1, H, v.shape[-1]))
     tok_rows = jnp.minimum(rm.token_rows, R - 1)
     tok_single = single[tok_rows] & (rm.token_rows < R)
     out = jnp.where(tok_single[:, None, None], o1[tok_rows], out[:T])

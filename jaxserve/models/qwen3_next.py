@@ -325,8 +325,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         conv_pool = jax.lax.dynamic_index_in_dim(states[0], index, keepdims=False)
         taps = w["lin_conv"][:, 0, :].T  # [K, C]
         mixed, conv_pool = causal_conv(mixed, taps, conv_pool, md, md.recurrent)
-        q = jnp.repeat(mixed[:, :la.key_dim].reshape(T, Hk, dk), r, axis=1)  # [T, Hv, dk]
-        k = jnp.repeat(mixed[:, la.key_dim:2 * la.key_dim].reshape(T, Hk, dk), r, axis=1)
+        q = mixed[:, :la.key_dim].reshape(T, Hk, dk)  # value head h reads q, k head h // r
+        k = mixed[:, la.key_dim:2 * la.key_dim].reshape(T, Hk, dk)
         v = mixed[:, 2 * la.key_dim:].reshape(T, Hv, dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(w["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(
