@@ -37,7 +37,7 @@ def test_ragged_delta_rule_and_conv_match_transformers():
                            block_tables=jnp.zeros((R, 1), jnp.int32), num_seqs=jnp.array([len(lens)], jnp.int32))
     rm = RecurrentMetadata(**{n: jnp.asarray(a) for n, a in recurrent_inputs(cu, len(lens), slots, T, R).items()})
     out, new_pool = jax.jit(gated_delta_rule)(q, k, v, g, beta, jnp.asarray(pool), md, rm)
-    conv_out, new_conv = jax.jit(causal_conv)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(conv_pool), md, rm)
+    conv_out, new_conv = jax.jit(causal_conv)(jnp.asarray(x), jnp.asarray(w.T), jnp.asarray(conv_pool), md, rm)
     for i, n in enumerate(lens):
         span = slice(cu[i], cu[i] + n)
         fresh = starts[i] == 0

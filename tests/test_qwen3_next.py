@@ -154,29 +154,122 @@ def test_what_hybrid_models_do_not_serve_is_refused_by_name(checkpoints):
         ModelConfig.from_hf_config(hf)
 
 
-@pytest.mark.usefixtures("no_persistent_cache_writes")
-def test_hybrid_step_compiles_for_tpu(tmp_path):
-    """Qwen3-Next's real layer shapes (16 key / 32 value heads of 128 in the linear layers,
-    16 query / 2 KV heads of 256 in the full ones; 4 layers, 32 experts to stay small) compiled
-    for one v6e in bf16: the chunked delta rule as its Mosaic kernel beside the Mosaic attention
-    kernel; the conv, the recurrent step and the state pools through XLA:TPU."""
-    import json
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_int8_weights_compute_the_model_of_their_dequantized_values(checkpoints, family):
+    """The wide projections of both layer kinds are int8 (Qwen3.5's q/k/v projection with its
+    scales regrouped per key head like its columns): the int8 engine gives the tokens and the
+    logprobs (to f32 rounding) of the float engine on the dequantized weights."""
+    import dataclasses
 
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.engine.llm_engine import Engine
+    from jaxserve.loading import load_model
+    from jaxserve.models.quantization import dequantize_weight, quantize_params
+    from scheduler import SamplingParams
+
+    loaded = load_model(checkpoints[family][0], "float32")
+    quant = quantize_params(loaded.params, "int8")
+    fused = "lin_qkvz_scale" if family == "qwen3_next" else "lin_qkv_scale"
+    assert {"attn_q_scale", "attn_o_scale", "lin_out_scale", fused} <= set(quant["layers"])
+    deq = dict(quant)
+    deq["layers"] = {k: v for k, v in quant["layers"].items() if not k.endswith("_scale")}
+    for name in [k for k in deq["layers"] if k + "_scale" in quant["layers"]]:
+        deq["layers"][name] = dequantize_weight(quant["layers"][name], quant["layers"][name + "_scale"])
+
+    def run(params, **settings):
+        e = Engine(EngineConfig(num_pages=64, **{**ENGINE, "max_logprobs": 0}, **settings),
+                   loaded=dataclasses.replace(loaded, params=params))
+        for i, ids in enumerate(PROMPTS[2:]):
+            e.add_prompt(None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+                         prompt_token_ids=ids, request_id=str(i))
+        outs = {}
+        while e.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0] for o in e.step() if o.finished})
+        e.close()
+        return [(list(c.token_ids), [x[t].logprob for t, x in zip(c.token_ids, c.logprobs)])
+                for c in (outs[k] for k in sorted(outs))]
+
+    got, want = run(quant, quantized_matmul_precision="highest"), run(deq)
+    for (gt, glp), (wt, wlp) in zip(got, want):
+        assert gt == wt
+        np.testing.assert_allclose(glp, wlp, atol=2e-4)
+
+
+_TP_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+sys.path.insert(0, TESTS_DIR)
+from jaxserve.loading import load_model
+from tp_greedy import greedy
+
+result = {}
+prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [1]]
+for arg in sys.argv[1:]:
+    path, layouts = arg.split("=")
+    loaded = load_model(path, "float32")
+    for layout in ["tp1", *layouts.split(",")]:
+        result[f"{path}-{layout}"] = greedy(loaded, int(layout[2:]), prompts, token_buckets=(16,), page_size=4,
+                                            enable_expert_parallel=layout.startswith("ep"))
+print(json.dumps(result))
+""".replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
+
+
+def test_tensor_and_expert_parallel_give_one_devices_tokens(checkpoints):
+    """Two virtual CPU devices: Qwen3-Next at TP=2 (each device its key heads' conv channels,
+    delta rule and state slots, its query heads, the 2 KV heads split) and Qwen3.5-MoE with
+    whole experts per device (EP=2) give TP=1's greedy tokens (vLLM's near-tie rule), with
+    nothing compiled after warmup."""
+    import json
+    import subprocess
+
+    from logprob_checks import check_runs_close
+
+    layouts = {"qwen3_next": "tp2", "qwen3_5_moe": "ep2"}
+    args = [f"{checkpoints[f][0]}={layouts[f]}" for f in layouts]
+    res = subprocess.run([sys.executable, "-c", _TP_CHILD, *args], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    for family, layout in layouts.items():
+        path = checkpoints[family][0]
+        check_runs_close(result[f"{path}-tp1"], result[f"{path}-{layout}"], name=f"{family} {layout}")
+    assert all(compiles == 0 for *_, compiles in result.values())
+
+
+# (config, target, quantization, fits, params GiB per device); experts split whole (EP).
+PLANS = [
+    ("qwen3_next_80b_a3b_config.json", "tpu:v6e-4", "int8", True, (18.6, 19.1)),
+    ("qwen3_next_80b_a3b_config.json", "tpu:v6e-8", None, True, (18.4, 18.9)),
+    ("qwen3_5_397b_a17b_config.json", "tpu:v6e-16", "int8", True, (23.2, 23.8)),
+    ("qwen3_5_397b_a17b_config.json", "tpu:v6e-8", "int8", False, (46.4, 47.0)),
+]
+
+
+@pytest.mark.usefixtures("no_persistent_cache_writes")
+@pytest.mark.parametrize("config,target,quantization,fits,params_gib", PLANS,
+                         ids=[f"{c.split('_config')[0]}-{t}-{q or 'bf16'}" for c, t, q, *_ in PLANS])
+def test_published_hybrids_plan_on_tpu(config, target, quantization, fits, params_gib):
+    """The published configs (tests/data; abstract weights), bf16 activations, 16 sequences:
+    Qwen3-Next-80B-A3B fits one v6e-4 in int8 and a v6e-8 in bf16; Qwen3.5-397B-A17B needs a
+    v6e-16 (four hosts) in int8, as a v6e-8 holds 47 GiB of its params per chip. Where it fits,
+    the step compiles with the Mosaic attention and delta-rule kernels, and the state slots
+    (one per sequence and as many snapshots, split by head) are counted beside the pages."""
     from jaxserve.compilation.aot import compile_for_target
     from jaxserve.compilation.targets import Target
-    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig, state_bytes_per_slot
     from jaxserve.loading import load_model_config
 
-    hf = transformers.Qwen3NextConfig(num_hidden_layers=4, num_experts=32).to_dict()
-    hf["architectures"] = ["Qwen3NextForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    mc = load_model_config(str(tmp_path))
-    settings = dict(max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(128,), num_pages=256,
-                    max_model_len=2048, dtype="bfloat16")
-    report = compile_for_target(mc, EngineConfig(**settings), Target.parse("tpu:v6e-1"),
-                                shapes=["backbone[T=128]", "states[8]"])
-    for shape in report.shapes:
-        assert shape.compiled, shape.error
-    assert report.shapes[0].attention == "pallas"
-    assert report.shapes[0].delta_rule == "pallas"
-    assert report.fits, report.verdict()
+    data = pathlib.Path(__file__).parent / "data"
+    mc = load_model_config(str(data / config))
+    settings = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16,), num_pages=512,
+                    max_model_len=4096, dtype="bfloat16", quantization=quantization, enable_expert_parallel=True)
+    report = compile_for_target(mc, EngineConfig(**settings), Target.parse(target), shapes=["backbone[T=16]"])
+    assert params_gib[0] < report.params_bytes / 2**30 < params_gib[1]
+    assert report.fits == fits, report.verdict()
+    if not fits:
+        return
+    backbone = report.shapes[0]
+    assert backbone.attention == "pallas" and backbone.delta_rule == "pallas" and backbone.cache_copies == 0
+    per_slot = state_bytes_per_slot(mc, Target.parse(target).num_devices)
+    assert report.state_bytes == 2 * 16 * per_slot + per_slot  # running, snapshots, the null slot
+    assert report.max_num_pages > settings["num_pages"]

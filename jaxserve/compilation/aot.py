@@ -138,11 +138,12 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     kv_cache = tuple(sds(kv, kv_dtype, sh) for kv, sh in zip(kv_shapes, shardings[:spec.page_arrays]))
     if quantized:  # quantized pages carry f32 scales per token (and head)
         scales = spec.scales_shape(c, resolved.num_pages, config.page_size, resolved.kv_layout)
-        kv_cache += tuple(sds(scales, jnp.float32, sh) for sh in shardings[spec.page_arrays:])
+        kv_cache += tuple(sds(scales, jnp.float32, sh) for sh in shardings[spec.page_arrays:2 * spec.page_arrays])
     num_state_arrays = 0
     if spec.recurrent:  # a hybrid model's state pools (f32), after the pages
         states = spec.state_shapes(c, resolved.scheduler.num_state_slots)
-        kv_cache += tuple(sds(shape, jnp.float32, rep) for shape in states)
+        state_sh = (rep,) * len(states) if mesh is None else parallel.state_shardings(mesh, spec)
+        kv_cache += tuple(sds(shape, jnp.float32, sh) for shape, sh in zip(states, state_sh))
         num_state_arrays = len(states)
     lora = None
     if config.enable_lora:  # the adapter slots, sharded like the projections they adapt
@@ -206,6 +207,7 @@ class CompileReport:
     wall_seconds: float
     experts: tuple[str, str] | None = None  # MoE: the grouped matmul the target runs, and why
     lora_bytes: int = 0  # per device, the LoRA adapter slots (counted in params_bytes too)
+    state_bytes: int = 0  # per device, a hybrid model's state slots (beside the pages)
 
     @property
     def temp_bytes(self) -> int:
@@ -213,7 +215,7 @@ class CompileReport:
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.kv_cache_bytes + self.temp_bytes
+        return self.params_bytes + self.kv_cache_bytes + self.state_bytes + self.temp_bytes
 
     @property
     def all_compiled(self) -> bool:
@@ -230,7 +232,7 @@ class CompileReport:
         attention reads pages through block tables). None: unbounded (host memory)."""
         if self.capacity_bytes is None:
             return None
-        free = self.capacity_bytes - self.params_bytes - self.temp_bytes
+        free = self.capacity_bytes - self.params_bytes - self.state_bytes - self.temp_bytes
         return max(0, free // self.kv_bytes_per_page)
 
     def verdict(self) -> str:
@@ -275,6 +277,7 @@ class CompileReport:
                 "lora_bytes": self.lora_bytes,
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "kv_bytes_per_page": self.kv_bytes_per_page,
+                "state_bytes": self.state_bytes,
                 "temp_bytes": self.temp_bytes,
                 "total_bytes": self.total_bytes,
             },
@@ -305,7 +308,8 @@ class CompileReport:
             f"HBM per device: params {_gb(self.params_bytes)}"
             + (f" (LoRA slots {_gb(self.lora_bytes)})" if self.lora_bytes else "")
             + f" + KV cache {_gb(self.kv_cache_bytes)} ({self.num_pages} pages x {_gb(self.kv_bytes_per_page)})"
-            f" + temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} of {cap}",
+            + (f" + state slots {_gb(self.state_bytes)}" if self.state_bytes else "")
+            + f" + temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} of {cap}",
             self.verdict(),
         ]
         copying = [s.name for s in self.shapes if s.cache_copies]
@@ -444,7 +448,10 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         attention_backend=config.attention_backend, dtype=programs.dtype, kv_cache_dtype=resolved.kv_cache_dtype,
         device_kind=device.device_kind, weights_dtype=storage_dtype(config.quantization) if config.quantization else None,
         lora=config.enable_lora)
-    kv_bytes = per_device_bytes(programs.kv_cache)
+    n_states = programs.num_state_arrays
+    pages = programs.kv_cache[:len(programs.kv_cache) - n_states]
+    state_bytes = per_device_bytes(programs.kv_cache[len(pages):])  # a hybrid's state slots: not per page
+    kv_bytes = per_device_bytes(pages)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
         params_bytes=per_device_bytes(programs.state) + per_device_bytes(programs.lora or {}),
@@ -452,7 +459,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=kernels.attention,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
         shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,
-        experts=kernels.experts)
+        experts=kernels.experts, state_bytes=state_bytes)
     if out_dir is not None:
         with open(os.path.join(out_dir, MANIFEST), "w") as f:
             json.dump(report.to_json(), f, indent=1)

@@ -199,7 +199,7 @@ class EngineConfig:
         seqs = self.with_platform_defaults(platform).max_num_seqs
         if self.num_pages is not None:
             return seqs
-        per_seq = state_bytes_per_slot(model_config) * (2 if self.enable_prefix_caching else 1)
+        per_seq = state_bytes_per_slot(model_config, self.tensor_parallel_size) * (2 if self.enable_prefix_caching else 1)
         return max(1, min(seqs, int(self.kv_cache_memory_gb * 2**30) // 2 // per_seq))
 
     def with_platform_defaults(self, platform: str | None = None) -> EngineConfig:
@@ -323,12 +323,12 @@ class EngineConfig:
             budget = int(self.kv_cache_memory_gb * 2**30)
             if states.recurrent:  # the state slots come first out of the same memory
                 slots = self.scheduler_config(2, max_model_len, 0, recurrent=True).num_state_slots
-                need = slots * state_bytes_per_slot(kv_config)
+                need = slots * state_bytes_per_slot(kv_config, tp)
                 if need >= budget:
                     raise ValueError(
                         f"kv_cache_memory_gb {self.kv_cache_memory_gb:g}: the {slots} state slots of max_num_seqs "
                         f"{self.max_num_seqs} (and as many prefix-cache snapshots) alone take {need / 2**30:.2f} GiB "
-                        f"({state_bytes_per_slot(kv_config) / 2**20:.1f} MiB each); raise it or lower max_num_seqs")
+                        f"({state_bytes_per_slot(kv_config, tp) / 2**20:.1f} MiB each per device); raise it or lower max_num_seqs")
                 budget -= need
             num_pages = max(2, budget // per_page)
         if self.num_host_pages is not None:
@@ -347,14 +347,15 @@ class EngineConfig:
         )
 
 
-def state_bytes_per_slot(model_config: Any) -> int:
-    """Bytes of one state slot of a hybrid model (f32 pools; 0 for other models)."""
+def state_bytes_per_slot(model_config: Any, tp: int = 1) -> int:
+    """Bytes of one state slot of a hybrid model on each of `tp` devices (f32 pools split by
+    head; 0 for other models)."""
     from jaxserve.models.registry import family_of
 
     spec = family_of(model_config).kv_cache
     if not spec.recurrent:
         return 0
-    return sum(4 * int(np.prod(s)) for s in spec.state_shapes(model_config, 1))
+    return sum(4 * int(np.prod(s)) for s in spec.state_shapes(model_config, 1)) // tp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,11 +49,11 @@ def span_info(md: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
 # ---------------------------------------------------------------------- the causal conv
 def causal_conv(x: jax.Array, w: jax.Array, pool: jax.Array, md: AttentionMetadata,
                 rm: RecurrentMetadata) -> tuple[jax.Array, jax.Array]:
-    """x [T, C] conv inputs, w [K, C] depthwise taps (w[K-1] on the current token), pool
+    """x [T, C] conv inputs, w [C, K] depthwise taps (w[:, K-1] on the current token), pool
     [N, K-1, C] f32. Returns silu(conv) [T, C] in x's dtype and the pool with each row's last
     K-1 inputs written to its slot."""
     T, C = x.shape
-    K = w.shape[0]
+    K = w.shape[1]
     R = rm.state_slots.shape[0]
     q_lens, fresh, _ = span_info(md)
     old = jnp.take(pool, rm.state_slots, axis=0)  # [R, K-1, C]
@@ -68,7 +68,7 @@ def causal_conv(x: jax.Array, w: jax.Array, pool: jax.Array, md: AttentionMetada
     rel = local[:, None] - (K - 1) + j[None, :]  # [T, K] position in the span (negative: the state)
     idx = jnp.where(rel >= 0, start[:, None] + rel, T + rows[:, None] * (K - 1) + (K - 1) + rel)
     win = jnp.take(src, idx, axis=0)  # [T, K, C]
-    out = jax.nn.silu(jnp.einsum("tkc,kc->tc", win, w.astype(jnp.float32)))
+    out = jax.nn.silu(jnp.einsum("tkc,ck->tc", win, w.astype(jnp.float32)))
     # The new state: each row's last K-1 inputs, from its span or (short spans) its old state.
     m = jnp.arange(K - 1, dtype=jnp.int32)
     rel = q_lens[:, None] - (K - 1) + m[None, :]  # [R, K-1]
@@ -123,3 +123,24 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     out = jnp.where(tok_single[:, None, None], o1[tok_rows], out[:T])
     final = jnp.where(single[:, None, None, None], s1, states[:R])
     return out, pool.at[rm.state_slots].set(final)
+
+
+# ---------------------------------------------------------------------- the layer's token mixing
+def linear_mixing(mixed: jax.Array, taps: jax.Array, g: jax.Array, beta: jax.Array, conv_pool: jax.Array,
+                  rec_pool: jax.Array, md: AttentionMetadata, *, key_head_dim: int,
+                  value_head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The conv then the delta rule of one layer, on whichever key heads this device holds.
+
+    mixed [T, C]: the conv's inputs with channels grouped per key head, [q_h | k_h | v of its
+    value heads] for each head h (so a split of C over devices hands each whole heads); taps
+    [C, K] in the same order (the checkpoint's [C, 1, K] without its unit axis: no copy); g, beta [T, Hv]; pools [N, K-1, C] and [N, Hv, dk, dv]. Returns
+    out [T, Hv, dv] f32 and both pools with the step's rows written."""
+    T, C = mixed.shape
+    Hv, dk, dv = g.shape[1], key_head_dim, value_head_dim
+    Hk = (C - Hv * dv) // (2 * dk)
+    mixed, conv_pool = causal_conv(mixed, taps, conv_pool, md, md.recurrent)
+    per_head = mixed.reshape(T, Hk, -1)
+    q, k = per_head[..., :dk], per_head[..., dk:2 * dk]  # [T, Hk, dk]
+    v = per_head[..., 2 * dk:].reshape(T, Hv, dv)
+    out, rec_pool = gated_delta_rule(q, k, v, g, beta, rec_pool, md, md.recurrent)
+    return out, conv_pool, rec_pool

@@ -34,11 +34,15 @@ QUANTIZED_LAYER_WEIGHTS = (
     "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "shared_gate", "shared_up", "shared_down",
     # Gemma 4's full-attention layers (models/gemma4.py)
     "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj",
+    # Qwen3-Next / Qwen3.5 (models/qwen3_next.py): the full layers' and the linear layers' wide
+    # projections; the per-head gate inputs (lin_ba, lin_b, lin_a) stay in the activations' dtype
+    "attn_q", "attn_k", "attn_v", "attn_o", "lin_qkvz", "lin_qkv", "lin_z", "lin_out",
 )
 # After fusion (models/fused.py), as the model holds them.
 QUANTIZED_FUSED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "expert_gate_up", "expert_down",
                            "q_a_proj", "q_b_proj", "q_head_proj", "kv_a_proj", "shared_gate", "shared_up",
-                           "shared_down", "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj")
+                           "shared_down", "global_q_proj", "global_k_proj", "global_v_proj", "global_o_proj",
+                           "attn_q", "attn_k", "attn_v", "attn_o", "lin_qkvz", "lin_qkv", "lin_z", "lin_out")
 
 _STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 _QMAX = {"int8": 127.0, "fp8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}

@@ -16,13 +16,17 @@ The params hold a stack per layer kind: linear layers' `lin_*` [Ll, ...], full l
 [Lf, ...], the rest every layer [L, ...]. One `lax.scan` runs the groups of p layers. The cache
 is (k, v) of the full layers [Lf, P, S, ...], then the linear layers' state pools: conv
 [Ll, N, K-1, C] and recurrent [Ll, N, Hv, dk, dv], both f32, N = the engine's state slots.
-Refused by name: a layer pattern that does not repeat, MoE on some layers only, LoRA, quantized
-KV pages, speculative decoding (its rejected drafts would have to roll the states back) and
-tensor parallelism (not built yet).
+The conv's channels (its taps, Qwen3.5's fused q/k/v projection, the conv state) are grouped per
+key head, [q_h | k_h | v of h's value heads] (`serving_layers`), so tensor parallelism splits
+them by key head like every other projection: each device runs the conv and the delta rule of
+its own heads (`parallel.per_shard_recurrent`). Refused by name: a layer pattern that does not
+repeat, MoE on some layers only, LoRA, quantized KV pages, speculative decoding (its rejected
+drafts would have to roll the states back).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,13 +43,17 @@ from jaxserve.models.config import (
     parse_rope_scaling,
 )
 from jaxserve.models.deepseek import LayerStack
+from jaxserve.models.deepseek_family import LAYER_SHARDING as DEEPSEEK_SHARDING
 from jaxserve.models.fused import split_gate_up
-from jaxserve.models.gated_delta import causal_conv, gated_delta_rule
+from jaxserve.models.gated_delta import linear_mixing
 from jaxserve.models.layers import ACTIVATIONS, AttentionFn, KVUpdateFn, MoEFn
 from jaxserve.models.llama import LlamaForCausalLM, paged_pool_views, single_device_moe
+from jaxserve.models.llama_family import EXPERT_PARALLEL_SHARDING
+from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_SHARDING
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.registry import (
+    MODEL_AXIS,
     KVCacheSpec,
     ModelFamily,
     ModelSupport,
@@ -232,11 +240,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     """`kv_cache` is (k, v) of the full-attention layers, then the linear layers' conv and
     recurrent state pools; `md.recurrent` gives each row its state slot."""
 
-    def __init__(self, config: ModelConfig, params: dict[str, Any], **kwargs: Any):
-        super().__init__(config, params, **kwargs)
-        if self.shards > 1:
-            raise UnsupportedModelError(f"{config.architecture} does not support tensor parallelism yet")
-
     def __call__(
         self,
         token_ids: jax.Array,  # [T] int32
@@ -248,6 +251,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         attention_fn: AttentionFn,
         kv_update_fn: KVUpdateFn,
         moe_fn: MoEFn = single_device_moe,
+        recurrent_fn: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = linear_mixing,
         lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
         if lora is not None:
@@ -273,7 +277,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             for j in range(p - 1):
                 layer, lin = g * p + j, g * (p - 1) + j
                 x = self._norm(h, stack(layer)["input_norm"])
-                y, states = self._linear_attention(x, stack(lin), lin, states, md)
+                y, states = self._linear_attention(x, stack(lin), lin, states, md, recurrent_fn)
                 h = self._mlp_block(h + y, stack(layer), moe_fn)
             layer = g * p + p - 1
             x = self._norm(h, stack(layer)["input_norm"])
@@ -304,7 +308,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         attn = attn.reshape(T, H * D).astype(x.dtype) * jax.nn.sigmoid(gate)
         return w.matmul(attn, "attn_o"), pages
 
-    def _linear_attention(self, x, w: LayerStack, index, states, md):
+    def _linear_attention(self, x, w: LayerStack, index, states, md, recurrent_fn):
         """Gated DeltaNet on the normed input x [T, E]: [T, E] and the (conv, recurrent) pools,
         this layer's slots updated."""
         la, T = _lin(self.config), x.shape[0]
@@ -312,27 +316,22 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         r = Hv // Hk
         if la.grouped_projection:  # per key head: q, k, then its r value heads' v and z; b, a alike
             qkvz = w.matmul(x, "lin_qkvz").reshape(T, Hk, 2 * dk + 2 * r * dv)
-            q, k = qkvz[..., :dk], qkvz[..., dk:2 * dk]
-            v = qkvz[..., 2 * dk:2 * dk + r * dv].reshape(T, Hv * dv)
+            mixed = qkvz[..., :2 * dk + r * dv].reshape(T, -1)  # [T, C], grouped per key head
             z = qkvz[..., 2 * dk + r * dv:].reshape(T, Hv, dv)
             ba = w.matmul(x, "lin_ba").reshape(T, Hk, 2 * r)
             b, a = ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
-            mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v], axis=-1)  # [T, C]
-        else:
+        else:  # lin_qkv's columns grouped per key head at load (`serving_layers`)
             mixed = w.matmul(x, "lin_qkv")
             z = w.matmul(x, "lin_z").reshape(T, Hv, dv)
             b, a = w.matmul(x, "lin_b"), w.matmul(x, "lin_a")
-        conv_pool = jax.lax.dynamic_index_in_dim(states[0], index, keepdims=False)
-        taps = w["lin_conv"][:, 0, :].T  # [K, C]
-        mixed, conv_pool = causal_conv(mixed, taps, conv_pool, md, md.recurrent)
-        q = mixed[:, :la.key_dim].reshape(T, Hk, dk)  # value head h reads q, k head h // r
-        k = mixed[:, la.key_dim:2 * la.key_dim].reshape(T, Hk, dk)
-        v = mixed[:, 2 * la.key_dim:].reshape(T, Hv, dv)
+        taps = w["lin_conv"][:, 0, :]  # [C, K], grouped per key head at load
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(w["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + w["lin_dt_bias"].astype(jnp.float32))
+        conv_pool = jax.lax.dynamic_index_in_dim(states[0], index, keepdims=False)
         rec_pool = jax.lax.dynamic_index_in_dim(states[1], index, keepdims=False)
-        out, rec_pool = gated_delta_rule(q, k, v, g, beta, rec_pool, md, md.recurrent)  # [T, Hv, dv] f32
+        out, conv_pool, rec_pool = recurrent_fn(mixed, taps, g, beta, conv_pool, rec_pool, md, key_head_dim=dk,
+                                                value_head_dim=dv)  # [T, Hv, dv] f32
         states = (jax.lax.dynamic_update_index_in_dim(states[0], conv_pool, index, 0),
                   jax.lax.dynamic_update_index_in_dim(states[1], rec_pool, index, 0))
         out = self._gated_norm(out.astype(x.dtype), z, w["lin_norm"])
@@ -386,6 +385,42 @@ TRANSPOSED_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_o", "lin_qkvz", "lin_b
                       "lin_a", "lin_out")
 
 
+def grouped_channels(cfg: ModelConfig) -> np.ndarray:
+    """The permutation from the checkpoint's conv channel order [q | k | v] (all heads each) to
+    the order grouped per key head, [q_h | k_h | v_h*r .. v_h*r+r-1] for h = 0 .. Hk-1."""
+    la = _lin(cfg)
+    Hk, dk, dv, r = la.num_key_heads, la.key_head_dim, la.value_head_dim, la.num_value_heads // la.num_key_heads
+    key_dim = Hk * dk
+    parts = [np.concatenate([np.arange(h * dk, (h + 1) * dk), key_dim + np.arange(h * dk, (h + 1) * dk),
+                             2 * key_dim + np.arange(h * r * dv, (h + 1) * r * dv)]) for h in range(Hk)]
+    return np.concatenate(parts)
+
+
+def serving_layers(layers: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """The conv taps (and Qwen3.5's q/k/v projection and its scales) in grouped channel order."""
+    perm = grouped_channels(cfg)
+    out = dict(layers)
+    out["lin_conv"] = np.asarray(layers["lin_conv"])[:, perm]  # [Ll, C, 1, K]
+    for name in ("lin_qkv", "lin_qkv_scale"):  # [Ll, E, C] / [Ll, C]
+        if name in layers:
+            out[name] = np.ascontiguousarray(np.asarray(layers[name])[..., perm])
+    return out
+
+
+# Tensor parallelism: heads split, the row-parallel projections' rows split (GSPMD's
+# all-reduce), the conv channels and per-head vectors with their heads.
+LAYER_SHARDING = {
+    **{k: v for k, v in LLAMA_SHARDING.items() if k in ("gate_up_proj", "down_proj", "expert_gate_up", "expert_down")},
+    **{k: v for k, v in DEEPSEEK_SHARDING.items() if k.startswith("shared_")},
+    "attn_q": (None, None, MODEL_AXIS), "attn_k": (None, None, MODEL_AXIS), "attn_v": (None, None, MODEL_AXIS),
+    "attn_o": (None, MODEL_AXIS, None),
+    "lin_qkvz": (None, None, MODEL_AXIS), "lin_ba": (None, None, MODEL_AXIS), "lin_qkv": (None, None, MODEL_AXIS),
+    "lin_z": (None, None, MODEL_AXIS), "lin_b": (None, None, MODEL_AXIS), "lin_a": (None, None, MODEL_AXIS),
+    "lin_conv": (None, MODEL_AXIS, None, None), "lin_dt_bias": (None, MODEL_AXIS), "lin_a_log": (None, MODEL_AXIS),
+    "lin_out": (None, MODEL_AXIS, None),
+}
+
+
 def hf_weight_names(cfg: ModelConfig) -> WeightNames:
     return WeightNames(_HF_GLOBALS, _HF_LAYERS, _HF_EXPERTS)
 
@@ -401,8 +436,10 @@ QWEN3_NEXT = add_builtin(ModelFamily(
     hf_weight_names=hf_weight_names,
     layer_ids=layer_ids,
     kv_cache=KVCacheSpec(shape=kv_cache_shape, scales_shape=kv_scales_shape, bytes_per_page=kv_cache_bytes_per_page,
-                         init=init_kv_cache, state_shapes=state_shapes),
-    layer_sharding={},
-    support=ModelSupport(lora=False, quantized_kv=False, spec_decode=False, tensor_parallel=False,
-                         expert_parallel=False),
+                         init=init_kv_cache, state_shapes=state_shapes, state_split_axes=(3, 2)),
+    layer_sharding=LAYER_SHARDING,
+    expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
+    support=ModelSupport(lora=False, quantized_kv=False, spec_decode=False, tensor_parallel=True,
+                         expert_parallel=True),
+    serving_layers=serving_layers,
 ))

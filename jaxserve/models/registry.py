@@ -69,6 +69,8 @@ class KVCacheSpec:
     # arrays, as (cfg, num_slots) -> their shapes (f32, slot axis 1: [layers, slots, ...]);
     # `init` then takes `state_slots=`. None: pages only.
     state_shapes: Callable[..., tuple[tuple[int, ...], ...]] | None = None
+    # Each state pool's axis split over the tensor-parallel ranks (its heads or channels).
+    state_split_axes: tuple[int, ...] = ()
 
     @property
     def recurrent(self) -> bool:
@@ -105,6 +107,9 @@ class ModelFamily:
     # layers differ keeps their weights in shorter stacks).
     layer_ids: Callable[[ModelConfig, str], Sequence[int]] = lambda cfg, name: range(cfg.num_layers)
     attention: str = "paged_kv"  # "paged_kv": per-head K/V pages | "latent": MLA's latent pages
+    # The loaded layer weights (host arrays) rearranged as the model computes with them, before
+    # fusion and sharding (Qwen3-Next: conv channels grouped per key head); None: as loaded.
+    serving_layers: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -73,6 +73,10 @@ def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) ->
     if cfg.shared_expert_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the shared expert's width "
                          f"{cfg.shared_expert_intermediate_size}")
+    la = cfg.linear_attention
+    if la is not None and la.num_key_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {la.num_key_heads} linear-attention "
+                         "key heads")
     hkv = cfg.num_kv_heads
     if hkv >= tp:
         if hkv % tp:
@@ -94,11 +98,13 @@ def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: 
         return params
     D = cfg.head_dim
     layers = dict(params["layers"])
-    for name in ("k_proj", "v_proj"):
+    for name in ("k_proj", "v_proj", "attn_k", "attn_v"):  # (attn_*: a hybrid model's full layers)
+        if name not in layers:
+            continue
         w = np.asarray(layers[name])  # [L, E, Hkv*D]
         L, E, _ = w.shape
         layers[name] = np.repeat(w.reshape(L, E, cfg.num_kv_heads, 1, D), rep, axis=3).reshape(L, E, -1)
-    for name in ("k_bias", "v_bias", "k_proj_scale", "v_proj_scale"):  # [L, Hkv*D] per column
+    for name in ("k_bias", "v_bias", "k_proj_scale", "v_proj_scale", "attn_k_scale", "attn_v_scale"):
         if name in layers:
             b = np.asarray(layers[name])  # [L, Hkv*D]
             layers[name] = np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, 1, D), rep, axis=2).reshape(
@@ -225,7 +231,18 @@ def kv_cache_shardings(mesh: Mesh, layout: str, spec: Any, quantized: bool) -> t
         pages = scales = replicated(mesh)
     else:
         pages, scales = kv_cache_sharding(mesh, layout), kv_scales_sharding(mesh, layout)
-    return (pages,) * spec.page_arrays + ((scales,) * spec.page_arrays if quantized else ())
+    return (pages,) * spec.page_arrays + ((scales,) * spec.page_arrays if quantized else ()) + state_shardings(
+        mesh, spec)
+
+
+def state_shardings(mesh: Mesh, spec: Any) -> tuple[NamedSharding, ...]:
+    """A hybrid model's state pools, each split along its heads' axis (`state_split_axes`)."""
+    out = []
+    for axis in spec.state_split_axes:
+        axes: list[Any] = [None] * (axis + 1)
+        axes[axis] = MODEL_AXIS
+        out.append(NamedSharding(mesh, P(*axes)))
+    return tuple(out)
 
 
 def per_shard_latent_attention(attention_fn, mesh: Mesh):
@@ -336,3 +353,19 @@ def per_shard_moe(mesh: Mesh, expert_parallel: bool):
         return fn(x, weights, experts, gate_up, down, *vectors.values())
 
     return moe_fn
+
+
+def per_shard_recurrent(mixing_fn, mesh: Mesh):
+    """A hybrid model's linear-attention token mixing (conv and delta rule) per device on its
+    own heads: the conv channels, gates and state pools arrive split by key head (channels
+    grouped per key head), the step's metadata replicated; nothing is communicated."""
+    chan, heads = P(None, MODEL_AXIS), P(None, MODEL_AXIS)
+
+    def recurrent_fn(mixed, taps, g, beta, conv_pool, rec_pool, md, **kwargs):
+        fn = jax.shard_map(lambda *a: mixing_fn(*a, **kwargs), mesh=mesh,
+                           in_specs=(chan, P(MODEL_AXIS, None), heads, heads, P(None, None, MODEL_AXIS), P(None, MODEL_AXIS), P()),
+                           out_specs=(P(None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS)),
+                           check_vma=False)
+        return fn(mixed, taps, g, beta, conv_pool, rec_pool, md)
+
+    return recurrent_fn

@@ -200,6 +200,9 @@ class ModelRunner:
         """Loaded params (host arrays) as the model holds them: projections fused (and, under
         tensor parallelism, KV heads replicated up to the degree), still on the host; on one
         CPU device a quantized tied embedding transposed to [E, V] (`embed_columns`)."""
+        family = family_of(config)
+        if family.serving_layers is not None:
+            params = {**params, "layers": family.serving_layers(params["layers"], config)}
         if self.mesh is None:
             out = {**params, "layers": fuse_projections(params["layers"])}
             if self.embed_columns:  # (a partial update's mask is transposed alike)

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding
 
 import pallas_kernels
+from jaxserve.models.gated_delta import linear_mixing
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
 from jaxserve.models.registry import family_of
@@ -162,6 +163,8 @@ def _layer_fns(model, attention_backend, mesh):
             attention_fn, kv_update_fn = parallel.per_shard_attention(attention_fn, kv_update_fn, mesh)
     if mesh is not None and model.config.is_moe:
         extra["moe_fn"] = parallel.per_shard_moe(mesh, model.expert_parallel)
+    if mesh is not None and family_of(model.config).kv_cache.recurrent:
+        extra["recurrent_fn"] = parallel.per_shard_recurrent(linear_mixing, mesh)
     return attention_fn, kv_update_fn, extra
 
 
