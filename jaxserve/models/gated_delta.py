@@ -133,8 +133,9 @@ def linear_mixing(mixed: jax.Array, taps: jax.Array, g: jax.Array, beta: jax.Arr
 
     mixed [T, C]: the conv's inputs with channels grouped per key head, [q_h | k_h | v of its
     value heads] for each head h (so a split of C over devices hands each whole heads); taps
-    [C, K] in the same order (the checkpoint's [C, 1, K] without its unit axis: no copy); g, beta [T, Hv]; pools [N, K-1, C] and [N, Hv, dk, dv]. Returns
-    out [T, Hv, dv] f32 and both pools with the step's rows written."""
+    [C, K] in the same order (the checkpoint's [C, 1, K] without its unit axis: no copy);
+    g, beta [T, Hv]; pools [N, K-1, C] and [N, Hv, dk, dv]. Returns out [T, Hv, dv] f32 and
+    both pools with the step's rows written."""
     T, C = mixed.shape
     Hv, dk, dv = g.shape[1], key_head_dim, value_head_dim
     Hk = (C - Hv * dv) // (2 * dk)
