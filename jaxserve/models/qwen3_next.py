@@ -217,11 +217,6 @@ def state_shapes(cfg: ModelConfig, num_slots: int) -> tuple[tuple[int, ...], ...
             (Ll, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim))
 
 
-def state_bytes_per_slot(cfg: ModelConfig) -> int:
-    """Bytes one state slot costs across the linear layers (f32)."""
-    return sum(4 * int(np.prod(s)) for s in state_shapes(cfg, 1))
-
-
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
                   tp: int = 1, state_slots: int = 1) -> tuple[jax.Array, ...]:
     if jnp.dtype(dtype).itemsize == 1:
