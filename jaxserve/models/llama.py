@@ -37,6 +37,7 @@ from jaxserve.models.lora import LoRABatch, lora_delta, num_slots
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.quantization import SCALE_SUFFIX, scale_name
 from jaxserve.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_tables
+from pallas_kernels.quantized_matmul.dense import dense_matmul
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
 # Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
@@ -123,7 +124,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], shards: int = 1, expert_parallel: bool = False,
                  matmul_precision: str = "highest", row_tile: int = 0, embed_columns: bool = False,
-                 kv_layout: str = "heads"):
+                 kv_layout: str = "heads", native_dense: bool = False):
         self.config = config
         # The cache's page layout ("heads" | "lanes"): a heads-layout cache of one KV head comes
         # without its size-1 head axis (`kv_cache_shape`), and is viewed with it for the kernels.
@@ -137,6 +138,10 @@ class LlamaForCausalLM(nnx.Module):
         # The quantized matmuls' activation precision ("highest" | "bf16": activations rounded
         # to bf16 before the products, f32 sums; `pallas_kernels.quantized_matmul`).
         self.matmul_precision = matmul_precision
+        # bf16 on one CPU device: the dense projections and the head stay stacked and are read
+        # in place by the native CPU matmul (`pallas_kernels.quantized_matmul.dense`), like
+        # quantized ones; XLA:CPU's bf16 dot of a decode step's few rows is 10-30x slower.
+        self.native_dense = native_dense
         self.shards = shards
         self.expert_parallel = expert_parallel
         self.embed = nnx.Param(params["embed"])  # [V, E] ([E, V] with embed_columns)
@@ -186,9 +191,11 @@ class LlamaForCausalLM(nnx.Module):
         # offset by l*P, so no per-layer slice of the cache is ever copied.
         to_pages, to_carry, _ = paged_pool_views(self.kv_layout, k_cache, 2)
         pool = to_carry(kv_cache)
-        # Quantized dense projections stay stacked [L, ...] and are read in place by layer index
-        # (pallas_kernels.quantized_matmul); everything else is sliced per layer by the scan.
-        stacked = {k: v[...] for k, v in self.layers.items() if _stacked_quantized(k, self.layers)}
+        # Quantized dense projections (and bf16 ones with `native_dense`) stay stacked [L, ...]
+        # and are read in place by layer index (pallas_kernels.quantized_matmul); everything else
+        # is sliced per layer by the scan.
+        stacked = {k: v[...] for k, v in self.layers.items()
+                   if _stacked_quantized(k, self.layers) or (self.native_dense and k in _DENSE_QUANTIZABLE)}
         layer_params = {k: v[...] for k, v in self.layers.items() if k not in stacked}
         windows = cfg.windows()
         per_layer = {"layer_id": jnp.arange(L, dtype=jnp.int32)}
@@ -317,7 +324,12 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         """h: [R, E] final-normed hidden states -> logits [R, V] in f32. `live_rows` (int32
         []): h's first rows that are real; a quantized head may skip the rest (0 there)."""
-        if self.lm_head_qscale is not None:
+        if self.native_dense and self.lm_head_qscale is None and self.embed_qscale is None:
+            tied = self.lm_head is None  # the embedding as the head: [V, E], or [E, V] with embed_columns
+            head = self.embed[...] if tied else self.lm_head[...]
+            logits = dense_matmul(h, head, transposed=tied and not self.embed_columns,
+                                  rows=live_rows).astype(jnp.float32)
+        elif self.lm_head_qscale is not None:
             logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...], rows=live_rows,
                                       precision=self.matmul_precision).astype(jnp.float32)
         elif self.embed_qscale is not None:  # a quantized tied head: [V, E] rows (or [E, V]), a scale per token
@@ -420,12 +432,14 @@ class _LayerWeights(dict):
         return y if residual is None else residual + y
 
     def matmul(self, x: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
-        """x @ W_name (+ `residual`, which only a quantized projection takes: see `project`)."""
+        """x @ W_name (+ `residual`, which only a stacked projection takes: see `project`)."""
+        if name in self._stacked and scale_name(name) not in self._stacked:  # bf16, native CPU matmul
+            return dense_matmul(x, self._stacked[name], layer=self._layer, residual=residual, rows=self._live_rows)
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
                                     precision=self._precision, residual=residual, rows=self._live_rows)
         if residual is not None:
-            raise ValueError(f"{name} is not a quantized projection: `project` adds its residual")
+            raise ValueError(f"{name} is not a stacked projection: `project` adds its residual")
         return tiled_matmul(x, self[name], self._row_tile)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jaxserve.loading import LoadedModel
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.models.fused import fuse_projections
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
 from jaxserve.models.registry import family_of
@@ -62,6 +63,7 @@ from jaxserve.worker.step_programs import (
     scatter_pages_jit,
     scatter_states_jit,
 )
+from pallas_kernels.quantized_matmul.dense import native_dense_available
 from scheduler import SchedulerOutput
 
 
@@ -132,9 +134,10 @@ class ModelRunner:
         # one CPU device the int8 head kernel reads [K, N] faster than [N, K] (64 rows: 10.8
         # against 12.2 ms for SmolLM2's head, one row 0.9 against 2.0 ms); the lookup's column
         # gather costs ~0.1 ms more per 64 tokens.
-        self.embed_columns = (self.mesh is None and "embed_scale" in loaded.params
-                              and jax.devices()[0].platform == "cpu"
-                              and jnp.dtype(loaded.params["embed"].dtype) == jnp.int8)
+        self.native_dense = self._native_dense(loaded)
+        self.embed_columns = (self.mesh is None and jax.devices()[0].platform == "cpu"
+                              and (("embed_scale" in loaded.params and jnp.dtype(loaded.params["embed"].dtype) == jnp.int8)
+                                   or (self.native_dense and "lm_head" not in loaded.params)))
         t0 = time.perf_counter()
         if self.mesh is None:
             self.config = loaded.config
@@ -212,11 +215,23 @@ class ModelRunner:
         params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads)
         return {**params, "layers": fuse_projections(params["layers"], tp, 1 if self.expert_parallel else tp)}
 
+    def _native_dense(self, loaded: Any) -> bool:
+        """Whether the bf16 dense projections and head run on the native CPU matmul (the
+        model's `native_dense`): bf16 weights on one CPU device, outside batch-invariant mode
+        (whose fixed row tiles need XLA's dot), for the families built on the dense Llama
+        layers (the others' projections stay on XLA)."""
+        return (self.mesh is None and self.row_tile == 0 and jax.devices()[0].platform == "cpu"
+                and family_of(loaded.config).model_class is LlamaForCausalLM
+                and jnp.dtype(loaded.params["final_norm"].dtype) == jnp.bfloat16
+                and jnp.dtype(loaded.params["embed"].dtype) == jnp.bfloat16
+                and native_dense_available(jnp.bfloat16))
+
     def _model(self, params: dict[str, Any]) -> Any:
         tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
+        extra = {"native_dense": True} if self.native_dense else {}
         return family_of(self.config).model_class(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
                                 matmul_precision=self.matmul_precision, row_tile=self.row_tile,
-                                embed_columns=self.embed_columns, kv_layout=self.kv_layout)
+                                embed_columns=self.embed_columns, kv_layout=self.kv_layout, **extra)
 
     def replace_params(self, params: dict[str, Any], config: Any, mask: dict[str, Any] | None = None) -> None:
         """New weights in place of the running ones, every compiled program kept: each tensor

@@ -84,7 +84,8 @@ def update_kv_cache(
         return by_target_platform(kernel_args, reference=_written(layout_of(k_pages)) if quantized
                                   else update_kv_cache_reference,
                                   tpu=None if lanes else update_kv_cache_tpu,
-                                  gpu=update_kv_cache_gpu if gpu_ok else None)
+                                  gpu=update_kv_cache_gpu if gpu_ok else None,
+                                  cpu=_native_cpu_write() if not quantized and k_pages.dtype.itemsize == 2 else None)
     impl = resolve_backend(backend, interpret)
     if impl == "gpu" and not gpu_ok:
         raise ValueError(f"the gpu KV-update kernel needs the heads layout and D a multiple of 16 up to 256, "
@@ -99,6 +100,16 @@ def update_kv_cache(
     from pallas_kernels.kv_cache_update.gpu import update_kv_cache_gpu
 
     return update_kv_cache_gpu(*kernel_args, interpret=bool(interpret))
+
+
+def _native_cpu_write():
+    """The native CPU row write for 16-bit float pages (XLA:CPU upcasts a bf16 scatter to f32
+    over the whole pool), where this process compiles for its own CPU and could build it."""
+    if jax.default_backend() != "cpu":
+        return None
+    from pallas_kernels.kv_cache_update import cpu
+
+    return cpu.update_kv_cache_cpu if cpu.available()[0] else None
 
 
 def _written(layout):

@@ -10,7 +10,8 @@ copy, but the same f32 temporary). The kernel reads the int8 weight in place (th
 Built like the attention kernel (`ragged_paged_attention/cpu.py`): compiled on first use
 with the host C++ compiler (`-march=native`) into a cache keyed by source, flags, compiler,
 jaxlib and CPU features; without a compiler `available()` says why and callers use the
-reference. int8 weights only: float8 weights take the reference on CPU.
+reference. int8 weights, and bf16 weights (the CPU's bf16 serving path, `dense.py`: no
+scale; XLA:CPU's bf16 dot runs one row at 1-10 GFLOP/s); float8 weights take the reference.
 """
 
 from __future__ import annotations
@@ -72,14 +73,14 @@ def status() -> tuple[bool | None, str]:
 
 
 def supports(w_dtype) -> bool:
-    """int8 weights (float8 weights use the reference on CPU)."""
-    return jnp.dtype(w_dtype) == jnp.int8
+    """int8 (with a scale) or bf16 weights (float8 weights use the reference on CPU)."""
+    return jnp.dtype(w_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16))
 
 
 def quantized_matmul_cpu(
     x: jax.Array,  # [M, K] f32 / bf16
-    w: jax.Array,  # [K, N] int8, or [L, K, N] with `layer`
-    scale: jax.Array,  # [N] f32, or [L, N]
+    w: jax.Array,  # [K, N] int8 / bf16, or [L, K, N] with `layer`
+    scale: jax.Array | None,  # [N] f32, or [L, N]; None for bf16 weights (no scale)
     layer: jax.Array | int | None = None,
     *,
     precision: str = "highest",
@@ -105,7 +106,11 @@ def quantized_matmul_cpu(
     if name is None:
         raise RuntimeError(why)
     if not supports(w.dtype):
-        raise ValueError(f"the native CPU quantized matmul takes int8 weights, got {w.dtype}")
+        raise ValueError(f"the native CPU matmul takes int8 or bfloat16 weights, got {w.dtype}")
+    if scale is None:
+        if w.dtype != jnp.bfloat16:
+            raise ValueError("int8 weights need their scale")
+        scale = jnp.zeros((0,), jnp.float32)  # no scale
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())

@@ -94,6 +94,10 @@ inline uint16_t f32_to_bf16(float x) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>(b >> 16);
 }
 
+// A weight element's value: int8, or bf16 held as its 16 bits.
+inline float wval(int8_t v) { return static_cast<float>(v); }
+inline float wval(uint16_t v) { return bf16_to_f32(v); }
+
 #if defined(QMM_AVX512)
 inline __m512 bf16x16_to_f32(__m256i h) {  // 16 bf16 widened (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -129,9 +133,11 @@ struct Problem {
   const float* x;      // [M, K] f32 (bf16 inputs widened; with bf16 products, rounded first)
   const uint16_t* xb;  // packed bf16 path: [M, Kp] bf16, K padded to even with 0; else null
   int64_t Kp;
-  const int8_t* w;      // [K, N] of the selected layer; [N, K] when wt
+  const void* w;        // [K, N] of the selected layer; [N, K] when wt: int8, or bf16 when w_bf16
+  bool w_bf16;          // bf16 weights (int8 otherwise)
+  int64_t wsize;        // bytes per weight element (1 or 2)
   bool wt;              // w_transposed: rows are output channels (a tied embedding as the LM head)
-  const float* scale;   // [N]
+  const float* scale;   // [N], or null: no scale (bf16 weights)
   void* out;            // [M, N]
   const void* residual;  // [M, N] in out's dtype, added to the result; or null
   bool out_bf16;
@@ -145,6 +151,12 @@ struct Problem {
   int64_t span_panels;
   const PackedItem* packed;  // the packed path's items
 };
+
+// The selected layer's weights as W (int8_t, or uint16_t for bf16).
+template <typename W>
+inline const W* weights(const Problem& p) {
+  return static_cast<const W*>(p.w);
+}
 
 // Epilogue: rows [m0, m0 + rows), columns [n0, n0 + cols) of out = acc * scale (+ residual:
 // the product rounded to out's dtype first, then the sum, as two separate ops would). The
@@ -165,7 +177,8 @@ void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int6
 #if defined(QMM_AVX512)
     for (; j < cols; j += 16) {
       const __mmask16 m = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1u);
-      __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, p.scale + n0 + j));
+      __m512 v = _mm512_maskz_loadu_ps(m, a + j);
+      if (p.scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, p.scale + n0 + j));
       if (!p.out_bf16) {
         if (res32 != nullptr) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, res32 + o + j), v);
         _mm512_mask_storeu_ps(static_cast<float*>(p.out) + o + j, m, v);
@@ -190,7 +203,7 @@ void store_tile(const Problem& p, const float* acc, int64_t ld, int64_t m0, int6
     }
 #endif
     for (; j < cols; ++j) {
-      const float v = a[j] * p.scale[n0 + j];
+      const float v = p.scale != nullptr ? a[j] * p.scale[n0 + j] : a[j];
       if (p.out_bf16) {
         uint16_t y = f32_to_bf16(v);
         if (res16 != nullptr) y = f32_to_bf16(bf16_to_f32(res16[o + j]) + bf16_to_f32(y));
@@ -217,6 +230,14 @@ inline __m512 load_w16(const int8_t* p, __mmask16 m) {
   else b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+// 16 bf16 weights at p widened to f32 (exact).
+template <bool kMasked>
+inline __m512 load_w16(const uint16_t* p, __mmask16 m) {
+  __m256i h;
+  if constexpr (kMasked) h = _mm256_maskz_loadu_epi16(m, p);
+  else h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return bf16x16_to_f32(h);
+}
 
 // ---- Direct path ----
 
@@ -224,11 +245,12 @@ inline __m512 load_w16(const int8_t* p, __mmask16 m) {
 // apart): KU weight rows are streamed side by side, each 16-column slice widened once and
 // multiplied into every row. With `prefetch` the next KU rows are requested into L2 as these
 // are read, so a small matrix does not wait on DRAM latency row by row.
-template <int MR, int KU>
+template <typename W, int MR, int KU>
 inline void direct_rows(const Problem& p, int64_t k, int64_t c0, int64_t cols, float* acc, int64_t ld,
                         bool prefetch) {
   const int64_t N = p.N, K = p.K;
-  const int8_t* w = p.w + k * N + c0;
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line
+  const W* w = weights<W>(p) + k * N + c0;
   __m512 xs[MR][KU];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -236,7 +258,7 @@ inline void direct_rows(const Problem& p, int64_t k, int64_t c0, int64_t cols, f
     for (int u = 0; u < KU; ++u) xs[m][u] = _mm512_set1_ps(p.x[m * K + k + u]);
   const int64_t full = cols & ~int64_t{15};
   for (int64_t j = 0; j < full; j += 16) {
-    if (prefetch && (j & 63) == 0) {
+    if (prefetch && (j & (kLine - 1)) == 0) {
 #pragma GCC unroll 8
       for (int u = 0; u < KU; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (KU + u) * N + j), _MM_HINT_T1);
     }
@@ -253,7 +275,7 @@ inline void direct_rows(const Problem& p, int64_t k, int64_t c0, int64_t cols, f
   }
   if (full < cols) {
     const __mmask16 mask = lane_mask(cols - full);
-    if (prefetch && (full & 63) == 0) {
+    if (prefetch && (full & (kLine - 1)) == 0) {
 #pragma GCC unroll 8
       for (int u = 0; u < KU; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (KU + u) * N + full), _MM_HINT_T1);
     }
@@ -270,12 +292,12 @@ inline void direct_rows(const Problem& p, int64_t k, int64_t c0, int64_t cols, f
   }
 }
 
-template <int MR>
+template <typename W, int MR>
 void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t cols, float* acc, int64_t ld) {
   constexpr int KU = 8;  // weight rows per pass
   int64_t k = k0;
-  for (; k + KU <= k1; k += KU) direct_rows<MR, KU>(p, k, c0, cols, acc, ld, k + 2 * KU <= k1);
-  for (; k < k1; ++k) direct_rows<MR, 1>(p, k, c0, cols, acc, ld, false);
+  for (; k + KU <= k1; k += KU) direct_rows<W, MR, KU>(p, k, c0, cols, acc, ld, k + 2 * KU <= k1);
+  for (; k < k1; ++k) direct_rows<W, MR, 1>(p, k, c0, cols, acc, ld, false);
 }
 
 #endif  // QMM_AVX512
@@ -284,6 +306,7 @@ void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t 
 // path (any rows on a host without AVX-512, which runs every M this way). One fused
 // multiply-add per k, written out (not left to the compiler's contraction, which it applied
 // here and not in `direct_t_item_any`'s loop): both layouts then round alike.
+template <typename W>
 void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int64_t k1, int64_t c0, int64_t cols,
                      float* acc, int64_t ld) {
   const Problem q = [&] {
@@ -293,18 +316,18 @@ void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int
   }();
 #if defined(QMM_AVX512)
   switch (rows) {
-    case 1: return direct_block<1>(q, k0, k1, c0, cols, acc, ld);
-    case 2: return direct_block<2>(q, k0, k1, c0, cols, acc, ld);
-    case 3: return direct_block<3>(q, k0, k1, c0, cols, acc, ld);
-    default: return direct_block<4>(q, k0, k1, c0, cols, acc, ld);
+    case 1: return direct_block<W, 1>(q, k0, k1, c0, cols, acc, ld);
+    case 2: return direct_block<W, 2>(q, k0, k1, c0, cols, acc, ld);
+    case 3: return direct_block<W, 3>(q, k0, k1, c0, cols, acc, ld);
+    default: return direct_block<W, 4>(q, k0, k1, c0, cols, acc, ld);
   }
 #else
   for (int64_t k = k0; k < k1; ++k) {
-    const int8_t* row = q.w + k * q.N + c0;
+    const W* row = weights<W>(q) + k * q.N + c0;
     for (int64_t m = 0; m < rows; ++m) {
       const float xv = q.x[m * q.K + k];
       float* a = acc + m * ld;
-      for (int64_t j = 0; j < cols; ++j) a[j] = std::fma(xv, static_cast<float>(row[j]), a[j]);
+      for (int64_t j = 0; j < cols; ++j) a[j] = std::fma(xv, wval(row[j]), a[j]);
     }
   }
 #endif
@@ -313,6 +336,7 @@ void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int
 // One direct item: rows [k0, k1) of the weight by columns [c0, c0 + cw), every row of x. With
 // one k-part the result goes to out; otherwise into this k-part's partial sums, and the last
 // k-part of the column range to finish adds them up and writes out.
+template <typename W>
 void direct_item(const Problem& p, int64_t item) {
   const int64_t np = item % p.nparts, kp = item / p.nparts;
   const int64_t c0 = np * p.cw, cols = std::min(p.cw, p.N - c0);
@@ -332,7 +356,7 @@ void direct_item(const Problem& p, int64_t item) {
   // Up to 4 rows per pass; a second pass re-reads the item's weight rows from L2.
   for (int64_t m0 = 0; m0 < p.M; m0 += kDirectGroup) {
     const int64_t rows = std::min(kDirectGroup, p.M - m0);
-    direct_rows_any(p, m0, rows, k0, k1, c0, cols, acc + m0 * ld, ld);
+    direct_rows_any<W>(p, m0, rows, k0, k1, c0, cols, acc + m0 * ld, ld);
   }
   if (p.kparts == 1) return store_tile(p, acc, ld, 0, p.M, c0, cols);
   // Release this part's sums; the last part to arrive acquires all of them.
@@ -352,18 +376,19 @@ void direct_item(const Problem& p, int64_t item) {
 // channel sums its k-parts (`krows` rows each, as `direct_split` cuts them for w [K, N]) in
 // order, then adds the parts up in order: the arithmetic of `direct_item`, so a tied head read
 // as [N, K] gives the bits of the same head held as [K, N].
+template <typename W>
 void direct_t_item_any(const Problem& p, int64_t item) {
   const int64_t c0 = item * p.cw, cols = std::min(p.cw, p.N - c0);
   thread_local std::vector<float> own;
   own.resize(p.M * cols);
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t c = 0; c < cols; ++c) {
-      const int8_t* row = p.w + (c0 + c) * p.K;
+      const W* row = weights<W>(p) + (c0 + c) * p.K;
       float total = 0.0f;
       for (int64_t k0 = 0; k0 < p.K; k0 += p.krows) {
         float part = 0.0f;
         for (int64_t k = k0; k < std::min(p.K, k0 + p.krows); ++k)
-          part = std::fma(p.x[m * p.K + k], static_cast<float>(row[k]), part);  // as direct_rows_any
+          part = std::fma(p.x[m * p.K + k], wval(row[k]), part);  // as direct_rows_any
         total = k0 == 0 ? part : total + part;
       }
       own[m * cols + c] = total;
@@ -378,12 +403,13 @@ void direct_t_item_any(const Problem& p, int64_t item) {
 // Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels [kc][64] f32, kPanelK * 64 apart
 // (columns past N are 0). Row by row: each row's np * 64 bytes are one contiguous read
 // (reading a 64-column panel down its rows, N bytes apart, measured 3x slower).
+template <typename W>
 void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
   const int64_t cols = std::min(np * kPanel, p.N - n0);
   for (int64_t k = 0; k < kc; ++k) {
-    const int8_t* row = p.w + (k0 + k) * p.N + n0;
+    const W* row = weights<W>(p) + (k0 + k) * p.N + n0;
     if (k + kPackAhead < kc)
-      for (int64_t c = 0; c < cols; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
+      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
     for (int64_t q = 0; q < np; ++q) {
       float* dst = panel + q * kPanelK * kPanel + k * kPanel;
       for (int v = 0; v < 4; ++v) {
@@ -422,11 +448,12 @@ void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kPanel + 16 * v, acc[m][v]);
 }
 
+template <typename W>
 struct PackedF32 {
   using Panel = float;
   static constexpr bool kPairs = false;
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
-    pack_panels_f32(p, k0, kc, n0, np, panel);
+    pack_panels_f32<W>(p, k0, kc, n0, np, panel);
   }
   template <int MR>
   static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
@@ -444,20 +471,18 @@ struct PackedF32 {
 inline __m512i bf16_pair(__m512 lo, __m512 hi) {
   return _mm512_mask_blend_epi16(0x55555555u, _mm512_castps_si512(hi), _mm512_srli_epi32(_mm512_castps_si512(lo), 16));
 }
-inline __m512i bf16_pair(__m128i lo, __m128i hi) {  // 16 int8 of each row
-  return bf16_pair(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
-}
 
 // w[k0:k0 + kc, n0:n0 + 64 * np] as bf16 (exact: |w| <= 128) into np panels
 // [kc / 2][64][2], kPanelK * 64 apart: for each pair of k rows and each column the two weights
 // side by side, as VDPBF16PS reads them. A row past K and columns past N are 0; kc is even.
+template <typename W>
 void pack_panels_bf16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, uint16_t* panel) {
   const int64_t cols = std::min(np * kPanel, p.N - n0);
   for (int64_t j = 0; j < kc / 2; ++j) {
-    const int8_t* ra = p.w + (k0 + 2 * j) * p.N + n0;
+    const W* ra = weights<W>(p) + (k0 + 2 * j) * p.N + n0;
     const bool has_b = k0 + 2 * j + 1 < p.K;
     if (2 * j + kPackAhead + 1 < kc)
-      for (int64_t c = 0; c < cols; c += 64) {
+      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) {
         _mm_prefetch(reinterpret_cast<const char*>(ra + kPackAhead * p.N + c), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(ra + (kPackAhead + 1) * p.N + c), _MM_HINT_T0);
       }
@@ -466,8 +491,8 @@ void pack_panels_bf16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int6
       for (int v = 0; v < 4; ++v) {
         const int64_t c = q * kPanel + 16 * v;
         const __mmask16 m = lane_mask(cols - c);
-        const __m128i a = _mm_maskz_loadu_epi8(m, ra + c);
-        const __m128i b = has_b ? _mm_maskz_loadu_epi8(m, ra + p.N + c) : _mm_setzero_si128();
+        const __m512 a = load_w16<true>(ra + c, m);
+        const __m512 b = has_b ? load_w16<true>(ra + p.N + c, m) : _mm512_setzero_ps();
         _mm512_store_si512(dst + 32 * v, bf16_pair(a, b));
       }
     }
@@ -507,11 +532,12 @@ void packed_tile_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kPanel + 16 * v, acc[m][v]);
 }
 
+template <typename W>
 struct PackedBf16 {
   using Panel = uint16_t;
   static constexpr bool kPairs = true;  // k rows go in pairs: a block's rows rounded up to even
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
-    pack_panels_bf16(p, k0, kc, n0, np, panel);
+    pack_panels_bf16<W>(p, k0, kc, n0, np, panel);
   }
   template <int MR>
   static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
@@ -522,25 +548,32 @@ struct PackedBf16 {
 
 // ---- Transposed weights (w [N, K]: a tied embedding read as the LM head) ----
 //
-// Packing reads 4 k values of 16 output channels with one gather (a dword per channel row)
-// and spreads its bytes over 4 panel rows, so the panels are the same as for [K, N] and the
-// micro kernels are shared. Rows whose 4-byte read would pass the end of a channel row (K not
-// a multiple of 4) take a scalar loop.
+// Packing reads a dword (4 int8 or 2 bf16 k values) of 16 output channels at a time and
+// spreads its elements over the panel rows, so the panels are the same as for [K, N] and the
+// micro kernels are shared. Rows whose dword read would pass the end of a channel row take a
+// scalar loop.
+
+// Weight elements per dword.
+template <typename W>
+constexpr int64_t kPerDword = 4 / sizeof(W);
 
 // The dword at w[n0 + lane][k] for the lanes of `m` (0 elsewhere).
+template <typename W>
 inline __m512i gather_t16(const Problem& p, int64_t n0, int64_t k, __mmask16 m) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int32_t>(p.K)));
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, p.w + n0 * p.K + k, 1);
+                                          _mm512_set1_epi32(static_cast<int32_t>(p.K * sizeof(W))));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rows, weights<W>(p) + n0 * p.K + k, 1);
 }
 
-// What gather_t16 gives for k, k + 4, ..., k + 60 (out[j] for k + 4j), from 16 contiguous
-// 64-byte row reads and a 16 x 16 dword transpose in registers: a gather costs ~50 cycles
-// here, the transpose 4 shuffles per row. Needs k + 64 <= K; rows outside `m` read as 0.
+// What gather_t16 gives for the 16 dwords of a 64-byte span (out[j] for k + j * kPerDword),
+// from 16 contiguous 64-byte row reads and a 16 x 16 dword transpose in registers: a gather
+// costs ~50 cycles here, the transpose 4 shuffles per row. Needs the span inside the rows;
+// rows outside `m` read as 0.
+template <typename W>
 inline void dwords_t16x16(const Problem& p, int64_t n0, int64_t k, __mmask16 m, __m512i* out) {
   __m512i r[16], t[16];
   for (int l = 0; l < 16; ++l)
-    r[l] = (m >> l) & 1 ? _mm512_loadu_si512(p.w + (n0 + l) * p.K + k) : _mm512_setzero_si512();
+    r[l] = (m >> l) & 1 ? _mm512_loadu_si512(weights<W>(p) + (n0 + l) * p.K + k) : _mm512_setzero_si512();
   for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: rows 2i, 2i+1 interleaved by dword
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -561,18 +594,19 @@ inline void dwords_t16x16(const Problem& p, int64_t n0, int64_t k, __mmask16 m, 
   }
 }
 
-// put(k, dwords) for k = 0, 4, ... while k + 4 <= kc and k0 + k + 4 <= K: the dwords of
-// w[n0 + lane][k0 + k : k0 + k + 4] (transposed 64 k at a time, then gathered); returns the
-// first k not put.
-template <typename Put>
+// put(k, dwords) for k = 0, E, 2E, ... (E = kPerDword<W>) while k + E <= kc and k0 + k + E
+// <= K: the dwords of w[n0 + lane][k0 + k : k0 + k + E] (transposed 16 dwords at a time, then
+// gathered); returns the first k not put.
+template <typename W, typename Put>
 inline int64_t each_dword_t16(const Problem& p, int64_t k0, int64_t kc, int64_t n0, __mmask16 m, Put put) {
+  constexpr int64_t E = kPerDword<W>, span = 16 * E;
   int64_t k = 0;
-  for (; k + 64 <= kc && k0 + k + 64 <= p.K; k += 64) {
+  for (; k + span <= kc && k0 + k + span <= p.K; k += span) {
     __m512i v[16];
-    dwords_t16x16(p, n0, k0 + k, m, v);
-    for (int j = 0; j < 16; ++j) put(k + 4 * j, v[j]);
+    dwords_t16x16<W>(p, n0, k0 + k, m, v);
+    for (int j = 0; j < 16; ++j) put(k + E * j, v[j]);
   }
-  for (; k + 4 <= kc && k0 + k + 4 <= p.K; k += 4) put(k, gather_t16(p, n0, k0 + k, m));
+  for (; k + E <= kc && k0 + k + E <= p.K; k += E) put(k, gather_t16<W>(p, n0, k0 + k, m));
   return k;
 }
 
@@ -581,75 +615,95 @@ template <int J>
 inline __m512 byte_f32(__m512i v) {
   return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * J), 24));
 }
+// bf16 half j (0..1) of each dword as f32 (exact).
+template <int J>
+inline __m512 half_f32(__m512i v) {
+  return _mm512_castsi512_ps(J == 0 ? _mm512_slli_epi32(v, 16) : _mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+}
 
+template <typename W>
 void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
   const int64_t cols = std::min(np * kPanel, p.N - n0);
+  const W* w = weights<W>(p);
   for (int64_t c = 0; c < np * kPanel; c += 16) {
     const __mmask16 m = lane_mask(cols - c);
     float* dst = panel + (c / kPanel) * kPanelK * kPanel + c % kPanel;
-    auto put = [&](int64_t k, __m512i v) {  // the dwords of k..k+3
-      _mm512_store_ps(dst + (k + 0) * kPanel, byte_f32<0>(v));
-      _mm512_store_ps(dst + (k + 1) * kPanel, byte_f32<1>(v));
-      _mm512_store_ps(dst + (k + 2) * kPanel, byte_f32<2>(v));
-      _mm512_store_ps(dst + (k + 3) * kPanel, byte_f32<3>(v));
+    auto put = [&](int64_t k, __m512i v) {  // the dword of k..k + kPerDword - 1
+      if constexpr (sizeof(W) == 1) {
+        _mm512_store_ps(dst + (k + 0) * kPanel, byte_f32<0>(v));
+        _mm512_store_ps(dst + (k + 1) * kPanel, byte_f32<1>(v));
+        _mm512_store_ps(dst + (k + 2) * kPanel, byte_f32<2>(v));
+        _mm512_store_ps(dst + (k + 3) * kPanel, byte_f32<3>(v));
+      } else {
+        _mm512_store_ps(dst + (k + 0) * kPanel, half_f32<0>(v));
+        _mm512_store_ps(dst + (k + 1) * kPanel, half_f32<1>(v));
+      }
     };
-    int64_t k = each_dword_t16(p, k0, kc, n0 + c, m, put);
+    int64_t k = each_dword_t16<W>(p, k0, kc, n0 + c, m, put);
     for (; k < kc; ++k)
       for (int64_t l = 0; l < 16; ++l)
-        dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? static_cast<float>(p.w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
+        dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? wval(w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
   }
 }
 
-struct PackedF32T : PackedF32 {
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
-    pack_panels_f32_t(p, k0, kc, n0, np, panel);
+template <typename W>
+struct PackedF32T : PackedF32<W> {
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+    pack_panels_f32_t<W>(p, k0, kc, n0, np, panel);
   }
 };
 
 #if defined(QMM_AVX512_BF16)
-// bf16 panels [kc / 2][64][2] (as pack_panels_bf16) from w [N, K]: the dword for k = 2j..2j+3
-// gives pairs j and j + 1.
+// bf16 panels [kc / 2][64][2] (as pack_panels_bf16) from w [N, K]. int8: the dword for
+// k = 2j..2j+3 gives pairs j and j + 1. bf16: the dword for k = 2j, 2j + 1 is pair j as is.
+template <typename W>
 void pack_panels_bf16_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, uint16_t* panel) {
   const int64_t cols = std::min(np * kPanel, p.N - n0);
+  const W* w = weights<W>(p);
   for (int64_t c = 0; c < np * kPanel; c += 16) {
     const __mmask16 m = lane_mask(cols - c);
     uint16_t* dst = panel + (c / kPanel) * kPanelK * kPanel + (c % kPanel) * 2;
-    auto put = [&](int64_t k, __m512i v) {  // the dwords of k..k+3: pairs k / 2 and k / 2 + 1
-      _mm512_store_si512(dst + (k / 2) * kPanel * 2, bf16_pair(byte_f32<0>(v), byte_f32<1>(v)));
-      _mm512_store_si512(dst + (k / 2 + 1) * kPanel * 2, bf16_pair(byte_f32<2>(v), byte_f32<3>(v)));
+    auto put = [&](int64_t k, __m512i v) {
+      if constexpr (sizeof(W) == 1) {
+        _mm512_store_si512(dst + (k / 2) * kPanel * 2, bf16_pair(byte_f32<0>(v), byte_f32<1>(v)));
+        _mm512_store_si512(dst + (k / 2 + 1) * kPanel * 2, bf16_pair(byte_f32<2>(v), byte_f32<3>(v)));
+      } else {
+        _mm512_store_si512(dst + (k / 2) * kPanel * 2, v);
+      }
     };
-    int64_t k = each_dword_t16(p, k0, kc, n0 + c, m, put);
+    int64_t k = each_dword_t16<W>(p, k0, kc, n0 + c, m, put);
     for (; k < kc; k += 2) {
       alignas(64) float lo[16], hi[16];
       for (int64_t l = 0; l < 16; ++l) {
-        const int8_t* row = p.w + (n0 + c + l) * p.K;
+        const W* row = w + (n0 + c + l) * p.K;
         const bool live = c + l < cols;
-        lo[l] = live && k0 + k < p.K ? static_cast<float>(row[k0 + k]) : 0.0f;
-        hi[l] = live && k0 + k + 1 < p.K ? static_cast<float>(row[k0 + k + 1]) : 0.0f;
+        lo[l] = live && k0 + k < p.K ? wval(row[k0 + k]) : 0.0f;
+        hi[l] = live && k0 + k + 1 < p.K ? wval(row[k0 + k + 1]) : 0.0f;
       }
       _mm512_store_si512(dst + (k / 2) * kPanel * 2, bf16_pair(_mm512_load_ps(lo), _mm512_load_ps(hi)));
     }
   }
 }
 
-struct PackedBf16T : PackedBf16 {
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
-    pack_panels_bf16_t(p, k0, kc, n0, np, panel);
+template <typename W>
+struct PackedBf16T : PackedBf16<W> {
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, uint16_t* panel) {
+    pack_panels_bf16_t<W>(p, k0, kc, n0, np, panel);
   }
 };
 #endif
 
 // Direct path for w [N, K] (M <= 4): dot products along the channel rows, 4 channels by MR
 // rows of x per pass (16 accumulators), each summed across its lanes at the end.
-template <int MR>
+template <typename W, int MR>
 void direct_t_rows(const Problem& p, const float* x, int64_t n0, int64_t cols, float* acc, int64_t ld) {
   const int64_t K = p.K, full = K & ~int64_t{15};
   const __mmask16 tail = lane_mask(K - full);
   int64_t c = 0;
   for (; c < cols; c += 4) {
     const int64_t nc = std::min<int64_t>(4, cols - c);
-    const int8_t* w[4];
-    for (int64_t j = 0; j < 4; ++j) w[j] = p.w + (n0 + c + std::min<int64_t>(j, nc - 1)) * K;
+    const W* w[4];
+    for (int64_t j = 0; j < 4; ++j) w[j] = weights<W>(p) + (n0 + c + std::min<int64_t>(j, nc - 1)) * K;
     __m512 a[4][MR];
     for (int j = 0; j < 4; ++j)
       for (int m = 0; m < MR; ++m) a[j][m] = _mm512_setzero_ps();
@@ -674,6 +728,7 @@ void direct_t_rows(const Problem& p, const float* x, int64_t n0, int64_t cols, f
   }
 }
 
+template <typename W>
 void direct_t_item(const Problem& p, int64_t item) {
   const int64_t c0 = item * p.cw, cols = std::min(p.cw, p.N - c0);
   thread_local std::vector<float> own;
@@ -684,10 +739,10 @@ void direct_t_item(const Problem& p, int64_t item) {
     const float* x = p.x + m0 * p.K;
     float* acc = own.data() + m0 * ld;
     switch (rows) {
-      case 1: direct_t_rows<1>(p, x, c0, cols, acc, ld); break;
-      case 2: direct_t_rows<2>(p, x, c0, cols, acc, ld); break;
-      case 3: direct_t_rows<3>(p, x, c0, cols, acc, ld); break;
-      default: direct_t_rows<4>(p, x, c0, cols, acc, ld); break;
+      case 1: direct_t_rows<W, 1>(p, x, c0, cols, acc, ld); break;
+      case 2: direct_t_rows<W, 2>(p, x, c0, cols, acc, ld); break;
+      case 3: direct_t_rows<W, 3>(p, x, c0, cols, acc, ld); break;
+      default: direct_t_rows<W, 4>(p, x, c0, cols, acc, ld); break;
     }
   }
   store_tile(p, own.data(), ld, 0, p.M, c0, cols);
@@ -717,9 +772,9 @@ struct BlockPrefetch {
     const int64_t r0 = p.wt ? n0 : k0, c0 = p.wt ? k0 : n0;
     rows = p.wt ? cols : kc;
     const int64_t bytes = p.wt ? kc : cols;
-    stride = p.wt ? p.K : p.N;
-    base = reinterpret_cast<const char*>(p.w + r0 * stride + c0);
-    lines = (bytes + 63) / 64;
+    stride = (p.wt ? p.K : p.N) * p.wsize;
+    base = static_cast<const char*>(p.w) + r0 * stride + c0 * p.wsize;
+    lines = (bytes * p.wsize + 63) / 64;
   }
   int64_t total() const { return rows * lines; }
   void issue(int64_t count) {
@@ -783,18 +838,23 @@ void packed_item(const Problem& p, int64_t item) {
 
 #endif  // QMM_AVX512
 
-void run_item(const Problem& p, int64_t item) {
+template <typename W>
+void run_item_w(const Problem& p, int64_t item) {
 #if defined(QMM_AVX512)
   if (p.packed_path) {
 #if defined(QMM_AVX512_BF16)
-    if (p.xb != nullptr) return p.wt ? packed_item<PackedBf16T>(p, item) : packed_item<PackedBf16>(p, item);
+    if (p.xb != nullptr) return p.wt ? packed_item<PackedBf16T<W>>(p, item) : packed_item<PackedBf16<W>>(p, item);
 #endif
-    return p.wt ? packed_item<PackedF32T>(p, item) : packed_item<PackedF32>(p, item);
+    return p.wt ? packed_item<PackedF32T<W>>(p, item) : packed_item<PackedF32<W>>(p, item);
   }
-  if (p.wt) return direct_t_item(p, item);
+  if (p.wt) return direct_t_item<W>(p, item);
 #endif
-  if (p.wt) return direct_t_item_any(p, item);
-  direct_item(p, item);
+  if (p.wt) return direct_t_item_any<W>(p, item);
+  direct_item<W>(p, item);
+}
+
+void run_item(const Problem& p, int64_t item) {
+  return p.w_bf16 ? run_item_w<uint16_t>(p, item) : run_item_w<int8_t>(p, item);
 }
 
 struct Progress {  // shared with pool tasks, which may start after the call returned
@@ -898,17 +958,21 @@ void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
   }
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual,
                   ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || sd.size() + 1 != wd.size())
+  const auto wtype = w.element_type();
+  if (wtype != ffi::S8 && wtype != ffi::BF16) return ffi::Error::InvalidArgument("w must be int8 or bfloat16");
+  // bf16 weights may come without a scale: scale of 0 elements.
+  const bool scaled = !(wtype == ffi::BF16 && scale.element_count() == 0);
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || (scaled && sd.size() + 1 != wd.size()))
     return ffi::Error::InvalidArgument("expected x [M, K], w [K, N] or [L, K, N], scale [N] or [L, N]");
   const bool stacked = wd.size() == 3;
   if (stacked && w_transposed) return ffi::Error::InvalidArgument("w_transposed takes an unstacked w [N, K]");
   const int64_t L = stacked ? wd[0] : 1;
   const int64_t K = w_transposed ? wd[1] : wd[stacked ? 1 : 0], N = w_transposed ? wd[0] : wd[stacked ? 2 : 1];
-  if (xd[1] != K || sd[sd.size() - 1] != N || (stacked && sd[0] != L) || layer.element_count() != 1)
+  if (xd[1] != K || (scaled && (sd[sd.size() - 1] != N || (stacked && sd[0] != L))) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("x, w and scale shapes disagree");
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("rows must be an int32 scalar");
   const auto xt = x.element_type();
@@ -935,9 +999,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   p.M = M;
   p.K = K;
   p.N = N;
-  p.w = w.typed_data() + l * K * N;
+  p.w_bf16 = wtype == ffi::BF16;
+  p.wsize = p.w_bf16 ? 2 : 1;
+  p.w = static_cast<const char*>(w.untyped_data()) + l * K * N * p.wsize;
   p.wt = w_transposed;
-  p.scale = scale.typed_data() + l * N;
+  p.scale = scaled ? scale.typed_data() + l * N : nullptr;
   p.out = out->untyped_data();
   p.out_bf16 = xt == ffi::BF16;
   p.packed_path = padded_m > kDirectMaxRows;
@@ -1011,13 +1077,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w
   return ffi::Error::Success();
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> out,
                 bool bf16_products, bool w_transposed) {
   return Matmul(pool, x, w, scale, layer, live, nullptr, out, bf16_products, w_transposed);
 }
 
-ffi::Error ImplResidual(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+ffi::Error ImplResidual(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::AnyBuffer residual,
                         ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
   return Matmul(pool, x, w, scale, layer, live, &residual, out, bf16_products, w_transposed);
@@ -1028,8 +1094,8 @@ auto bind_operands() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::AnyBuffer>()          // x [M, K] f32 / bf16
-      .Arg<ffi::Buffer<ffi::S8>>()    // w [K, N] or [L, K, N]
-      .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N]
+      .Arg<ffi::AnyBuffer>()          // w [K, N] or [L, K, N]: int8, or bf16
+      .Arg<ffi::Buffer<ffi::F32>>()   // scale [N] or [L, N] (bf16 w: may be [0], no scale)
       .Arg<ffi::Buffer<ffi::S32>>()   // layer [] (0 when unstacked)
       .Arg<ffi::Buffer<ffi::S32>>();  // rows []: the live rows (the rest of out is 0)
 }
