@@ -20,7 +20,16 @@ from pathlib import Path
 
 import jax
 
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+# The instruction sets the kernels are built for, best first, with the cpuid flags each needs
+# and its -march. "native" is the host's own (what `cpu_features` lists: AVX-512 with bf16 dot
+# products on Zen 4 / Sapphire Rapids and later); the others cap it for tests.
+ISA_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3"}
+ISA_NEEDS = {"native": (), "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+# Tests only: cap the kernels' instruction set ("avx2" runs the AVX2 path on any x86 machine).
+# The engine itself never reads the environment; its configuration is `EngineConfig`.
+TEST_ISA_ENV = "JAXSERVE_TEST_CPU_ISA"
 
 
 def cpu_features() -> str:
@@ -32,6 +41,25 @@ def cpu_features() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def target_isa() -> str:
+    """The instruction set the native kernels are built for: the host's ("native"), unless
+    the test-only `JAXSERVE_TEST_CPU_ISA` caps it ("avx512", "avx2"); a cap the host lacks is
+    an error naming the missing flags."""
+    isa = os.environ.get(TEST_ISA_ENV, "native") or "native"
+    if isa not in ISA_MARCH:
+        raise ValueError(f"{TEST_ISA_ENV} must be one of {sorted(ISA_MARCH)}, got {isa!r}")
+    flags = set(cpu_features().split())
+    missing = [f for f in ISA_NEEDS[isa] if f not in flags]
+    if missing and platform.machine() in ("x86_64", "AMD64"):
+        raise ValueError(f"{TEST_ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
+    return isa
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler flags of every native CPU kernel, -march included (`target_isa`)."""
+    return (*FLAGS, f"-march={ISA_MARCH[target_isa()]}")
 
 
 def cache_dir() -> Path:
@@ -51,7 +79,11 @@ def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}", ""
-    parts = [source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jax.__version__.encode(),
+    try:
+        flags = compile_flags()
+    except ValueError as e:
+        return None, str(e), ""
+    parts = [source.read_bytes(), " ".join(flags).encode(), version.encode(), jax.__version__.encode(),
              cpu_features().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     name = f"{prefix}_{key}"
@@ -66,7 +98,7 @@ def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
         out = tmp_dir / out.name
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:

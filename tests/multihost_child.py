@@ -31,7 +31,8 @@ def main() -> None:
     model, coordinator, n, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist = dict(coordinator=coordinator, num_processes=n, process_id=pid, tensor_parallel_size=n,
                 heartbeat_timeout_s=2.0) if n > 1 else {}
-    engine = Engine(EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
+    # f32: the processes' programs differ (a mesh, or none) and must give the same tokens
+    engine = Engine(EngineConfig(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
                                  max_model_len=128, compilation_cache_dir=None, strict_compile_guard=True,
                                  max_logprobs=0, structured_outputs=False, **dist))
     if mode != "watch":

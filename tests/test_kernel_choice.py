@@ -36,10 +36,11 @@ def test_asking_builds_nothing_and_start_up_builds_what_the_engine_uses():
         assert quantized_matmul_implementation("cpu").startswith("native: not built yet")
         assert attn._register.cache_info().currsize == 0 and qmm._register.cache_info().currsize == 0
         built = prepare_native_kernels("cpu")
-        assert set(built) == {"attention"} and built["attention"][0], built
-        assert qmm._register.cache_info().currsize == 0  # float weights: not needed, not built
+        assert set(built) == {"attention", "kv_write"} and built["attention"][0] and built["kv_write"][0], built
+        assert qmm._register.cache_info().currsize == 0  # f32 weights: not needed, not built
         assert attention_implementation("cpu", 3, 64, jnp.float32, 9) == ("native", built["attention"][1])
-        assert prepare_native_kernels("cpu", quantized_weights=True)["quantized_matmul"][0]
+        assert prepare_native_kernels("cpu", quantized_weights=True)["matmul"][0]
+        assert prepare_native_kernels("cpu", bf16_weights=True)["matmul"][0]
         assert prepare_native_kernels("tpu") == {}
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

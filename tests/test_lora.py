@@ -25,7 +25,7 @@ peft = pytest.importorskip("peft")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 9, 17, 3, 8, 1], list(range(40, 61)), [7, 7, 7]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-TINY = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=4, max_model_len=64,
+TINY = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=4, max_model_len=64,
             structured_outputs=False, compilation_cache_dir=None, warmup_threads=1, max_logprobs=0)
 
 

@@ -128,7 +128,7 @@ def test_grpc_generate_served_by_two_processes(tiny_model, single_process_tokens
              "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
              "--max-model-len", "128", "--max-logprobs", "0", "--compilation-cache-dir", "none",
              "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--http-port", "0", "--log-interval", "0",
-             "--no-warmup"]  # ignored across hosts: the leader warms up in step with its followers
+             "--dtype", "float32", "--no-warmup"]  # ignored across hosts: the leader warms up in step with its followers
     logs = {pid: tmp_path / f"serve{pid}.log" for pid in (0, 1)}
     procs = {pid: subprocess.Popen([sys.executable, "-u", "-m", "jaxserve.cli", "serve", *flags, "--process-id",
                                     str(pid)], stdout=open(logs[pid], "w"), stderr=subprocess.STDOUT)

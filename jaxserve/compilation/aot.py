@@ -48,6 +48,7 @@ from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import CompilePlan, ShapeKey, variant_name
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kernel_choice import choose_kernels
+from jaxserve.worker.runner import cpu_weight_layout
 from jaxserve.worker.step_programs import StepPrograms, sds
 
 MANIFEST = "manifest.json"
@@ -120,6 +121,14 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     specs = parallel.param_specs(shapes, rank_config, tp, ep) if tp > 1 else jax.tree.map(
         lambda _: P(), shapes, is_leaf=_is_shape)
     tied = rank_config.tie_word_embeddings
+    # One CPU device: the weights as the serving runner holds them (a bf16 or int8 tied
+    # embedding [E, V], bf16 projections read by the native CPU matmul).
+    native_dense, embed_columns = cpu_weight_layout(
+        target.platform, tp, resolved.row_tile, rank_config, dtype,
+        jnp.dtype(param_dtype("embed", config.quantization, config.quantize_lm_head, dtype, tied)),
+        "embed_scale" in shapes, "lm_head" in shapes)
+    if embed_columns:
+        shapes = {**shapes, "embed": tuple(reversed(shapes["embed"]))}
 
     def leaf(path, shape, spec):
         name = path[-1].key
@@ -128,7 +137,9 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     params = jax.tree_util.tree_map_with_path(leaf, shapes, specs, is_leaf=_is_shape)
     graphdef, state = nnx.split(family.model_class(rank_config, params, shards=tp, expert_parallel=ep and tp > 1,
                                                  matmul_precision=resolved.quantized_matmul_precision,
-                                                 row_tile=resolved.row_tile, kv_layout=resolved.kv_layout))
+                                                 row_tile=resolved.row_tile, kv_layout=resolved.kv_layout,
+                                                 embed_columns=embed_columns,
+                                                 **({"native_dense": True} if native_dense else {})))
     c = rank_config
     kv_dtype = jnp.dtype(resolved.kv_cache_dtype) if resolved.kv_cache_dtype is not None else dtype
     spec, quantized = family.kv_cache, resolved.kv_cache_dtype is not None

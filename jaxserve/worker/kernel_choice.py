@@ -31,19 +31,22 @@ class KernelChoice:
     lora: tuple[str, str] | None = None  # the LoRA delta's products (what, why); None: LoRA off
 
 
-def prepare_native_kernels(platform: str, quantized_weights: bool = False) -> dict[str, tuple[bool, str]]:
-    """Builds and registers the native CPU kernels the engine uses (attention; the quantized
-    matmul with `quantized_weights`) where this process compiles for its own CPU;
-    {kernel: (available, why)}. Cached on disk by source and flags, so a warm start only
-    loads them."""
+def prepare_native_kernels(platform: str, quantized_weights: bool = False,
+                           bf16_weights: bool = False) -> dict[str, tuple[bool, str]]:
+    """Builds and registers the native CPU kernels the engine uses (attention and the KV-cache
+    row write; the CPU matmul with `quantized_weights` or `bf16_weights`) where this process
+    compiles for its own CPU; {kernel: (available, why)}. Cached on disk by source and flags,
+    so a warm start only loads them; a serialized executable naming one loads only after."""
     if platform != "cpu" or jax.default_backend() != "cpu":
         return {}
+    from pallas_kernels.kv_cache_update import cpu as kv_write_cpu
     from pallas_kernels.quantized_matmul import cpu as quantized_cpu
     from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
 
-    out = {"attention": attention_cpu.available()}
-    if quantized_weights:
-        out["quantized_matmul"] = quantized_cpu.available()
+    out = {"attention": attention_cpu.available(), "kv_write": kv_write_cpu.available()}
+    if quantized_weights or bf16_weights:
+        ok, why = quantized_cpu.available()
+        out["matmul"] = (ok, f"{why} ({quantized_cpu.isa()})" if ok else why)
     return out
 
 

@@ -92,6 +92,28 @@ def num_drafts_kept(drafts: list[int], targets: list[int]) -> int:
     return n
 
 
+def cpu_weight_layout(platform: str, num_devices: int, row_tile: int, config: Any, act_dtype: Any,
+                      embed_dtype: Any, quantized_embed: bool, has_lm_head: bool) -> tuple[bool, bool]:
+    """(native_dense, embed_columns): how one CPU device holds and reads the weights. The
+    runner and `jaxserve compile` (abstract params) both ask, so a serialized program's
+    operands are laid out as the serving process holds them.
+
+    native_dense: bf16 dense projections and head on the native CPU matmul (read in place
+    by layer index), for bf16 weights on one CPU device outside batch-invariant mode (whose
+    fixed row tiles need XLA's dot), in the families on the dense Llama decoder (the others'
+    projections stay on XLA). embed_columns: a tied embedding served [E, V] where the native
+    kernel reads the head: int8 (64 rows: 10.8 against 12.2 ms for SmolLM2's head read
+    [V, E], one row 0.9 against 2.0 ms) or bf16; the lookup's column gather costs ~0.1 ms
+    more per 64 tokens."""
+    if platform != "cpu" or num_devices != 1:
+        return False, False
+    native_dense = (row_tile == 0 and family_of(config).model_class is LlamaForCausalLM
+                    and act_dtype == jnp.bfloat16 and embed_dtype == jnp.bfloat16
+                    and native_dense_available(jnp.bfloat16))
+    embed_columns = (quantized_embed and embed_dtype == jnp.int8) or (native_dense and not has_lm_head)
+    return native_dense, embed_columns
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -130,14 +152,10 @@ class ModelRunner:
         self.expert_parallel = expert_parallel
         self.matmul_precision = matmul_precision
         self.row_tile = row_tile  # batch-invariant mode's matmul row tile (0: off)
-        # The quantized tied embedding served as [E, V] (the model's `embed_columns`): on
-        # one CPU device the int8 head kernel reads [K, N] faster than [N, K] (64 rows: 10.8
-        # against 12.2 ms for SmolLM2's head, one row 0.9 against 2.0 ms); the lookup's column
-        # gather costs ~0.1 ms more per 64 tokens.
-        self.native_dense = self._native_dense(loaded)
-        self.embed_columns = (self.mesh is None and jax.devices()[0].platform == "cpu"
-                              and (("embed_scale" in loaded.params and jnp.dtype(loaded.params["embed"].dtype) == jnp.int8)
-                                   or (self.native_dense and "lm_head" not in loaded.params)))
+        p = loaded.params
+        self.native_dense, self.embed_columns = cpu_weight_layout(
+            jax.devices()[0].platform, 1 if self.mesh is None else self.mesh.size, row_tile, loaded.config,
+            jnp.dtype(p["final_norm"].dtype), jnp.dtype(p["embed"].dtype), "embed_scale" in p, "lm_head" in p)
         t0 = time.perf_counter()
         if self.mesh is None:
             self.config = loaded.config
@@ -215,20 +233,9 @@ class ModelRunner:
         params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads)
         return {**params, "layers": fuse_projections(params["layers"], tp, 1 if self.expert_parallel else tp)}
 
-    def _native_dense(self, loaded: Any) -> bool:
-        """Whether the bf16 dense projections and head run on the native CPU matmul (the
-        model's `native_dense`): bf16 weights on one CPU device, outside batch-invariant mode
-        (whose fixed row tiles need XLA's dot), for the families built on the dense Llama
-        layers (the others' projections stay on XLA)."""
-        return (self.mesh is None and self.row_tile == 0 and jax.devices()[0].platform == "cpu"
-                and family_of(loaded.config).model_class is LlamaForCausalLM
-                and jnp.dtype(loaded.params["final_norm"].dtype) == jnp.bfloat16
-                and jnp.dtype(loaded.params["embed"].dtype) == jnp.bfloat16
-                and native_dense_available(jnp.bfloat16))
-
     def _model(self, params: dict[str, Any]) -> Any:
         tp = 1 if self.mesh is None else self.mesh.shape[parallel.MODEL_AXIS]
-        extra = {"native_dense": True} if self.native_dense else {}
+        extra = {"native_dense": True} if self.native_dense else {}  # (families off the Llama decoder lack it)
         return family_of(self.config).model_class(self.config, params, shards=tp, expert_parallel=self.expert_parallel and tp > 1,
                                 matmul_precision=self.matmul_precision, row_tile=self.row_tile,
                                 embed_columns=self.embed_columns, kv_layout=self.kv_layout, **extra)

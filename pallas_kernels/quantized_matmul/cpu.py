@@ -58,6 +58,14 @@ def isa() -> str:
     return instruction_set(_build()[0], _SYMBOL + "Isa")
 
 
+def bf16_dot_products() -> bool:
+    """Whether the built kernel runs many rows on bf16 dot-product instructions (AVX512-BF16:
+    Zen 4 and later, Cooper Lake, Sapphire Rapids and later), twice the f32 FMA rate. Where it
+    does not (AVX2, AVX-512 without BF16, no kernel), bf16 weights are no faster to multiply
+    than f32 ones on this CPU. Builds the kernel on first call."""
+    return available()[0] and "avx512_bf16" in isa()
+
+
 def available() -> tuple[bool, str]:
     """(whether the native kernel can run here, why). Builds it on first call."""
     name, why = _register()

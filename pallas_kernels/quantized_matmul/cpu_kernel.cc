@@ -1122,6 +1122,8 @@ extern "C" const char* JaxserveQuantizedMatmulCpuIsa() {
   return "avx512+avx512_bf16";
 #elif defined(QMM_AVX512)
   return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";  // the portable loops, compiler-vectorised for AVX2 + FMA
 #else
   return "generic (compiler-vectorised)";
 #endif

@@ -1,0 +1,100 @@
+"""The CPU's matrix units: the native CPU matmul (bf16 and int8 weights) and the KV-cache
+row write on each instruction set this machine has, named in the test id; the others are
+skipped by name. Each unit runs in a child process (tests/cpu_units_child.py) with the
+test-only JAXSERVE_TEST_CPU_ISA cap, so "avx2" runs the AVX2 build on any AVX2 machine.
+Also: the dispatch lowers the native kernels for bf16 weights and pages on CPU, and the
+CPU's default dtype follows the unit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._native_cpu import ISA_NEEDS, TEST_ISA_ENV, cpu_features
+from pallas_kernels.kv_cache_update.ops import update_kv_cache
+from pallas_kernels.quantized_matmul import cpu as native_cpu
+from pallas_kernels.quantized_matmul.dense import dense_matmul
+
+S = jax.ShapeDtypeStruct
+CHILD = Path(__file__).with_name("cpu_units_child.py")
+# unit -> (cap, the cpuid flags it needs, what the built kernel must say it runs)
+UNITS = {
+    "avx512_bf16": ("native", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx512+avx512_bf16"),
+    "avx512": ("avx512", ISA_NEEDS["avx512"], "avx512"),
+    "avx2": ("avx2", ISA_NEEDS["avx2"], "avx2"),
+}
+
+
+@pytest.mark.parametrize("unit", list(UNITS))
+def test_native_matmul_and_kv_write_on_unit(unit):
+    cap, needs, says = UNITS[unit]
+    missing = [f for f in needs if f not in cpu_features().split()]
+    if missing:
+        pytest.skip(f"{unit}: this CPU lacks {', '.join(missing)}")
+    env = {**os.environ, TEST_ISA_ENV: cap}
+    done = subprocess.run([sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in result, result
+    assert result["isa"] == says, result  # the cap took effect: this unit's path ran
+    for check in ("dense_bf16", "int8_bf16_x", "kv_write"):
+        assert result[check] <= 1.0, (check, result)
+
+
+def test_unknown_or_missing_cap_is_named():
+    env = {**os.environ, TEST_ISA_ENV: "sse9"}
+    code = "from pallas_kernels.quantized_matmul import cpu; print(cpu.available())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "JAXSERVE_TEST_CPU_ISA must be one of" in done.stdout, done.stdout + done.stderr
+
+
+def test_auto_lowers_the_native_kernels_for_bf16():
+    assert native_cpu.available()[0]
+    L, m, k, n = 3, 4, 576, 960
+
+    def scanned(x, w, k_pages, v_pages, slots):
+        def body(carry, layer):
+            h, kp, vp = carry
+            y = dense_matmul(h, w, layer=layer, rows=jnp.int32(2))  # [m, n]
+            kp, vp = update_kv_cache(y[:, :16].reshape(m, 1, 16), y[:, 16:32].reshape(m, 1, 16), kp, vp, slots)
+            return (h + y[:, :k], kp, vp), None
+        return jax.lax.scan(body, (x, k_pages, v_pages), jnp.arange(L, dtype=jnp.int32))[0]
+
+    pages = S((8, 4, 1, 16), jnp.bfloat16)
+    compiled = jax.jit(scanned).lower(S((m, k), jnp.bfloat16), S((L, k, n), jnp.bfloat16), pages, pages,
+                                      S((m,), jnp.int32)).compile()
+    hlo = compiled.as_text()
+    assert "jaxserve_quantized_matmul_cpu_" in hlo and "jaxserve_kv_write_cpu_" in hlo
+    # the stacked weight is read in place (no per-layer slice) and the pages are never
+    # converted to f32 (XLA's own bf16 scatter upcasts the whole pool)
+    assert f"bf16[{k},{n}]" not in hlo and "f32[8,4,1,16]" not in hlo
+
+
+def test_bf16_dense_rows_past_live_are_zero_and_live_rows_match():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((24, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 200)) * 0.1, jnp.bfloat16)
+    full = np.asarray(jax.jit(dense_matmul)(x, w), np.float32)
+    part = np.asarray(jax.jit(lambda x, w: dense_matmul(x, w, rows=jnp.int32(7)))(x, w), np.float32)
+    np.testing.assert_array_equal(part[:7], full[:7])
+    assert not part[7:].any()
+
+
+def test_cpu_default_dtype_follows_the_unit():
+    from jaxserve.config.engine_config import default_dtype_for_platform
+
+    has_bf16 = "avx512_bf16" in cpu_features().split()
+    assert default_dtype_for_platform("cpu") == ("bfloat16" if has_bf16 else "float32")
+    assert default_dtype_for_platform("tpu") == "bfloat16"
+    env = {**os.environ, TEST_ISA_ENV: "avx2"}  # the AVX2 build has no bf16 dot products: f32
+    code = "from jaxserve.config.engine_config import default_dtype_for_platform as d; print(d('cpu'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "float32", done.stderr[-2000:]
