@@ -98,3 +98,17 @@ def test_cpu_default_dtype_follows_the_unit():
     code = "from jaxserve.config.engine_config import default_dtype_for_platform as d; print(d('cpu'))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip().splitlines()[-1] == "float32", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_bf16_head_logits_keep_the_f32_sums(m):
+    """out_dtype=float32 (the head's logits): the f32 sums, not rounded to bf16."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((m, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 96)) * 0.1, jnp.bfloat16)  # [V, E]: a tied head
+    got = jax.jit(lambda x, w: dense_matmul(x, w, transposed=True, out_dtype=jnp.float32))(x, w)
+    assert got.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    bound = 2.0 ** -20 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
+    assert np.any(np.asarray(got) != np.asarray(got.astype(jnp.bfloat16).astype(jnp.float32)))  # not bf16 values

@@ -327,8 +327,9 @@ class LlamaForCausalLM(nnx.Module):
         if self.native_dense and self.lm_head_qscale is None and self.embed_qscale is None:
             tied = self.lm_head is None  # the embedding as the head: [V, E], or [E, V] with embed_columns
             head = self.embed[...] if tied else self.lm_head[...]
-            logits = dense_matmul(h, head, transposed=tied and not self.embed_columns,
-                                  rows=live_rows).astype(jnp.float32)
+            # f32 logits straight from the f32 sums (not rounded to bf16 first: near-ties)
+            logits = dense_matmul(h, head, transposed=tied and not self.embed_columns, rows=live_rows,
+                                  out_dtype=jnp.float32)
         elif self.lm_head_qscale is not None:
             logits = quantized_matmul(h, self.lm_head[...], self.lm_head_qscale[...], rows=live_rows,
                                       precision=self.matmul_precision).astype(jnp.float32)

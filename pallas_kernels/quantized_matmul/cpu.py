@@ -95,7 +95,8 @@ def quantized_matmul_cpu(
     transposed: bool = False,  # w [N, K] (unstacked): a tied embedding as the LM head
     residual: jax.Array | None = None,  # [M, N], x.dtype: added to the result
     rows: jax.Array | int | None = None,  # int32 scalar: the live rows (None: all M)
-) -> jax.Array:  # [M, N], x.dtype
+    out_dtype: jnp.dtype | None = None,  # x.dtype, or float32 from bf16 x (None: x.dtype)
+) -> jax.Array:  # [M, N], out_dtype
     """The reference's contract (reference.py), computed by the native kernel. With
     `transposed`, w is [N, K] (output channels as rows) and read in that layout.
 
@@ -126,11 +127,14 @@ def quantized_matmul_cpu(
     if transposed and w.ndim != 2:
         raise ValueError(f"transposed takes an unstacked w [N, K], got shape {w.shape}")
     n = w.shape[0] if transposed else w.shape[-1]
-    out = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
+    out = jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
     attrs = {"bf16_products": precision == "bf16", "w_transposed": transposed}
     if residual is None:
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w, scale, layer, rows, **attrs)
-    if residual.shape != out.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must be {out.shape} {x.dtype}, got {residual.shape} {residual.dtype}")
+    if residual.shape != out.shape or residual.dtype != out_dtype:
+        raise ValueError(f"residual must be {out.shape} {out_dtype}, got {residual.shape} {residual.dtype}")
     call = jax.ffi.ffi_call(name + _RESIDUAL, out, vmap_method="sequential")
     return call(x, w, scale, layer, rows, residual, **attrs)

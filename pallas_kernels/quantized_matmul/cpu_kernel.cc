@@ -975,19 +975,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   if (xd[1] != K || (scaled && (sd[sd.size() - 1] != N || (stacked && sd[0] != L))) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("x, w and scale shapes disagree");
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("rows must be an int32 scalar");
-  const auto xt = x.element_type();
-  if ((xt != ffi::F32 && xt != ffi::BF16) || out->element_type() != xt)
-    return ffi::Error::InvalidArgument("x and out must be float32 or bfloat16, alike");
+  const auto xt = x.element_type(), ot = out->element_type();
+  // out in x's dtype, or f32 from bf16 x (a head's logits: the f32 sums not rounded to bf16)
+  if ((xt != ffi::F32 && xt != ffi::BF16) || (ot != xt && ot != ffi::F32))
+    return ffi::Error::InvalidArgument("x must be float32 or bfloat16, out x's dtype or float32");
   const int64_t padded_m = xd[0];
   if (residual != nullptr) {
     const auto rd = residual->dimensions();
-    if (residual->element_type() != xt || rd.size() != 2 || rd[0] != padded_m || rd[1] != N)
-      return ffi::Error::InvalidArgument("residual must be [M, N] in x's dtype");
+    if (residual->element_type() != ot || rd.size() != 2 || rd[0] != padded_m || rd[1] != N)
+      return ffi::Error::InvalidArgument("residual must be [M, N] in out's dtype");
   }
   if (padded_m == 0 || N == 0) return ffi::Error::Success();
   // Rows past the live ones are 0 and cost nothing else.
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, padded_m);
-  const size_t elt = xt == ffi::BF16 ? 2 : 4;
+  const size_t elt = ot == ffi::BF16 ? 2 : 4;
   std::memset(static_cast<char*>(out->untyped_data()) + M * N * elt, 0, (padded_m - M) * N * elt);
   if (M == 0) return ffi::Error::Success();
   // The layer as dynamic_index_in_dim takes it: negative counts from the end, then clamped.
@@ -1005,7 +1006,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   p.wt = w_transposed;
   p.scale = scaled ? scale.typed_data() + l * N : nullptr;
   p.out = out->untyped_data();
-  p.out_bf16 = xt == ffi::BF16;
+  p.out_bf16 = ot == ffi::BF16;
   p.packed_path = padded_m > kDirectMaxRows;
   p.residual = residual != nullptr ? residual->untyped_data() : nullptr;
   p.xb = nullptr;

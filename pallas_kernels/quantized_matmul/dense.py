@@ -18,7 +18,7 @@ from pallas_kernels._validate import check_float, check_shape
 from pallas_kernels.quantized_matmul import cpu as native_cpu
 
 
-def _validate(x, w, layer, transposed, residual) -> None:
+def _validate(x, w, layer, transposed, residual, out_dtype) -> None:
     check_shape("x", x, (None, None), "[M, K]")
     k = x.shape[1]
     if transposed:
@@ -33,18 +33,21 @@ def _validate(x, w, layer, transposed, residual) -> None:
     check_float("w", w)
     if residual is not None:
         check_shape("residual", residual, (x.shape[0], w.shape[0] if transposed else w.shape[-1]), "[M, N]")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual must be {x.dtype} like x, got {residual.dtype}")
+        if residual.dtype != out_dtype:
+            raise ValueError(f"residual must be {out_dtype} like the result, got {residual.dtype}")
 
 
 def dense_matmul_reference(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None, *,
-                           transposed: bool = False, residual: jax.Array | None = None) -> jax.Array:
+                           transposed: bool = False, residual: jax.Array | None = None,
+                           out_dtype: jnp.dtype | None = None) -> jax.Array:
     """The contract: x [M, K] @ w [K, N] (layer `layer` of [L, K, N]; w [N, K] when
-    `transposed`), products summed in f32, cast to x's dtype, then `residual +` that."""
+    `transposed`), products summed in f32, cast to `out_dtype` (x's dtype by default; f32
+    keeps the sums: a head's logits), then `residual +` that."""
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
-    out = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jax.lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    out = out.astype(x.dtype if out_dtype is None else out_dtype)
     return out if residual is None else residual + out
 
 
@@ -63,12 +66,16 @@ def dense_matmul(
     transposed: bool = False,
     residual: jax.Array | None = None,  # [M, N], x.dtype
     rows: jax.Array | int | None = None,  # int32 scalar: the live rows of x (None: all)
-) -> jax.Array:  # [M, N], x.dtype
+    out_dtype: jnp.dtype | None = None,  # x's dtype (None) or float32
+) -> jax.Array:  # [M, N], out_dtype
     """`x @ w` (+ `residual`), f32 sums. On CPU with bf16 weights the native kernel: rows at
     and past `rows` are written 0 there (padding), the reference computes them. The native
     kernel sums in another order than XLA (and VDPBF16PS flushes bf16 subnormals), so the two
     agree to f32 rounding of the sums, then bf16 rounding of the result."""
-    _validate(x, w, layer, transposed, residual)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
+    _validate(x, w, layer, transposed, residual, out_dtype)
     stacked = layer is not None
     index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
     live = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
@@ -76,11 +83,12 @@ def dense_matmul(
 
     def reference(x, w, index, live, *res):
         return dense_matmul_reference(x, w, index if stacked else None, transposed=transposed,
-                                      residual=res[0] if res else None)
+                                      residual=res[0] if res else None, out_dtype=out_dtype)
 
     def native(x, w, index, live, *res):
         return native_cpu.quantized_matmul_cpu(x, w, None, index if stacked else None, transposed=transposed,
-                                               residual=res[0] if res else None, rows=live, precision="bf16")
+                                               residual=res[0] if res else None, rows=live, precision="bf16",
+                                               out_dtype=out_dtype)
 
     native_ok = x.dtype == jnp.bfloat16 and native_dense_available(w.dtype)
     return by_target_platform(operands, reference=reference, tpu=None, gpu=None, cpu=native if native_ok else None)
