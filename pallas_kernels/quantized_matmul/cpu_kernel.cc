@@ -1,6 +1,12 @@
-// Weight-only int8 matmul for XLA:CPU, as an XLA FFI custom call.
+// Weight-only int8 matmul for XLA:CPU, as an XLA FFI custom call; also the bf16-weight
+// matmul of the CPU's bf16 serving path (`dense.py`).
 //
 //   out[m, n] = (sum_k x[m, k] * w[k, n]) * scale[n]      (f32 accumulation)
+//
+// w is int8, or bf16 with or without a scale (a 0-element scale: none). The paths below are
+// templates over the weight type: a bf16 weight is widened with a shift where an int8 one
+// is converted, and both are packed into the same bf16-pair panels. out is x's dtype, or f32
+// from bf16 x (the head's logits, kept as the f32 sums).
 //
 // With a `residual` operand ([M, N], x's dtype; the ...Residual target) the result is
 // residual + that, as the separate add would give it (the product rounded to out's dtype,
@@ -771,10 +777,10 @@ struct BlockPrefetch {
     kc = std::min(kc, p.K - k0);
     const int64_t r0 = p.wt ? n0 : k0, c0 = p.wt ? k0 : n0;
     rows = p.wt ? cols : kc;
-    const int64_t bytes = p.wt ? kc : cols;
+    const int64_t per_row = p.wt ? kc : cols;  // weights of a row of the block
     stride = (p.wt ? p.K : p.N) * p.wsize;
     base = static_cast<const char*>(p.w) + r0 * stride + c0 * p.wsize;
-    lines = (bytes * p.wsize + 63) / 64;
+    lines = (per_row * p.wsize + 63) / 64;
   }
   int64_t total() const { return rows * lines; }
   void issue(int64_t count) {
