@@ -1,21 +1,26 @@
 """Run in a child process by tests/test_kernels_cpu_units.py, with JAXSERVE_TEST_CPU_ISA
 capping the native kernels' instruction set (it is read when they are built, once per
-process). Checks the native CPU matmul (bf16 and int8 weights) and the KV-cache row write
-against their references and prints one JSON line: the ISA the kernels were built for and
+process). Checks the native CPU matmul (bf16 and int8 weights), the attention kernel
+(f32, bf16 and int8 pages) and the KV-cache row write against their references and prints one JSON line: the ISA the kernels were built for and
 each check's worst error as a fraction of its bound (<= 1 passes)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
 from pallas_kernels.kv_cache_update import cpu as kv_cpu
 from pallas_kernels.kv_cache_update.reference import update_kv_cache_reference
 from pallas_kernels.quantized_matmul import cpu as native_cpu
 from pallas_kernels.quantized_matmul.dense import dense_matmul_reference
+from pallas_kernels.ragged_paged_attention import cpu as attn_cpu
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.testing import make_case
 
 
 def bf16_bound(x, w, ref):
@@ -61,6 +66,45 @@ def int8_checks(rng) -> float:
     return worst
 
 
+def attention_checks() -> float:
+    """The attention kernel against the f32 reference on the same (widened) pages: decode and
+    prefill rows, 9 query heads on 3 KV heads, D 64 and 72 (this unit's segment paths) and 80
+    with 8-slot pages; f32 pages with a window and a soft cap, bf16 and int8 pages. Then a
+    token's bits prefilled whole and decoded one token at a time (int8 pages, 32-slot pages:
+    both softmax loops)."""
+    worst = 0.0
+    seqs = [(1, 5 + 23 * i) for i in range(6)] + [(19, 40), (9, 9)]
+    for d, ps in ((64, 16), (72, 32), (80, 8)):
+        case = make_case(seqs=seqs, num_tokens=40, num_rows=8, num_q_heads=9, num_kv_heads=3, head_dim=d,
+                         page_size=ps, seed=d)
+        q, k, v, kv_lens, tables, cu, n = (jnp.asarray(a) for a in case.args())
+        for kv, kw in (("f32", dict(sliding_window=17, soft_cap=5.0)), ("bf16", {}), ("int8", {})):
+            kk, vv, extra = k, v, {}
+            if kv == "bf16":
+                kk, vv = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+            elif kv == "int8":
+                (kk, extra["k_scales"]), (vv, extra["v_scales"]) = kv_quant.quantize(k, jnp.int8), kv_quant.quantize(v, jnp.int8)
+            run = jax.jit(functools.partial(attn_cpu.ragged_paged_attention_cpu, sm_scale=d ** -0.5, **kw, **extra))
+            got = run(q, kk, vv, kv_lens, tables, cu, n)
+            kr, vr = (kk, vv) if kv != "int8" else (kv_quant.dequantize(kk, extra["k_scales"]),
+                                                  kv_quant.dequantize(vv, extra["v_scales"]))
+            want = ragged_paged_attention_reference(q, kr.astype(jnp.float32), vr.astype(jnp.float32), kv_lens, tables,
+                                                    cu, n, sm_scale=d ** -0.5, **kw)
+            err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+            worst = max(worst, float(np.max(err / (1e-5 + 1e-5 * np.abs(np.asarray(want, np.float64))))))
+    case = make_case(seqs=[(40, 40)], num_tokens=48, num_rows=2, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                     page_size=32, seed=7)
+    q, k, v, kv_lens, tables, cu, n = (jnp.asarray(a) for a in case.args())
+    (k, ks), (v, vs) = kv_quant.quantize(k, jnp.int8), kv_quant.quantize(v, jnp.int8)
+    run = jax.jit(functools.partial(attn_cpu.ragged_paged_attention_cpu, sm_scale=0.125, k_scales=ks, v_scales=vs))
+    whole = np.asarray(run(q, k, v, kv_lens, tables, cu, n))[:40]
+    for t in range(29, 40):
+        one = run(jnp.zeros_like(q).at[0].set(q[t]), k, v, kv_lens.at[0].set(t + 1), tables, cu.at[1:].set(1), n)
+        if not np.array_equal(np.asarray(one)[0], whole[t]):
+            worst = max(worst, 2.0)
+    return worst
+
+
 def kv_write_check(rng) -> float:
     pages = jnp.asarray(rng.standard_normal((6, 4, 2, 8)), jnp.bfloat16)  # [P, S, Hkv, D]
     new_k = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
@@ -78,8 +122,10 @@ def main() -> None:
         print(json.dumps({"error": why}))
         return
     assert kv_cpu.available()[0], kv_cpu.available()[1]
+    assert attn_cpu.available()[0], attn_cpu.available()[1]
     rng = np.random.default_rng(0)
-    print(json.dumps({"isa": native_cpu.isa(), "dense_bf16": dense_checks(rng), "int8_bf16_x": int8_checks(rng),
+    print(json.dumps({"isa": native_cpu.isa(), "attention_isa": attn_cpu.isa(), "dense_bf16": dense_checks(rng),
+                      "int8_bf16_x": int8_checks(rng), "attention": attention_checks(),
                       "kv_write": kv_write_check(rng)}))
 
 

