@@ -317,8 +317,68 @@ void direct_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t 
 
 #endif  // QMM_AVX512
 
+#if defined(QMM_AVX2)
+// 8 weights at p widened to f32 (int8 converted, bf16 shifted).
+inline __m256 load_w8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load_w8(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// direct_rows on AVX2: KU weight rows side by side, each 8-column slice widened once and
+// multiplied into every row's partial sums, one FMA per k in k order (the portable loop's
+// arithmetic and bits, at a third of its instructions: the sums are loaded and stored once
+// per KU rows, not once per row). Columns past the last full slice take the scalar loop.
+template <typename W, int MR, int KU>
+inline void direct_rows_avx2(const Problem& p, int64_t k, int64_t c0, int64_t cols, float* acc, int64_t ld,
+                             bool prefetch) {
+  const int64_t N = p.N, K = p.K;
+  constexpr int64_t kLine = 64 / sizeof(W);
+  const W* w = weights<W>(p) + k * N + c0;
+  __m256 xs[MR][KU];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) xs[m][u] = _mm256_broadcast_ss(p.x + m * K + k + u);
+  const int64_t full = cols & ~int64_t{7};
+  for (int64_t j = 0; j < full; j += 8) {
+    if (prefetch && (j & (kLine - 1)) == 0) {
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) _mm_prefetch(reinterpret_cast<const char*>(w + (KU + u) * N + j), _MM_HINT_T1);
+    }
+    __m256 wv[KU];
+#pragma GCC unroll 8
+    for (int u = 0; u < KU; ++u) wv[u] = load_w8(w + u * N + j);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      __m256 a = _mm256_loadu_ps(acc + m * ld + j);
+#pragma GCC unroll 8
+      for (int u = 0; u < KU; ++u) a = _mm256_fmadd_ps(xs[m][u], wv[u], a);
+      _mm256_storeu_ps(acc + m * ld + j, a);
+    }
+  }
+  for (int64_t j = full; j < cols; ++j)
+    for (int m = 0; m < MR; ++m) {
+      float a = acc[m * ld + j];
+      for (int u = 0; u < KU; ++u) a = std::fma(p.x[m * K + k + u], wval(w[u * N + j]), a);
+      acc[m * ld + j] = a;
+    }
+}
+
+template <typename W, int MR>
+void direct_block_avx2(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t cols, float* acc, int64_t ld) {
+  constexpr int KU = 4;  // weight rows per pass (4 widened slices + MR x 4 broadcasts in 16 ymm)
+  int64_t k = k0;
+  for (; k + KU <= k1; k += KU) direct_rows_avx2<W, MR, KU>(p, k, c0, cols, acc, ld, k + 2 * KU <= k1);
+  for (; k < k1; ++k) direct_rows_avx2<W, MR, 1>(p, k, c0, cols, acc, ld, false);
+}
+#endif  // QMM_AVX2
+
 // acc[0:rows][0:cols] += x[m0:m0 + rows, k0:k1] @ w[k0:k1, c0:c0 + cols] for the direct
-// path (M <= 4; any rows on a host without AVX2, which runs every M this way). One fused
+// path (M <= 4; any rows on a host without AVX2, which runs every M this way; the loop below
+// there, `direct_block` / `direct_block_avx2` with the same arithmetic elsewhere). One fused
 // multiply-add per k, written out (not left to the compiler's contraction, which it applied
 // here and not in `direct_t_item_any`'s loop): both layouts then round alike.
 template <typename W>
@@ -335,6 +395,13 @@ void direct_rows_any(const Problem& p, int64_t m0, int64_t rows, int64_t k0, int
     case 2: return direct_block<W, 2>(q, k0, k1, c0, cols, acc, ld);
     case 3: return direct_block<W, 3>(q, k0, k1, c0, cols, acc, ld);
     default: return direct_block<W, 4>(q, k0, k1, c0, cols, acc, ld);
+  }
+#elif defined(QMM_AVX2)
+  switch (rows) {
+    case 1: return direct_block_avx2<W, 1>(q, k0, k1, c0, cols, acc, ld);
+    case 2: return direct_block_avx2<W, 2>(q, k0, k1, c0, cols, acc, ld);
+    case 3: return direct_block_avx2<W, 3>(q, k0, k1, c0, cols, acc, ld);
+    default: return direct_block_avx2<W, 4>(q, k0, k1, c0, cols, acc, ld);
   }
 #else
   for (int64_t k = k0; k < k1; ++k) {
@@ -780,16 +847,6 @@ void direct_t_item(const Problem& p, int64_t item) {
 // while it sits in L1 (a whole panel is 96 KB: walking it per tile ran from L2). bf16 x is
 // widened to f32 first (`prepare_rows`): without bf16 dot products every product is f32.
 constexpr int64_t kStrip = 16;  // columns of a strip
-
-// 8 int8 weights at p widened to f32.
-inline __m256 load_w8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-// 8 bf16 weights at p widened to f32 (exact).
-inline __m256 load_w8(const uint16_t* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
 
 // Where column c (0 <= c < np * 64) of packed row k goes: panel c / 64, strip (c % 64) / 16.
 inline int64_t strip_at(int64_t k, int64_t c) {
