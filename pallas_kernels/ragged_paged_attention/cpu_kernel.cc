@@ -311,7 +311,8 @@ inline void pv_rows_avx2(float* acc, int64_t stride, const float* w, int64_t w_s
 #endif
 
 // out[g] = q[g] . k for the g < G query heads of one KV head (q rows `stride` apart): the
-// portable path (AVX-512 with D % 16 == 0 takes `segment_scores`).
+// portable path (AVX-512 with D % 16 == 0 takes `segment_scores`, AVX2 with D % 8 == 0
+// `segment_scores_avx2`).
 template <typename KV>
 inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t D, float* out) {
   for (int64_t g = 0; g < G; ++g) {
@@ -327,7 +328,7 @@ inline void dots(const float* q, int64_t stride, const KV* k, int64_t G, int64_t
 }
 
 // acc[g] += sum_j w[g][j] * v_j for the g < G rows of one KV head over n keys: the portable
-// path (AVX-512 with D % 16 == 0 takes `segment_pv`).
+// path (AVX-512 with D % 16 == 0, or AVX2 with D % 8 == 0, takes `segment_pv`).
 template <typename KV>
 inline void pv(float* acc, int64_t stride, const float* w, int64_t w_stride, const KV* v, int64_t v_stride,
                int64_t n, int64_t G, int64_t D) {
@@ -423,7 +424,6 @@ inline void softmax_update16(float* s, int64_t Sp, int64_t count, int64_t n, flo
 }
 #endif
 
-
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages;
   float sm_scale;
@@ -494,7 +494,6 @@ void segment_scores(const Problem& p, Scratch& w, const KV* kb, const float* sk,
   }
 }
 #endif
-
 
 #if defined(RPA_AVX2)
 // segment_scores in 8-key groups (D % 8 == 0): the same arithmetic per score in any block.
