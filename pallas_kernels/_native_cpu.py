@@ -25,9 +25,10 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-w")
 # The instruction sets the kernels are built for, best first, with the cpuid flags each needs
 # and its -march. "native" is the host's own (what `cpu_features` lists: AVX-512 with bf16 dot
 # products on Zen 4 / Sapphire Rapids and later); the others cap it for tests.
-ISA_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3"}
-ISA_NEEDS = {"native": (), "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
-# Tests only: cap the kernels' instruction set ("avx2" runs the AVX2 path on any x86 machine).
+ISA_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "portable": "x86-64"}
+ISA_NEEDS = {"native": (), "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"), "portable": ()}
+# Tests only: cap the kernels' instruction set ("avx2" runs the AVX2 path on any x86 machine;
+# "portable", x86-64's SSE2 baseline, runs the loops a CPU without AVX2 (or an ARM host) gets).
 # The engine itself never reads the environment; its configuration is `EngineConfig`.
 TEST_ISA_ENV = "JAXSERVE_TEST_CPU_ISA"
 

@@ -124,7 +124,8 @@ def main() -> None:
     assert kv_cpu.available()[0], kv_cpu.available()[1]
     assert attn_cpu.available()[0], attn_cpu.available()[1]
     rng = np.random.default_rng(0)
-    print(json.dumps({"isa": native_cpu.isa(), "attention_isa": attn_cpu.isa(), "dense_bf16": dense_checks(rng),
+    print(json.dumps({"isa": native_cpu.isa(), "attention_isa": attn_cpu.isa(),
+                      "packed_path": native_cpu.packed_path(), "dense_bf16": dense_checks(rng),
                       "int8_bf16_x": int8_checks(rng), "attention": attention_checks(),
                       "kv_write": kv_write_check(rng)}))
 

@@ -1,7 +1,8 @@
 """The CPU's matrix units: the native CPU matmul (bf16 and int8 weights), the attention
 kernel and the KV-cache row write on each instruction set this machine has, named in the test id; the others are
 skipped by name. Each unit runs in a child process (tests/cpu_units_child.py) with the
-test-only JAXSERVE_TEST_CPU_ISA cap, so "avx2" runs the AVX2 build on any AVX2 machine.
+test-only JAXSERVE_TEST_CPU_ISA cap, so "avx2" runs the AVX2 build on any AVX2 machine and
+"portable" the loops of a CPU without AVX2 (x86-64's SSE2 baseline) on any x86 machine.
 Also: the dispatch lowers the native kernels for bf16 weights and pages on CPU, and the
 CPU's default dtype follows the unit."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ UNITS = {
     "avx512_bf16": ("native", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx512+avx512_bf16", "avx512"),
     "avx512": ("avx512", ISA_NEEDS["avx512"], "avx512", "avx512"),
     "avx2": ("avx2", ISA_NEEDS["avx2"], "avx2", "avx2"),
+    "portable": ("portable", ISA_NEEDS["portable"], "generic (compiler-vectorised)", "generic (compiler-vectorised)"),
 }
 
 
@@ -40,6 +43,8 @@ def test_native_matmul_attention_and_kv_write_on_unit(unit):
     missing = [f for f in needs if f not in cpu_features().split()]
     if missing:
         pytest.skip(f"{unit}: this CPU lacks {', '.join(missing)}")
+    if unit == "portable" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("portable: the x86-64 baseline cap is for x86 hosts (elsewhere the native build is it)")
     env = {**os.environ, TEST_ISA_ENV: cap}
     done = subprocess.run([sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -47,6 +52,7 @@ def test_native_matmul_attention_and_kv_write_on_unit(unit):
     assert "error" not in result, result
     assert result["isa"] == says, result  # the cap took effect: this unit's path ran
     assert result["attention_isa"] == attention_says, result
+    assert result["packed_path"] == (unit != "portable"), result  # so bf16 is the default or not
     for check in ("dense_bf16", "int8_bf16_x", "attention", "kv_write"):
         assert result[check] <= 1.0, (check, result)
 
