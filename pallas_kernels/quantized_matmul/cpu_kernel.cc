@@ -94,6 +94,20 @@ constexpr int64_t kPanelK = 384;        // k rows of one packed panel (even: bf1
 constexpr int64_t kMBlock = 128;        // target rows of one packed m-block (48 measured 5-9% slower)
 constexpr int64_t kMaxSpan = 4;         // 64-column panels packed together at most
 constexpr int64_t kPackAhead = 8;       // weight rows prefetched ahead while packing
+// Columns of the f32 micro kernel's strip of a panel: AVX-512's 6 x 64 tile takes the whole
+// panel; AVX2's 6 x 16 ymm tile a quarter, each strip run over every row tile of the m-block
+// while it sits in L1 (a whole f32 panel is 96 KB: walking it per tile ran from L2).
+#if defined(QMM_AVX512)
+constexpr int64_t kStrip = kPanel;
+#else
+constexpr int64_t kStrip = 16;
+#endif
+
+// Where column c (0 <= c < np * 64) of packed f32 row k goes: panel c / 64, strip (c % 64) /
+// kStrip, row k of that strip ([kc][64] per panel on AVX-512, [4][kc][16] on AVX2).
+inline int64_t strip_at(int64_t k, int64_t c) {
+  return (c / kPanel) * kPanelK * kPanel + ((c % kPanel) / kStrip) * kPanelK * kStrip + k * kStrip + c % kStrip;
+}
 
 inline float bf16_to_f32(uint16_t x) {
   const uint32_t b = static_cast<uint32_t>(x) << 16;
@@ -482,37 +496,26 @@ void direct_t_item_any(const Problem& p, int64_t item) {
 
 // ---- Packed path, f32 products ----
 
-// Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels [kc][64] f32, kPanelK * 64 apart
-// (columns past N are 0). Row by row: each row's np * 64 bytes are one contiguous read
-// (reading a 64-column panel down its rows, N bytes apart, measured 3x slower).
+// The vector width of `store_widened` (pack_panels_f32).
+constexpr int64_t kWidenLanes = 16;
+// dst[0:16] = src[0:16] widened to f32, lanes at or past `remaining` 0 (read nothing).
 template <typename W>
-void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
-  const int64_t cols = std::min(np * kPanel, p.N - n0);
-  for (int64_t k = 0; k < kc; ++k) {
-    const W* row = weights<W>(p) + (k0 + k) * p.N + n0;
-    if (k + kPackAhead < kc)
-      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
-    for (int64_t q = 0; q < np; ++q) {
-      float* dst = panel + q * kPanelK * kPanel + k * kPanel;
-      for (int v = 0; v < 4; ++v) {
-        const int64_t c = q * kPanel + 16 * v;
-        _mm512_store_ps(dst + 16 * v, c + 16 <= cols ? load_w16<false>(row + c, 0) : load_w16<true>(row + c, lane_mask(cols - c)));
-      }
-    }
-  }
+inline void store_widened(const W* src, int64_t remaining, float* dst) {
+  _mm512_store_ps(dst, remaining >= 16 ? load_w16<false>(src, 0) : load_w16<true>(src, lane_mask(remaining)));
 }
 
-// c[MR][64] (+)= a[0:MR, 0:kc] @ panel[0:kc][64]; a rows lda floats apart.
+// c[MR][64] (+)= a[0:MR, 0:kc] @ panel[0:kc][64]; a rows lda floats apart, c rows ldc apart.
 template <int MR>
-void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc, float* c, bool accumulate) {
+void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc, float* c, int64_t ldc,
+                     bool accumulate) {
   __m512 acc[MR][4];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v)
-      acc[m][v] = accumulate ? _mm512_loadu_ps(c + m * kPanel + 16 * v) : _mm512_setzero_ps();
+      acc[m][v] = accumulate ? _mm512_loadu_ps(c + m * ldc + 16 * v) : _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    const float* b = panel + k * kPanel;
+    const float* b = panel + k * kStrip;
     const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
     const __m512 b2 = _mm512_load_ps(b + 32), b3 = _mm512_load_ps(b + 48);
 #pragma GCC unroll 8
@@ -527,23 +530,8 @@ void packed_tile_f32(const float* a, int64_t lda, const float* panel, int64_t kc
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kPanel + 16 * v, acc[m][v]);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * ldc + 16 * v, acc[m][v]);
 }
-
-template <typename W>
-struct PackedF32 {
-  using Panel = float;
-  static constexpr bool kPairs = false;
-  static constexpr int64_t kStrips = 1;  // the micro kernel takes a panel's 64 columns at once
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
-    pack_panels_f32<W>(p, k0, kc, n0, np, panel);
-  }
-  template <int MR>
-  static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, int64_t, float* c,
-                   bool acc) {
-    packed_tile_f32<MR>(p.x + m * p.K + k0, p.K, panel, kc, c, acc);
-  }
-};
 
 // ---- Packed path, bf16 products ----
 #if defined(QMM_AVX512_BF16)
@@ -713,7 +701,7 @@ void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int
   const W* w = weights<W>(p);
   for (int64_t c = 0; c < np * kPanel; c += 16) {
     const __mmask16 m = lane_mask(cols - c);
-    float* dst = panel + (c / kPanel) * kPanelK * kPanel + c % kPanel;
+    float* dst = panel + strip_at(0, c);
     auto put = [&](int64_t k, __m512i v) {  // the dword of k..k + kPerDword - 1
       if constexpr (sizeof(W) == 1) {
         _mm512_store_ps(dst + (k + 0) * kPanel, byte_f32<0>(v));
@@ -731,13 +719,6 @@ void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int
         dst[k * kPanel + l] = c + l < cols && k0 + k < p.K ? wval(w[(n0 + c + l) * p.K + k0 + k]) : 0.0f;
   }
 }
-
-template <typename W>
-struct PackedF32T : PackedF32<W> {
-  static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
-    pack_panels_f32_t<W>(p, k0, kc, n0, np, panel);
-  }
-};
 
 #if defined(QMM_AVX512_BF16)
 // bf16 panels [kc / 2][64][2] (as pack_panels_bf16) from w [N, K]. int8: the dword for
@@ -840,32 +821,18 @@ void direct_t_item(const Problem& p, int64_t item) {
 
 // ---- Packed path on AVX2 + FMA (no AVX-512): f32 panels in 16-column strips, a 6 x 16 tile ----
 //
-// A 64-column panel is held as 4 strips [kc][16] f32, kPanelK * 16 apart (the AVX-512 path's
-// [kc][64] rows cut in four): the micro kernel's 6 rows x 2 vectors of accumulators (12 of
-// the 16 ymm registers; the 2 weight vectors and the broadcast in the rest) read one strip
-// as a contiguous stream, and `packed_item` runs a strip over every row tile of the m-block
-// while it sits in L1 (a whole panel is 96 KB: walking it per tile ran from L2). bf16 x is
+// A 64-column panel is held as 4 strips [kc][16] f32 (`kStrip`, `strip_at`): the micro
+// kernel's 6 rows x 2 vectors of accumulators (12 of the 16 ymm registers; the 2 weight
+// vectors and the broadcast in the rest) read one strip as a contiguous stream. bf16 x is
 // widened to f32 first (`prepare_rows`): without bf16 dot products every product is f32.
-constexpr int64_t kStrip = 16;  // columns of a strip
 
-// Where column c (0 <= c < np * 64) of packed row k goes: panel c / 64, strip (c % 64) / 16.
-inline int64_t strip_at(int64_t k, int64_t c) {
-  return (c / kPanel) * kPanelK * kPanel + ((c % kPanel) / kStrip) * kPanelK * kStrip + k * kStrip + c % kStrip;
-}
-
-// Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels of strips (columns past N are 0); row
-// by row, as the AVX-512 packing does.
+// The vector width of `store_widened` (pack_panels_f32).
+constexpr int64_t kWidenLanes = 8;
+// dst[0:8] = src[0:8] widened to f32, lanes at or past `remaining` 0 (read nothing).
 template <typename W>
-void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
-  const int64_t cols = std::min(np * kPanel, p.N - n0);
-  for (int64_t k = 0; k < kc; ++k) {
-    const W* row = weights<W>(p) + (k0 + k) * p.N + n0;
-    if (k + kPackAhead < kc)
-      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
-    int64_t c = 0;
-    for (; c + 8 <= cols; c += 8) _mm256_store_ps(panel + strip_at(k, c), load_w8(row + c));
-    for (; c < np * kPanel; ++c) panel[strip_at(k, c)] = c < cols ? wval(row[c]) : 0.0f;
-  }
+inline void store_widened(const W* src, int64_t remaining, float* dst) {
+  if (remaining >= 8) return _mm256_store_ps(dst, load_w8(src));
+  for (int64_t l = 0; l < 8; ++l) dst[l] = l < remaining ? wval(src[l]) : 0.0f;
 }
 
 // The same panels from w [N, K] (a tied embedding read as the LM head): each channel's row is
@@ -880,7 +847,8 @@ void pack_panels_f32_t(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int
   }
 }
 
-// c[MR][16] (+)= a[0:MR, 0:kc] @ strip[0:kc][16]; a rows lda floats apart, c rows ldc apart.
+// c[MR][16] (+)= a[0:MR, 0:kc] @ strip[0:kc][16]; a rows lda floats apart, c rows ldc apart
+// (the AVX-512 kernel's signature, a quarter of its columns).
 template <int MR>
 void packed_tile_f32(const float* a, int64_t lda, const float* strip, int64_t kc, float* c, int64_t ldc,
                      bool accumulate) {
@@ -905,6 +873,31 @@ void packed_tile_f32(const float* a, int64_t lda, const float* strip, int64_t kc
     for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
 }
 
+#endif  // QMM_AVX2
+
+#if defined(QMM_PACKED)
+
+// ---- Packed path, f32 products (both ISAs: their micro kernels and strip widths differ) ----
+
+// Widen w[k0:k0 + kc, n0:n0 + 64 * np] into np panels of strips (`strip_at`; columns past N
+// are 0). Row by row: each row's np * 64 weights are one contiguous read (reading a 64-column
+// panel down its rows, N bytes apart, measured 3x slower).
+template <typename W>
+void pack_panels_f32(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
+  const int64_t cols = std::min(np * kPanel, p.N - n0);
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* row = weights<W>(p) + (k0 + k) * p.N + n0;
+    if (k + kPackAhead < kc)
+      for (int64_t c = 0; c < cols; c += 64 / sizeof(W)) _mm_prefetch(reinterpret_cast<const char*>(row + kPackAhead * p.N + c), _MM_HINT_T0);
+    for (int64_t q = 0; q < np; ++q)
+      for (int64_t st = 0; st < kPanel / kStrip; ++st) {  // constant trip counts: unrolled
+        const int64_t c = q * kPanel + st * kStrip;
+        float* dst = panel + strip_at(k, c);
+        for (int64_t l = 0; l < kStrip; l += kWidenLanes) store_widened(row + c + l, cols - c - l, dst + l);
+      }
+  }
+}
+
 template <typename W>
 struct PackedF32 {
   using Panel = float;
@@ -913,7 +906,7 @@ struct PackedF32 {
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, Panel* panel) {
     pack_panels_f32<W>(p, k0, kc, n0, np, panel);
   }
-  // Strip `strip` of the panel into columns [16 * strip, 16 * strip + 16) of c's rows.
+  // Strip `strip` of the panel into columns [kStrip * strip, kStrip * (strip + 1)) of c's rows.
   template <int MR>
   static void tile(const Problem& p, int64_t m, int64_t k0, int64_t kc, const Panel* panel, int64_t strip, float* c,
                    bool acc) {
@@ -921,16 +914,13 @@ struct PackedF32 {
   }
 };
 
+// The same panels from w [N, K] (a tied embedding read as the LM head).
 template <typename W>
 struct PackedF32T : PackedF32<W> {
   static void pack(const Problem& p, int64_t k0, int64_t kc, int64_t n0, int64_t np, float* panel) {
     pack_panels_f32_t<W>(p, k0, kc, n0, np, panel);
   }
 };
-
-#endif  // QMM_AVX2
-
-#if defined(QMM_PACKED)
 
 // One cache line into L2 (prefetcht1). As inline asm: GCC 12 deletes loops whose only effect
 // is `_mm_prefetch` (seen in the attention kernel's page prefetch).
