@@ -16,6 +16,26 @@ def check_shape(name: str, x, expected: Sequence[int | None], meaning: str) -> N
         raise ValueError(f"{name} must have shape {meaning} = [{want}], got {list(shape)}")
 
 
+def check_matmul_operands(x, w, layer, transposed: bool, residual, rows=None) -> None:
+    """The layouts the CPU matmuls (quantized and dense) take: x [M, K]; w [K, N], stacked
+    [L, K, N] with a layer index, or [N, K] when `transposed` (no layer); residual [M, N];
+    rows an integer scalar (the live rows of x). Dtypes are each caller's."""
+    check_shape("x", x, (None, None), "[M, K]")
+    if rows is not None and (jnp.ndim(rows) != 0 or not jnp.issubdtype(jnp.result_type(rows), jnp.integer)):
+        raise ValueError(f"rows must be an integer scalar (the live rows of x), got {rows!r}")
+    k = x.shape[1]
+    if transposed:
+        if layer is not None:
+            raise ValueError("transposed takes an unstacked w [N, K] (no layer)")
+        check_shape("w", w, (None, k), "[N, K] (transposed)")
+    elif layer is None:
+        check_shape("w", w, (k, None), "[K, N]")
+    else:
+        check_shape("w", w, (None, k, None), "[L, K, N] (stacked, with layer)")
+    if residual is not None:
+        check_shape("residual", residual, (x.shape[0], w.shape[0] if transposed else w.shape[-1]), "[M, N]")
+
+
 def check_int32(name: str, x) -> None:
     if x.dtype != jnp.int32:
         raise ValueError(f"{name} must be int32, got {x.dtype}")

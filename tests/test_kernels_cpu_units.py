@@ -126,3 +126,19 @@ def test_bf16_head_logits_keep_the_f32_sums(m):
     bound = 2.0 ** -20 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound + 1e-30)
     assert np.any(np.asarray(got) != np.asarray(got.astype(jnp.bfloat16).astype(jnp.float32)))  # not bf16 values
+
+
+def test_bad_operands_are_named_for_both_cpu_matmuls():
+    """One layout check (`check_matmul_operands`) for the quantized and the dense matmul."""
+    from pallas_kernels.quantized_matmul.ops import quantized_matmul
+
+    x = jnp.zeros((2, 8), jnp.bfloat16)
+    w8, scale = jnp.zeros((8, 4), jnp.int8), jnp.ones((4,), jnp.float32)
+    for call in (lambda **kw: dense_matmul(x, jnp.zeros((8, 4), jnp.bfloat16), **kw),
+                 lambda **kw: quantized_matmul(x, w8, scale, **kw)):
+        with pytest.raises(ValueError, match="rows must be an integer scalar"):
+            call(rows=jnp.zeros((2,), jnp.int32))
+        with pytest.raises(ValueError, match=r"residual must have shape \[M, N\]"):
+            call(residual=jnp.zeros((2, 5), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"w must have shape \[K, N\]"):
+        dense_matmul(x, jnp.zeros((9, 4), jnp.bfloat16))

@@ -14,25 +14,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import by_target_platform
-from pallas_kernels._validate import check_float, check_shape
+from pallas_kernels._validate import check_float, check_matmul_operands
 from pallas_kernels.quantized_matmul import cpu as native_cpu
 
 
-def _validate(x, w, layer, transposed, residual, out_dtype) -> None:
-    check_shape("x", x, (None, None), "[M, K]")
-    k = x.shape[1]
-    if transposed:
-        if layer is not None:
-            raise ValueError("transposed takes an unstacked w [N, K] (no layer)")
-        check_shape("w", w, (None, k), "[N, K] (transposed)")
-    elif layer is None:
-        check_shape("w", w, (k, None), "[K, N]")
-    else:
-        check_shape("w", w, (None, k, None), "[L, K, N] (stacked, with layer)")
+def _validate(x, w, layer, transposed, residual, out_dtype, rows) -> None:
+    check_matmul_operands(x, w, layer, transposed, residual, rows)
     check_float("x", x)
     check_float("w", w)
     if residual is not None:
-        check_shape("residual", residual, (x.shape[0], w.shape[0] if transposed else w.shape[-1]), "[M, N]")
         if residual.dtype != out_dtype:
             raise ValueError(f"residual must be {out_dtype} like the result, got {residual.dtype}")
 
@@ -75,7 +65,7 @@ def dense_matmul(
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
-    _validate(x, w, layer, transposed, residual, out_dtype)
+    _validate(x, w, layer, transposed, residual, out_dtype, rows)
     stacked = layer is not None
     index = jnp.asarray(layer if stacked else 0, jnp.int32).reshape(())
     live = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._dispatch import by_target_platform
-from pallas_kernels._validate import check_float, check_shape
+from pallas_kernels._validate import check_float, check_matmul_operands, check_shape
 from pallas_kernels.quantized_matmul import cpu as native_cpu
 from pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
 
@@ -15,20 +15,12 @@ BACKENDS = ("auto", "reference", "cpu")
 
 
 def _validate(x, w, scale, layer, transposed, residual, rows) -> None:
-    check_shape("x", x, (None, None), "[M, K]")
-    if rows is not None and (jnp.ndim(rows) != 0 or not jnp.issubdtype(jnp.result_type(rows), jnp.integer)):
-        raise ValueError(f"rows must be an integer scalar (the live rows of x), got {rows!r}")
-    k = x.shape[1]
+    check_matmul_operands(x, w, layer, transposed, residual, rows)
     if transposed:
-        if layer is not None:
-            raise ValueError("transposed takes an unstacked w [N, K] (no layer)")
-        check_shape("w", w, (None, k), "[N, K] (transposed)")
         check_shape("scale", scale, (w.shape[0],), "[N]")
     elif layer is None:
-        check_shape("w", w, (k, None), "[K, N]")
         check_shape("scale", scale, (w.shape[1],), "[N]")
     else:
-        check_shape("w", w, (None, k, None), "[L, K, N] (stacked, with layer)")
         check_shape("scale", scale, (w.shape[0], w.shape[2]), "[L, N]")
     check_float("x", x)
     if w.dtype not in QUANTIZED_DTYPES:
@@ -36,7 +28,6 @@ def _validate(x, w, scale, layer, transposed, residual, rows) -> None:
     if scale.dtype != jnp.float32:
         raise ValueError(f"scale must be float32, got {scale.dtype}")
     if residual is not None:
-        check_shape("residual", residual, (x.shape[0], w.shape[0] if transposed else w.shape[-1]), "[M, N]")
         if residual.dtype != x.dtype:
             raise ValueError(f"residual must be {x.dtype} like x, got {residual.dtype}")
 
