@@ -190,8 +190,10 @@ _TP_CHILD = textwrap.dedent(r"""
     from scheduler import SamplingParams
 
     base, a, b, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    e = Engine(EngineConfig(model=base, tensor_parallel_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
-                            max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=64,
+    # f32, as peft's reference tokens (the CPU default, bf16, meets a near-tie at base/0's
+    # first token: f32 logits 2.455 vs 2.449)
+    e = Engine(EngineConfig(model=base, dtype="float32", tensor_parallel_size=4, enable_lora=True, max_loras=2,
+                            max_lora_rank=8, max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, max_model_len=64,
                             max_logprobs=0, compilation_cache_dir=None, structured_outputs=False))
     loras = {"base": None, "A": LoRARequest("A", 1, a), "B": LoRARequest("B", 2, b)}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -41,10 +41,10 @@ from jaxserve.models.config import (
 )
 from jaxserve.models.fused import split_gate_up
 from jaxserve.models.layers import (
-    ACTIVATIONS,
     AttentionFn,
     KVUpdateFn,
     MoEFn,
+    gated_activation,
     tiled_matmul,
 )
 from jaxserve.models.llama import LlamaForCausalLM, PoolViews, paged_pool_views, single_device_moe
@@ -369,7 +369,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def _dense_mlp(self, x, w: LayerStack):
         gate, up = split_gate_up(w.matmul(x, "gate_up_proj"), self.shards)
-        return w.matmul(ACTIVATIONS[self.config.hidden_act](gate) * up, "down_proj")
+        return w.matmul(gated_activation(self.config.hidden_act, gate, up), "down_proj")
 
     def _experts(self, x, w: LayerStack, moe_fn):
         """The routed experts plus the shared expert. x: [T, E] -> [T, E]."""
@@ -383,7 +383,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             scales["scale_inputs"] = True
         y = moe_fn(x, weights, experts, w["expert_gate_up"], w["expert_down"], **scales)
         if "shared_gate" in w:
-            act = ACTIVATIONS[cfg.hidden_act](w.matmul(x, "shared_gate")) * w.matmul(x, "shared_up")
+            act = gated_activation(cfg.hidden_act, w.matmul(x, "shared_gate"), w.matmul(x, "shared_up"))
             y = y + w.matmul(act, "shared_down")
         return y
 

@@ -46,7 +46,14 @@ from jaxserve.models.config import (
 )
 from jaxserve.models.deepseek import LayerStack
 from jaxserve.models.fused import split_gate_up, split_qkv
-from jaxserve.models.layers import ACTIVATIONS, AttentionFn, KVUpdateFn, MoEFn, rms_norm
+from jaxserve.models.layers import (
+    ACTIVATIONS,
+    AttentionFn,
+    KVUpdateFn,
+    MoEFn,
+    gated_activation,
+    rms_norm,
+)
 from jaxserve.models.llama import LlamaForCausalLM, paged_pool_views, single_device_moe
 from jaxserve.models.llama_family import HF_GLOBALS
 from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_SHARDING
@@ -416,7 +423,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             gate, up = w_mlp.matmul(x, mlp_prefix + "gate_proj"), w_mlp.matmul(x, mlp_prefix + "up_proj")
         else:
             gate, up = split_gate_up(w_mlp.matmul(x, "gate_up_proj"), self.shards)
-        y = w_mlp.matmul(act(gate) * up, mlp_prefix + "down_proj")
+        y = w_mlp.matmul(gated_activation(cfg.hidden_act, gate, up), mlp_prefix + "down_proj")
         if cfg.moe_block:
             y = self._norm(y, w["post_ffn_norm_1"]) + self._norm(self._experts(h, w, moe_fn), w["post_ffn_norm_2"])
         h = h + self._norm(y, w["post_ffn_norm"])

@@ -24,11 +24,11 @@ from jaxserve.models import moe
 from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.fused import split_gate_up, split_qkv
 from jaxserve.models.layers import (
-    ACTIVATIONS,
     AttentionFn,
     KVUpdateFn,
     MoEFn,
     clamped_swiglu,
+    gated_activation,
     rms_norm,
     soft_cap,
     tiled_matmul,
@@ -306,7 +306,7 @@ class LlamaForCausalLM(nnx.Module):
             return y if residual is None else residual + y
         gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
         gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")
-        act = ACTIVATIONS[cfg.hidden_act](gate) * up
+        act = gated_activation(cfg.hidden_act, gate, up)
         return lp.project(act, "down_proj", residual)
 
     def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
