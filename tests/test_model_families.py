@@ -261,3 +261,27 @@ def test_converted_checkpoint_restores_config_and_params(family_dirs, tmp_path, 
     assert restored.config == original.config
     for name, arr in _flatten(original.params):
         np.testing.assert_array_equal(dict(_flatten(restored.params))[name], arr, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
+def test_gated_activation_rounds_once(name):
+    """act(gate) * up in f32, rounded once: f32 inputs give the plain expression's bits, bf16
+    inputs a result within one bf16 rounding (2^-8 relative) of the exact product, up to f32's
+    own error."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.layers import ACTIVATIONS, gated_activation
+
+    rng = np.random.default_rng(0)
+    g, u = (rng.standard_normal((64, 384)).astype(np.float32) * 4 for _ in range(2))
+    f32 = gated_activation(name, jnp.asarray(g), jnp.asarray(u))
+    assert np.array_equal(np.asarray(f32), np.asarray(ACTIVATIONS[name](jnp.asarray(g)) * jnp.asarray(u)))
+    gb, ub = jnp.asarray(g, jnp.bfloat16), jnp.asarray(u, jnp.bfloat16)
+    got = gated_activation(name, gb, ub)
+    assert got.dtype == jnp.bfloat16
+    g64, u64 = np.asarray(gb, np.float64), np.asarray(ub, np.float64)
+    act = g64 / (1 + np.exp(-g64)) if name == "silu" else \
+        0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3)))
+    want = act * u64
+    # plus f32's own error, relative to |gate * up| (gelu's 1 + tanh cancels in its far tail)
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 2.0 ** -8 * np.abs(want) + 2.0 ** -20 * np.abs(g64 * u64))
