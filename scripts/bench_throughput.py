@@ -355,7 +355,8 @@ def one_round(args, wls: list[Workload], all_wl: dict[str, Workload],
                   quantize_lm_head=args.quantize_lm_head and quant != "none",
                   **({} if args.min_token_bucket is None else {"min_token_bucket": args.min_token_bucket}))
         weights = {"float32": "f32", "bfloat16": "bf16"}[llm.engine.dtype]
-        label = f"{weights if quant == 'none' else quant}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
+        # int8 weights name their activations' dtype (bf16 by default on CPU, f32 with --dtype float32)
+        label = f"{weights if quant == 'none' else f'{quant} ({weights} x)'}" + (" +head" if args.quantize_lm_head and quant != "none" else "") + (
             f" kv {kv_dtype}" if kv_dtype != "auto" else "") + f" [{backend}]"
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -252,8 +252,8 @@ class Engine:
         here, call them by name), then logs what each program runs; a slow fallback is a
         warning."""
         held = params_quantization(self.model.params)
-        bf16 = self.runner.native_dense
-        for name, (ok, why) in prepare_native_kernels(self.platform, held is not None, bf16).items():
+        dense_native = self.runner.native_dense  # bf16 weights on the native CPU matmul
+        for name, (ok, why) in prepare_native_kernels(self.platform, held is not None, dense_native).items():
             (logger.info if ok else logger.warning)("native CPU %s kernel: %s", name.replace("_", " "), why)
         config = self.config
         choice = choose_kernels(
