@@ -133,12 +133,13 @@ class LLM:
         final = OutputKind.FINAL_ONLY  # only finished outputs are read: no step snapshots the others
         if isinstance(prompt, str):
             return self.engine.add_prompt(prompt, params, request_id=rid, output_kind=final, lora_request=lora)
+        images = _images(prompt) if isinstance(prompt, dict) else []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return self.engine.add_prompt(None, params, prompt_token_ids=prompt["prompt_token_ids"], request_id=rid,
-                                          output_kind=final, lora_request=lora)
+                                          output_kind=final, lora_request=lora, images=images)
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.engine.add_prompt(prompt["prompt"], params, request_id=rid, output_kind=final,
-                                          lora_request=lora)
+                                          lora_request=lora, images=images)
         raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -162,3 +163,17 @@ def _cumulative(out: RequestOutput) -> RequestOutput:
     """Batch callers want whole outputs; drop the per-step deltas."""
     comps = [dataclasses.replace(c, delta_text="", delta_token_ids=[], delta_logprobs=None) for c in out.outputs]
     return dataclasses.replace(out, outputs=comps)
+
+
+def _images(prompt: dict[str, Any]) -> list[Any]:
+    """A prompt's images as vLLM takes them: `multi_modal_data={"image": image or [images]}`."""
+    data = prompt.get("multi_modal_data")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': [...]}}, got {type(data).__name__}")
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
+    images = data.get("image", [])
+    return list(images) if isinstance(images, list | tuple) else [images]

@@ -192,6 +192,7 @@ class KVCacheManager:
             request.cache_salt,
             max_blocks=max_hit_blocks,
             lora_id=request.lora_id,
+            mm_keys=request.mm_keys,
         )
         hits: list[KVBlock] = []
         get = self.pool.cached.get
@@ -256,6 +257,7 @@ class KVCacheManager:
             request.cache_salt,
             max_blocks=num_full,
             lora_id=request.lora_id,
+            mm_keys=request.mm_keys,
         )
         cache_block = self.pool.cache_block
         blocks = st.blocks

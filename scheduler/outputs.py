@@ -8,6 +8,7 @@ the scheduler's state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class NewRequestData:
     eos_token_id: int | None
     grammar: GrammarHandle | None = None  # compiled (the scheduler waited for it) or None
     lora_id: int = 0  # the LoRA adapter's load id (0: the base model)
+    multimodal: Any = None  # the prompt's images (`Request.multimodal`), None for a text prompt
 
 
 @dataclass(slots=True)

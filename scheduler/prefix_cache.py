@@ -41,17 +41,24 @@ def hash_block(
     return h.digest()
 
 
-def extra_keys_for_block(block_index: int, cache_salt: str | None, lora_id: int = 0) -> tuple | None:
+def extra_keys_for_block(block_index: int, cache_salt: str | None, lora_id: int = 0,
+                         block_size: int = 0, mm_keys: Sequence[tuple[int, int, str]] = ()) -> tuple | None:
     """Extra keys of a block: the salt and the LoRA adapter go into the first block only (the
     chain carries them), so K/V computed under one adapter is never reused under another or
-    the base model."""
-    if block_index != 0:
-        return None
+    the base model. An image's content hash goes into every block its placeholder tokens
+    touch (`mm_keys`: (offset, num_tokens, hash) per image): its tokens are all the same id, so
+    without it the same text with another image would hit."""
     keys: tuple = ()
-    if cache_salt is not None:
-        keys += ("salt", cache_salt)
-    if lora_id:
-        keys += ("lora", lora_id)
+    if block_index == 0:
+        if cache_salt is not None:
+            keys += ("salt", cache_salt)
+        if lora_id:
+            keys += ("lora", lora_id)
+    if mm_keys:
+        lo, hi = block_index * block_size, (block_index + 1) * block_size
+        for offset, length, digest in mm_keys:
+            if offset < hi and offset + length > lo:
+                keys += ("image", digest)
     return keys or None
 
 
@@ -62,6 +69,7 @@ def extend_block_hashes(
     cache_salt: str | None = None,
     max_blocks: int | None = None,
     lora_id: int = 0,
+    mm_keys: Sequence[tuple[int, int, str]] = (),
 ) -> list[bytes]:
     """Append the hashes of full blocks of ``token_ids`` not yet in ``block_hashes``.
 
@@ -76,7 +84,7 @@ def extend_block_hashes(
     while i < num_full:
         start = i * block_size
         parent = hash_block(
-            parent, token_ids[start : start + block_size], extra_keys_for_block(i, cache_salt, lora_id)
+            parent, token_ids[start : start + block_size], extra_keys_for_block(i, cache_salt, lora_id, block_size, mm_keys)
         )
         block_hashes.append(parent)
         i += 1

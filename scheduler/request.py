@@ -11,6 +11,7 @@ and carried along only for the engine's benefit.
 from __future__ import annotations
 
 import enum
+from typing import Any
 from dataclasses import dataclass, field
 
 from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
@@ -274,6 +275,8 @@ class Request:
         "grammar",
         "lora_id",
         "num_lora_passes",
+        "mm_keys",
+        "multimodal",
         "_stop_ids",
         "__weakref__",
     )
@@ -288,6 +291,7 @@ class Request:
         priority: int | None = None,
         grammar: GrammarHandle | None = None,
         lora_id: int = 0,
+        multimodal: Any = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -315,6 +319,11 @@ class Request:
         # The LoRA adapter the request runs under (a load id, never reused; 0: the base model).
         self.lora_id = int(lora_id)
         self.num_lora_passes = 0  # steps it was passed over for want of an adapter slot
+        # A prompt with images (`jaxserve.multimodal.prompt.MultimodalPrompt`, opaque here): the
+        # runner reads it; the scheduler hashes each image's (offset, num_tokens, hash) into the
+        # prefix-cache blocks it covers.
+        self.multimodal = multimodal
+        self.mm_keys: tuple[tuple[int, int, str], ...] = tuple(multimodal.keys) if multimodal is not None else ()
         self._stop_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property

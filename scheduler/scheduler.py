@@ -459,7 +459,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 plan.new_requests.append(NewRequestData(
                     req.request_id, list(req.prompt_token_ids), req.sampling_params, req.eos_token_id,
-                    req.grammar, req.lora_id))
+                    req.grammar, req.lora_id, req.multimodal))
             req.num_computed_tokens = num_hit
             req.status = _RUNNING
             running.append(req)

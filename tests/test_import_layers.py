@@ -15,14 +15,17 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 ALLOWED = {
     "models": set(),
     "structured": set(),
+    "multimodal": set(),
     "loading": {"models"},
     "lora": {"models", "loading"},
     "worker": {"models", "loading", "lora", "structured"},
     "config": {"models", "worker"},
     "compilation": {"models", "loading", "lora", "worker", "config"},
     "spec_decode": {"models", "loading", "lora", "worker", "config", "compilation"},
-    "engine": {"models", "structured", "loading", "lora", "worker", "config", "compilation", "spec_decode"},
-    "tuning": {"models", "structured", "loading", "lora", "worker", "config", "compilation", "spec_decode", "engine"},
+    "engine": {"models", "structured", "multimodal", "loading", "lora", "worker", "config", "compilation",
+               "spec_decode"},
+    "tuning": {"models", "structured", "multimodal", "loading", "lora", "worker", "config", "compilation",
+               "spec_decode", "engine"},
 }
 
 

@@ -23,8 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         if hint is bool:
             p.add_argument(*flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif typing.get_origin(hint) is tuple:
-            p.add_argument(*flag, type=int, nargs="*", default=())
+        elif typing.get_origin(hint) is tuple:  # tuple[int, ...] or tuple[str, ...]
+            p.add_argument(*flag, type=typing.get_args(hint)[0], nargs="*", default=())
         else:
             args = typing.get_args(hint)
             base = next((a for a in args if a is not type(None)), hint)

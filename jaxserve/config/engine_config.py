@@ -60,6 +60,32 @@ def default_dtype_for_platform(platform: str | None = None) -> str:
     return "bfloat16" if packed_path() else "float32"
 
 
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+def _images_per_prompt(limit: Any) -> int:
+    """`limit_mm_per_prompt` as vLLM takes it ({"image": n}, or a JSON string of that) or a
+    bare count -> the images a prompt may hold."""
+    if limit is None:
+        return DEFAULT_IMAGES_PER_PROMPT
+    if isinstance(limit, str):
+        import json
+
+        try:
+            limit = json.loads(limit)
+        except ValueError:
+            raise ValueError(f"limit_mm_per_prompt must be a count or JSON like '{{\"image\": 4}}', "
+                             f"got {limit!r}") from None
+    if isinstance(limit, dict):
+        unknown = set(limit) - {"image"}
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt: only images are served, got {sorted(unknown)}")
+        limit = limit.get("image", DEFAULT_IMAGES_PER_PROMPT)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"limit_mm_per_prompt: the image count must be an integer >= 0, got {limit!r}")
+    return limit
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine. `model=None` is the embedded SmolLM2-135M-Instruct GGUF."""
@@ -139,6 +165,14 @@ class EngineConfig:
     serve_while_compiling: bool = False
     strict_compile_guard: bool = False  # raise on any compilation after warmup
     warmup_threads: int = 0  # 0: one per CPU core
+    # Vision-language models (vLLM's spellings): images per prompt ({"image": n} or n), the hosts
+    # whose http(s) image URLs may be fetched (none: only inline data), and the host memory of
+    # the encoder-output cache (keyed by image hash; its entries are [tokens, E] rows).
+    limit_mm_per_prompt: Any = None  # None: 4 images
+    allowed_media_domains: tuple[str, ...] = ()
+    mm_encoder_cache_gb: float = 0.5
+    # The largest decoded image accepted (width * height, checked from the header before decoding).
+    max_image_pixels: int = 36_000_000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -198,6 +232,12 @@ class EngineConfig:
             raise ValueError(f"max_token_buckets must be >= 1, got {self.max_token_buckets!r}")
         if self.warmup_threads < 0:
             raise ValueError(f"warmup_threads must be >= 0, got {self.warmup_threads!r}")
+        object.__setattr__(self, "limit_mm_per_prompt", _images_per_prompt(self.limit_mm_per_prompt))
+        object.__setattr__(self, "allowed_media_domains", tuple(str(d).lower() for d in self.allowed_media_domains))
+        if not self.mm_encoder_cache_gb > 0:
+            raise ValueError(f"mm_encoder_cache_gb must be > 0, got {self.mm_encoder_cache_gb!r}")
+        if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be an integer >= 1, got {self.max_image_pixels!r}")
         # The scheduling fields: validated once, by SchedulerConfig, with stand-ins for the
         # values only the model decides.
         self.with_platform_defaults("gpu").scheduler_config(
@@ -356,8 +396,17 @@ class EngineConfig:
             quantized_matmul_precision="highest" if self.quantized_matmul_precision == "highest" else "bf16",
             row_tile=BATCH_INVARIANT_ROW_TILE if self.batch_invariant else 0,
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform,
-                                         recurrent=states.recurrent),
+                                         recurrent=states.recurrent, vision_windows=vision_windows(model_config)),
         )
+
+
+def vision_windows(model_config: Any) -> tuple[int, ...]:
+    """The image encoder's program sizes of a vision-language model (none for a text model)."""
+    if getattr(model_config, "vision", None) is None:
+        return ()
+    from jaxserve.models.qwen_vision import window_buckets
+
+    return window_buckets(model_config.vision)
 
 
 def state_bytes_per_slot(model_config: Any, tp: int = 1) -> int:

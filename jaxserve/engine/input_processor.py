@@ -27,6 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.config import VisionConfig
+from jaxserve.multimodal.images import ImageInputError, ImageLimits, load_image
+from jaxserve.multimodal.prompt import ImageItem, MultimodalPrompt, expand_placeholders, mrope_positions
+from jaxserve.multimodal.qwen_vl_preprocess import QwenVLImageConfig, preprocess_image
 from jaxserve.worker.input_batch import MAX_STOP_TOKEN_IDS
 from scheduler import SamplingParams
 from scheduler.request import wrap_seed
@@ -65,6 +69,28 @@ class InputLimits:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageSupport:
+    """How a vision-language engine takes images: its encoder's config (placeholder id, merge
+    size), the processor's resize and normalisation, what an image may be (bytes, pixels,
+    fetchable hosts) and how many a prompt may hold (`limit_mm_per_prompt`)."""
+
+    vision: VisionConfig
+    processor: QwenVLImageConfig
+    limits: ImageLimits
+    max_images: int
+
+    @classmethod
+    def for_model(cls, vision: VisionConfig, max_images: int, allowed_domains: Sequence[str] = (),
+                  max_image_pixels: int = 36_000_000) -> ImageSupport:
+        processor = QwenVLImageConfig(
+            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels,
+            image_mean=vision.image_mean, image_std=vision.image_std)
+        limits = ImageLimits(max_pixels=max_image_pixels, allowed_domains=frozenset(allowed_domains))
+        return cls(vision, processor, limits, max_images)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """A processed request: what `Engine.add_request` queues, with nothing left to check."""
 
@@ -73,14 +99,17 @@ class EngineRequest:
     params: SamplingParams  # max_tokens filled in
     seeds: tuple[int, ...]  # one per sequence (len == params.n)
     grammar: GrammarHandle | None = None  # compiled (or compiling) structured-output grammar
+    multimodal: MultimodalPrompt | None = None  # the prompt's images (placeholders already expanded)
 
 
 class InputProcessor:
     """Checks and prepares requests for one engine. Thread-safe."""
 
     def __init__(self, limits: InputLimits, tokenizer: Any = None, structured: Any = None,
-                 structured_unavailable: str | None = None, seed: int | None = None):
+                 structured_unavailable: str | None = None, seed: int | None = None,
+                 images: ImageSupport | None = None):
         self.limits = limits
+        self.images = images  # None: a text-only model (image inputs are refused)
         self.tokenizer = tokenizer
         self.structured = structured  # a StructuredOutputManager, or None when off
         self._structured_unavailable = structured_unavailable  # why it is off
@@ -146,6 +175,39 @@ class InputProcessor:
             raise InputError(f"{param}: this model has no tokenizer; send token ids", param)
         return [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
 
+    # ------------------------------------------------------------------ images
+    def image_prompt(self, ids: Sequence[int], images: Sequence[tuple[Any, str]],
+                     param: str = "multi_modal_data") -> tuple[list[int], MultimodalPrompt | None]:
+        """The prompt with each image placeholder expanded to its image's tokens, and its
+        images decoded, resized and patched. `images`: (source, where) pairs in prompt order
+        (`where` names the client's field, e.g. `messages[0].content[1]`); a source is a PIL
+        image, encoded bytes, a data: URL or an allowed http(s) URL. Every failure is an
+        InputError naming the part; nothing about the image's bytes is logged."""
+        if not images:
+            return list(ids), None
+        support = self.images
+        if support is None:
+            raise InputError(f"{param}: this model takes no images (text only)", param)
+        if len(images) > support.max_images:
+            raise InputError(f"{param}: at most {support.max_images} image(s) per prompt (limit_mm_per_prompt), "
+                             f"got {len(images)}", param)
+        processed = []
+        for source, where in images:
+            try:
+                image = load_image(source, support.limits, where)
+                processed.append(preprocess_image(image, support.processor, where=where))
+            except ImageInputError as e:
+                raise InputError(str(e), e.where) from None
+        vc = support.vision
+        try:
+            expanded, offsets = expand_placeholders(ids, processed, vc.image_token_id, param)
+        except ValueError as e:
+            raise InputError(str(e), param) from None
+        items = tuple(ImageItem(off, p.num_tokens, p.hash, p.pixel_values, p.grid_thw)
+                      for off, p in zip(offsets, processed))
+        positions, delta = mrope_positions(len(expanded), items, vc.spatial_merge_size)
+        return expanded, MultimodalPrompt(items, positions, delta)
+
     # ------------------------------------------------------------------ sampling
     def check_params(self, params: SamplingParams, field_names: Mapping[str, str] | None = None) -> None:
         """Caps and vocabulary checks that depend on this engine (ranges are SamplingParams').
@@ -207,7 +269,7 @@ class InputProcessor:
     def process(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, prompt: str | None = None,
                 fill_max_tokens: bool = False, grammar: GrammarHandle | None = None,
                 param: str = "prompt_token_ids", field_names: Mapping[str, str] | None = None,
-                params_checked: bool = False) -> EngineRequest:
+                params_checked: bool = False, multimodal: MultimodalPrompt | None = None) -> EngineRequest:
         """The engine's request for a tokenized prompt. `fill_max_tokens`: max_tokens becomes
         the room left within max_model_len (OpenAI's max_tokens left out).
         `grammar`: a handle from `compile_grammar` (the servers compile before admission, off
@@ -224,7 +286,7 @@ class InputProcessor:
         if grammar is None and params.structured_outputs is not None:
             grammar = self.structured.grammar_for(params.structured_outputs)
         return EngineRequest(prompt=prompt, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
-                             params=params, seeds=self.seeds(params), grammar=grammar)
+                             params=params, seeds=self.seeds(params), grammar=grammar, multimodal=multimodal)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

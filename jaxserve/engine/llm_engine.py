@@ -27,7 +27,7 @@ import jax
 from jaxserve.compilation.targets import fp8_weights_unsupported
 from jaxserve.compilation.warmup import BackgroundCompile, WarmupReport, compile_ahead
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.engine.input_processor import EngineRequest, InputLimits, InputProcessor
+from jaxserve.engine.input_processor import EngineRequest, ImageSupport, InputLimits, InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, child_ids
 from jaxserve.engine.outputs import OutputKind, RequestOutput
 from jaxserve.loading import LoadedModel, load_model, load_model_config
@@ -239,6 +239,7 @@ class Engine:
             matmul_precision=self.resolved.quantized_matmul_precision, row_tile=self.resolved.row_tile,
             lora=(config.max_loras, config.max_lora_rank, self.lora_registry) if config.enable_lora else None,
             num_state_slots=self.scheduler_config.num_state_slots,
+            encoder_cache_bytes=int(config.mm_encoder_cache_gb * 2**30),
         )
 
     @property
@@ -289,7 +290,10 @@ class Engine:
         limits = InputLimits(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                              max_logprobs=self.config.max_logprobs, max_n=self.config.max_n,
                              prompt_logprobs=self.config.num_processes == 1)
-        return InputProcessor(limits, self.tokenizer, self.structured, why, seed=self.config.seed)
+        vision = self.model_config.vision
+        images = None if vision is None else ImageSupport.for_model(
+            vision, self.config.limit_mm_per_prompt, self.config.allowed_media_domains, self.config.max_image_pixels)
+        return InputProcessor(limits, self.tokenizer, self.structured, why, seed=self.config.seed, images=images)
 
     def add_prompt(
         self,
@@ -301,16 +305,21 @@ class Engine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         lora_request: LoRARequest | str | None = None,
+        images: Sequence[Any] = (),
     ) -> str:
         """Processes a prompt (text or ids) with `input_processor` and queues it; returns its
         id. Raises ValueError (an InputError naming the field) on bad input. The batch API's
-        and the tests' way in; the servers process on their event loop and call `add_request`."""
+        and the tests' way in; the servers process on their event loop and call `add_request`.
+        `images`: a vision-language model's images (PIL images, bytes or data URLs), one per
+        placeholder token in the prompt, in order."""
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): call wake_up() first")
         params = params or SamplingParams()
         if prompt_token_ids is None:
             prompt_token_ids = self.input_processor.encode(prompt or "")
-        request = self.input_processor.process(prompt_token_ids, params, prompt=prompt)
+        prompt_token_ids, mm = self.input_processor.image_prompt(
+            prompt_token_ids, [(im, f"multi_modal_data.image[{i}]") for i, im in enumerate(images)])
+        request = self.input_processor.process(prompt_token_ids, params, prompt=prompt, multimodal=mm)
         return self.add_request(request, request_id=request_id, arrival_time=arrival_time, output_kind=output_kind,
                                 lora_request=lora_request)
 
@@ -343,7 +352,7 @@ class Engine:
         for i, cid in enumerate(seq_ids):
             seq_params = params if params.seed == request.seeds[i] else dataclasses.replace(params, seed=request.seeds[i])
             req = Request(cid, ids, seq_params, eos_token_id=self.eos_token_id, arrival_time=now,
-                          grammar=grammar, lora_id=lora_id)
+                          grammar=grammar, lora_id=lora_id, multimodal=request.multimodal)
             self.scheduler.add_request(req, share_prompt_with=seq_ids[0] if i else None)
         if lora_request is not None:
             name = lora_request if isinstance(lora_request, str) else lora_request.lora_name

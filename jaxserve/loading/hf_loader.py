@@ -25,6 +25,7 @@ from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import MOE_WEIGHTS
 from jaxserve.models.registry import family_of
+from jaxserve.models.qwen_vision import vision_params_from_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,35 @@ def _raw_config(path: str, name: str = "config.json") -> dict[str, Any]:
 
 
 def hf_config(path: str, name: str = "config.json") -> ModelConfig:
-    return ModelConfig.from_hf_config(_raw_config(path, name))
+    """The model config of config.json; a vision-language checkpoint's image preprocessing
+    (preprocessor_config.json beside it) joins it as `preprocessor_config`, since the
+    encoder's program shapes follow from its pixel limits."""
+    raw = _raw_config(path, name)
+    if "vision_config" in raw and "preprocessor_config" not in raw:
+        raw = {**raw, "preprocessor_config": preprocessor_config(path)}
+    return ModelConfig.from_hf_config(raw)
+
+
+def load_hf_vision(path: str, cfg: ModelConfig) -> dict[str, np.ndarray] | None:
+    """A vision-language checkpoint's image encoder (`visual.*`) as f32 host arrays
+    (`qwen_vision.vision_params_from_tensors`); None for a text model."""
+    if cfg.vision is None:
+        return None
+    index = _SafetensorsIndex(path)
+    prefix = next((p for p in ("visual.", "model.visual.") if index.has(p + "patch_embed.proj.weight")), None)
+    if prefix is None:
+        raise CheckpointError(f"{path}: {cfg.architecture} needs its image encoder's weights (visual.*), "
+                              "which the checkpoint lacks")
+    return vision_params_from_tensors(lambda name: index.get(prefix + name), cfg.vision, np.float32)
+
+
+def preprocessor_config(path: str) -> dict[str, Any]:
+    """preprocessor_config.json of an HF directory ({} when absent: the processor's defaults)."""
+    f = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(f):
+        return {}
+    with open(f, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def hf_quantization(path: str) -> CheckpointQuantization | None:

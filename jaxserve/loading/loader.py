@@ -41,6 +41,9 @@ class LoadedModel:
     # it) and the whole "load", for start-up reports
     # (`Engine.startup_seconds`).
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # A vision-language model's image encoder (`models/qwen_vision.py` names, f32 host arrays);
+    # None for text models.
+    vision: dict[str, Any] | None = None
 
 
 def embedded_model_path() -> str:
@@ -175,7 +178,9 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
         params, weights = _timed(lambda: hf_loader.load_hf_params(path, cfg, np_dtype, method, quantize_lm_head,
                                                                   published and published.method, part=part))
         tok, tok_s = _timed(lambda: tokenizer.tokenizer_from_hf_dir(path))
-        return LoadedModel(cfg, params, tok, name, "hf", path, method, {"weights": weights, "tokenizer": tok_s})
+        vision, vision_s = _timed(lambda: hf_loader.load_hf_vision(path, cfg))
+        seconds = {"weights": weights, "tokenizer": tok_s, **({"vision": vision_s} if vision is not None else {})}
+        return LoadedModel(cfg, params, tok, name, "hf", path, method, seconds, vision)
     raise ModelFileNotFoundError(
         f"{path} is neither a GGUF file, an HF directory (config.json + *.safetensors) "
         f"nor a jaxserve checkpoint ({checkpoint.MARKER})"

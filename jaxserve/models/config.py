@@ -84,6 +84,78 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image encoder (Qwen2.5-VL's windowed ViT and patch merger) and
+    the tokens that carry its output into the prompt: each image becomes `num_tokens`
+    `image_token_id`s between `vision_start_token_id` and `vision_end_token_id`, whose input
+    embeddings are the encoder's output rows."""
+
+    kind: str  # "qwen2_5_vl"
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the merger's output width: the language model's hidden size
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    window_size: int = 112  # pixels per side of a windowed-attention block
+    fullatt_block_indexes: tuple[int, ...] = ()  # the blocks that attend over the whole image
+    rope_theta: float = 10000.0
+    hidden_act: str = "silu"
+    image_token_id: int = 0
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    tokens_per_second: int = 2
+    # The image preprocessing (the checkpoint's preprocessor_config.json): images are resized
+    # to between min_pixels and max_pixels, which bounds the encoder's program shapes.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+
+    def __post_init__(self) -> None:
+        if self.kind != "qwen2_5_vl":
+            raise UnsupportedModelError(f"unsupported vision encoder {self.kind!r}; supported: qwen2_5_vl")
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+                     "temporal_patch_size", "spatial_merge_size", "in_channels", "window_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"vision config field {name} must be > 0, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision hidden_size {self.hidden_size} over {self.num_heads} heads must give a head "
+                             "width that is a multiple of 4 (2-D rotary halves)")
+        if self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
+                             f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})")
+        if self.hidden_act != "silu":
+            raise UnsupportedModelError(f"vision hidden_act {self.hidden_act!r} is not supported (silu only)")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"vision min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: need 0 < min <= max")
+        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
+            raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} must lie in [0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of the pixel input: C * temporal_patch_size * patch_size**2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per output token (spatial_merge_size**2)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def window_patches(self) -> int:
+        """Patches per side of a windowed-attention block."""
+        return self.window_size // self.patch_size
+
+
+@dataclasses.dataclass(frozen=True)
 class LinearAttentionConfig:
     """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): every `full_attention_interval`-th layer is
     gated full attention, the others linear attention with `num_key_heads` query/key heads of
@@ -216,6 +288,11 @@ class ModelConfig:
     # expert scaled by a sigmoid gate of its own (`shared_expert_gate`).
     linear_attention: LinearAttentionConfig | None = None
     shared_expert_gate: bool = False
+    # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies split in sections rotated by the
+    # temporal, height and width positions (sizes summing to rotary_dim / 2); None: 1-D RoPE.
+    mrope_section: tuple[int, ...] | None = None
+    # The image encoder of a vision-language model (None: text only).
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures
@@ -259,6 +336,11 @@ class ModelConfig:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives {self.rotary_dim} rotary dims "
                              f"of a {self.head_dim}-dim head; they must be even and in (0, head_dim]")
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
+                raise ValueError(f"mrope_section {self.mrope_section} must be 3 sizes summing to rotary_dim / 2 "
+                                 f"({self.rotary_dim // 2})")
         if self.layer_windows is not None:
             if len(self.layer_windows) != self.num_layers or any(w < 0 for w in self.layer_windows):
                 raise ValueError(f"layer_windows must hold {self.num_layers} windows >= 0 (0: global), "

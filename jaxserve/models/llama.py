@@ -36,7 +36,7 @@ from jaxserve.models.layers import (
 from jaxserve.models.lora import LoRABatch, lora_delta, num_slots
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.quantization import SCALE_SUFFIX, scale_name
-from jaxserve.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, rope_tables
+from jaxserve.models.rope import apply_rope, mrope_tables, rope_attention_factor, rope_inv_freq, rope_tables
 from pallas_kernels.quantized_matmul.dense import dense_matmul
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
@@ -184,7 +184,14 @@ class LlamaForCausalLM(nnx.Module):
         h = self._embed(token_ids, dtype)  # [T, E]
         if cfg.embed_scale:  # the normaliser is rounded to the params' dtype, as HF does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
-        rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # cos, sin: [T, D/2] each
+        mm = md.multimodal
+        if mm is not None:  # image tokens take the encoder's rows
+            h = jnp.where(mm.is_embed[:, None], mm.embeds.astype(dtype), h)
+        if cfg.mrope_section is not None:
+            pos3 = mm.mrope_positions if mm is not None else jnp.broadcast_to(positions, (3, *positions.shape))
+            rope = mrope_tables(pos3, self._inv_freq, cfg.mrope_section, rope_attention_factor(cfg))
+        else:
+            rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # cos, sin: [T, D/2] each
         local_rope = rope_tables(positions, self._local_inv_freq) if self._local_inv_freq is not None else None
 
         # The attention sees all layers' pages as one [L*P, S, ...] pool: layer l's pages are

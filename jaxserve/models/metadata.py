@@ -21,6 +21,8 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] int32
     # Hybrid models' linear layers (their state slots and chunk layout); None for the others.
     recurrent: RecurrentMetadata | None = None
+    # Vision-language models: image rows and 3-D positions; None for the others.
+    multimodal: MultimodalMetadata | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -35,3 +37,14 @@ class RecurrentMetadata:
     chunk_tokens: jax.Array  # [Nc, C] int32, the tokens of each chunk of a multi-token span (T: padding)
     chunk_rows: jax.Array  # [Nc] int32, the row each chunk belongs to (R: unused chunks)
     num_chunks: jax.Array  # [1] int32, chunks in use (the first ones)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MultimodalMetadata:
+    """A vision-language model's step inputs besides the token ids (built on the host by
+    `worker/multimodal_inputs.py`; shapes depend on the token bucket T only)."""
+
+    embeds: jax.Array  # [T, E] activations' dtype: the encoder's row for each image token (0 elsewhere)
+    is_embed: jax.Array  # [T] bool: the token's input is its `embeds` row, not its embedding
+    mrope_positions: jax.Array  # [3, T] int32: (t, h, w) rotary positions (0 for padding)

@@ -19,7 +19,8 @@ from jaxserve.models.config import ModelConfig, UnsupportedModelError
 MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules name it)
 # Modules that register the built-in families when first imported.
 _BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss",
-                    "jaxserve.models.llama4", "jaxserve.models.gemma4", "jaxserve.models.qwen3_next")
+                    "jaxserve.models.llama4", "jaxserve.models.gemma4", "jaxserve.models.qwen3_next",
+                    "jaxserve.models.qwen2_5_vl")
 
 
 @dataclasses.dataclass(frozen=True)

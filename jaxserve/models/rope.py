@@ -75,6 +75,16 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0)
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
+def mrope_tables(positions: jax.Array, inv_freq: np.ndarray, section: tuple[int, ...],
+                 factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE (Qwen2-VL): positions [3, T] (t, h, w); the first `section[0]`
+    frequencies turn with t, the next `section[1]` with h, the rest with w. -> cos, sin [T, D/2]."""
+    axis = np.repeat(np.arange(len(section)), section)  # [D/2]: the position row of each frequency
+    pos = jnp.take(positions, jnp.asarray(axis), axis=0).astype(jnp.float32)  # [D/2, T]
+    angles = pos.T * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE (HF convention). x: [T, H, D]; cos, sin: [T, R/2]: the first R dims
     rotate, the rest pass through (partial rotary, R < D: GLM-4.5)."""

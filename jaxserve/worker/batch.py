@@ -46,6 +46,7 @@ class StepArrays:
     num_rows: int = 0  # real logits rows (num_reqs, plus one per speculative draft)
     lora_slots: np.ndarray | None = None  # [T] int32: each token's LoRA slot (0: the base model)
     recurrent: dict[str, np.ndarray] | None = None  # hybrid models: `RecurrentMetadata`'s arrays
+    multimodal: dict[str, np.ndarray] | None = None  # vision-language models: `MultimodalMetadata`'s arrays
 
 
 class BatchBuilder:

@@ -55,7 +55,7 @@ def variant_name(flags: SamplerFlags) -> str:
 class ShapeKey:
     # "backbone" | "logits" | "head" (the sampler) | "prompt_logprobs" | "swap", and with MTP
     # speculative decoding "mtp" (its pass over a step), "mtp_chain" (a chained draft's pass) and
-    # "mtp_draft" (its greedy head)
+    # "mtp_draft" (its greedy head); "vision": a vision-language model's image encoder
     kind: str
     size: int  # T for the backbone, prompt logprobs and MTP passes, R for logits, sampler and MTP drafts, pages for swaps
     flags: SamplerFlags | None = None  # head only
@@ -77,6 +77,8 @@ class ShapeKey:
             return f"mtp_draft[R={self.size}]"
         if self.kind == "states":
             return f"states[{self.size}]"
+        if self.kind == "vision":
+            return f"vision[windows={self.size}]"
         return f"swap[{self.size}]"
 
 
@@ -101,10 +103,12 @@ class CompilePlan:
     prompt_logprobs_top: int | None = None
     mtp_tokens: int = 0  # drafts per step from the MTP layer (speculative method "mtp"); 0: none
     state_copies: bool = False  # a hybrid model's state slot copies (snapshots, state swaps)
+    # A vision-language model's image encoder programs, by window count (`qwen_vision.window_buckets`).
+    vision_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config, *, swap_enabled: bool, platform: str | None = None,
-                    recurrent: bool = False) -> CompilePlan:
+                    recurrent: bool = False, vision_windows: Sequence[int] = ()) -> CompilePlan:
         """`config` is an EngineConfig; `platform` the one compiled for (None: the host's)."""
         config = config.with_platform_defaults(platform)
         midpoints = config.resolved_midpoint_buckets_from(platform)
@@ -129,6 +133,7 @@ class CompilePlan:
             prompt_logprobs_top=config.max_logprobs,
             mtp_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) and spec.method == "mtp" else 0,
             state_copies=recurrent,
+            vision_windows=tuple(vision_windows),
         )
 
     def mtp_shapes(self, token_bucket: int, new_request_buckets: Sequence[int]) -> list[ShapeKey]:
@@ -151,6 +156,7 @@ class CompilePlan:
             out += [ShapeKey("prompt_logprobs", t, num_top=self.prompt_logprobs_top) for t in self.token_buckets]
         out += [ShapeKey("swap", s) for s in self.swap_sizes]
         out += [ShapeKey("states", STATE_COPY_SIZE)] if self.state_copies else []
+        out += [ShapeKey("vision", w) for w in self.vision_windows]
         for t in self.token_buckets:
             out += [k for k in self.mtp_shapes(t, ()) if k.kind != "mtp_draft"]
         out += [ShapeKey("mtp_draft", r) for r in self.request_buckets if self.mtp_tokens]
@@ -177,13 +183,14 @@ class CompilePlan:
             if i == 0:
                 shapes += [ShapeKey("swap", s) for s in self.swap_sizes]
                 shapes += [ShapeKey("states", STATE_COPY_SIZE)] if self.state_copies else []
+                shapes += [ShapeKey("vision", w) for w in self.vision_windows]
             tiers.append(CompileTier(t, max(max_seqs, 1), tuple(shapes)))
         return tiers
 
     def __len__(self) -> int:
         return (len(self.token_buckets) * (1 + (self.prompt_logprobs_top is not None))
                 + len(self.request_buckets) * (1 + len(self.sampler_variants)) + len(self.swap_sizes)
-                + int(self.state_copies)
+                + int(self.state_copies) + len(self.vision_windows)
                 + sum(len(self.mtp_shapes(t, ())) for t in self.token_buckets)
                 + (len(self.request_buckets) if self.mtp_tokens else 0))
 

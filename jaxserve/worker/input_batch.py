@@ -9,6 +9,7 @@ appends each token it samples. Nothing here reads a scheduler `Request`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +40,7 @@ class CachedRequestState:
     matcher: Matcher | None = None  # structured output: the grammar state after the outputs
     num_prompt_logprobs: int = 0  # prompt positions scored so far (params.prompt_logprobs set)
     lora_id: int = 0  # the LoRA adapter's load id (0: the base model)
+    multimodal: Any = None  # the prompt's images and 3-D positions (`multimodal.prompt.MultimodalPrompt`)
 
     @property
     def uses_penalties(self) -> bool:
@@ -76,7 +78,7 @@ class InputBatch:
         row = np.full(STOP_ID_WIDTH, -1, np.int32)
         row[: len(stops)] = stops
         st = CachedRequestState(nr.request_id, nr.prompt_token_ids, p, seed & 0xFFFFFFFFFFFFFFFF, row,
-                                lora_id=nr.lora_id)
+                                lora_id=nr.lora_id, multimodal=nr.multimodal)
         if p.logit_bias:
             st.bias_ids_row = np.full(MAX_LOGIT_BIAS, -1, np.int32)
             st.bias_values_row = np.zeros(MAX_LOGIT_BIAS, np.float32)

@@ -32,7 +32,7 @@ from jaxserve.lora.slots import LoRASlots
 from jaxserve.models.fused import fuse_projections
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.lora import LoRABatch
-from jaxserve.models.metadata import AttentionMetadata, RecurrentMetadata
+from jaxserve.models.metadata import AttentionMetadata, MultimodalMetadata, RecurrentMetadata
 from jaxserve.models.registry import family_of
 from jaxserve.worker import mtp_inputs as mtp
 from jaxserve.worker import parallel, prompt_logprobs
@@ -48,6 +48,7 @@ from jaxserve.worker.runner_output import (
     TokenLogprob,
 )
 from jaxserve.worker.sampler import SamplerFlags, SamplerOutput, SamplingTensors
+from jaxserve.worker.vision import EncoderCache, VisionRunner, multimodal_inputs
 from jaxserve.worker.step_programs import (
     StepPrograms,
     abstract,
@@ -135,6 +136,7 @@ class ModelRunner:
         row_tile: int = 0,
         lora: tuple[int, int, Any] | None = None,
         num_state_slots: int = 0,
+        encoder_cache_bytes: int = 256 * 2**20,
     ):
         """`steps` is needed by `execute` only (tools that call `forward` leave it out);
         `channel` is the multi-host leader's `StepChannel`: each step is broadcast on it
@@ -142,7 +144,8 @@ class ModelRunner:
         `kv_cache_dtype` a quantized page dtype (int8 / float8; pages then carry f32 scales);
         `lora` (max_loras, max_lora_rank, LoRARegistry): the adapter slots and where their
         weights come from; `num_state_slots` a hybrid model's state slots (null, running,
-        snapshots: `SchedulerConfig.num_state_slots`)."""
+        snapshots: `SchedulerConfig.num_state_slots`); `encoder_cache_bytes` the host memory of
+        a vision-language model's encoder-output cache."""
         self.page_size = page_size
         self.num_state_slots = num_state_slots
         self.num_pages = num_pages
@@ -189,6 +192,11 @@ class ModelRunner:
             self.lora = LoRASlots(self.config, loaded.config, max_loras, max_rank, self.dtype, self.mesh,
                                   parallel.MODEL_AXIS)
         self.attention_backend = attention_backend
+        # A vision-language model's image encoder (its step inputs carry image rows and 3-D positions).
+        self.multimodal = self.config.vision is not None
+        self.vision: VisionRunner | None = None
+        if self.multimodal:
+            self.vision = self._vision_runner(loaded, encoder_cache_bytes)
         # Host-side swap pool, as the swap gather returns pages: [L, H, S, ...] per array (K, V
         # and, for a quantized cache, their scales [L, H, S, Hkv]); pages keep their dtype.
         self.host_pool: list[np.ndarray] | None = None
@@ -216,6 +224,19 @@ class ModelRunner:
         if steps is not None and steps.mtp_tokens:
             self._mtp_builder = BatchBuilder(pick(steps.token_buckets, steps.max_num_seqs), steps.max_num_seqs,
                                              max_pages_per_seq, page_size)  # the chained passes' inputs
+
+    def _vision_runner(self, loaded: LoadedModel, cache_bytes: int) -> VisionRunner:
+        """The encoder in f32 on CPU (XLA:CPU's bf16 dot is 10x slower than its f32 one), else
+        in the decoder's dtype; its params replicated like the step inputs."""
+        if loaded.vision is None:
+            raise ValueError(f"{self.config.architecture}: the image encoder's weights were not loaded "
+                             "(vision-language models load from HF checkpoints)")
+        platform = jax.devices()[0].platform
+        vdtype = jnp.float32 if platform == "cpu" else self.dtype
+        params = {k: np.asarray(v).astype(vdtype) for k, v in loaded.vision.items()}
+        params = jax.device_put(params, self.input_sharding)
+        return VisionRunner(self.config.vision, params, np.dtype(self.dtype), EncoderCache(cache_bytes),
+                            sharding=self.input_sharding)
 
     def _serving_params(self, params: dict[str, Any], config: Any) -> dict[str, Any]:
         """Loaded params (host arrays) as the model holds them: projections fused (and, under
@@ -335,6 +356,10 @@ class ModelRunner:
                  for sr in so.scheduled]
         T = pick(cfg.token_buckets, so.num_scheduled_tokens)
         arrays = self.builder.build(spans, T, cfg.max_num_seqs)
+        if self.multimodal:
+            arrays = dataclasses.replace(arrays, multimodal=multimodal_inputs(
+                so.scheduled, self.input_batch.requests, T, self.config.hidden_size, np.dtype(self.dtype),
+                self.vision))
         R = pick(cfg.request_buckets, arrays.num_rows)
         tensors, flags = self.input_batch.sampling_rows(so.scheduled, R)
         td = time.perf_counter()
@@ -501,8 +526,16 @@ class ModelRunner:
                 raise ValueError(f"{self.config.architecture}: the step's arrays lack the state slots "
                                  "(BatchBuilder(recurrent=True))")
             rec = RecurrentMetadata(**self._put(arrays.recurrent))
+        mm = None
+        if self.multimodal:
+            host = arrays.multimodal
+            if host is None:  # text only (tools that run `forward`): 1-D positions on every axis
+                T = arrays.token_ids.shape[0]
+                host = {"embeds": np.zeros((T, self.config.hidden_size), np.dtype(self.dtype)),
+                        "is_embed": np.zeros(T, bool), "mrope_positions": np.broadcast_to(arrays.positions, (3, T))}
+            mm = MultimodalMetadata(**self._put(host))
         md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq,
-                               recurrent=rec)
+                               recurrent=rec, multimodal=mm)
         return tok, pos, md, lidx
 
     def _put(self, tree):
@@ -707,13 +740,17 @@ class ModelRunner:
             vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
             max_pages_per_seq=self.max_pages_per_seq,
             lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0,
-            num_state_arrays=self.num_state_arrays)
+            num_state_arrays=self.num_state_arrays, multimodal=self.multimodal)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
+        if key.kind == "vision":
+            return self.vision.lower(key.size)
         return self.programs().lower(key, max_reqs, tensors)
 
     def install(self, key: ShapeKey, executable: Any) -> None:
+        if key.kind == "vision":
+            self.vision.executables[key.size] = executable
         self.executables[key] = executable
 
 

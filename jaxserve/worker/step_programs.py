@@ -30,6 +30,7 @@ from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import ShapeKey
 from jaxserve.worker.recurrent_inputs import chunk_grid
 from jaxserve.worker.sampler import SamplingTensors, per_row, sample, token_logprobs
+from jaxserve.worker.vision import abstract_multimodal
 from pallas_kernels.mla_attention.ops import mla_paged_attention, update_latent_cache
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
@@ -66,6 +67,7 @@ class StepPrograms:
     lora: dict[str, jax.ShapeDtypeStruct] | None = None  # the LoRA slots (`LoRABatch.weights`); None: off
     batch_invariant: bool = False  # the sampler one row at a time (`sampler.per_row`)
     num_state_arrays: int = 0  # a hybrid model's state pools, last in `kv_cache`
+    multimodal: bool = False  # a vision-language model: the backbone takes image rows and 3-D positions
 
     @property
     def dtype(self) -> Any:
@@ -86,9 +88,11 @@ class StepPrograms:
                 nc, C = chunk_grid(T, max_reqs)
                 rec = RecurrentMetadata(state_slots=i32(max_reqs), token_rows=i32(T), chunk_tokens=i32(nc, C),
                                         chunk_rows=i32(nc), num_chunks=i32(1))
+            mm = abstract_multimodal(T, self.hidden_size, self.dtype, rep) if self.multimodal else None
             return AttentionMetadata(
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1), recurrent=rec,
+                multimodal=mm,
             )
 
         if key.kind == "backbone":

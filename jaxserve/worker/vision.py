@@ -1,0 +1,148 @@
+"""Images on the worker: the encoder's programs (one per window bucket, planned and warmed like
+the step's), the cache of its outputs by image hash, and a step's multimodal inputs.
+
+A step's image rows come from the cache: an image is encoded the first time a span reaches
+its tokens, and its [num_tokens, E] rows stay on the host (LRU, bounded in bytes) for the
+later chunks of the same prefill and for other requests with the same image, so chunked
+prefill never encodes an image twice while its rows are cached.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.config import VisionConfig
+from jaxserve.models.metadata import MultimodalMetadata
+from jaxserve.models.qwen_vision import encode_jit, slot_inputs, slots_per_window, vision_layout, window_buckets
+from jaxserve.worker.buckets import pick
+from jaxserve.worker.compile_plan import ShapeKey
+
+
+class EncoderCache:
+    """Encoder outputs by image hash, least recently used first out, at most `max_bytes`.
+    An entry larger than the whole budget is still returned to its caller, never kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._rows: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            rows = self._rows.get(key)
+            if rows is None:
+                self.misses += 1
+                return None
+            self._rows.move_to_end(key)
+            self.hits += 1
+            return rows
+
+    def put(self, key: str, rows: np.ndarray) -> None:
+        with self._lock:
+            if key in self._rows or rows.nbytes > self.max_bytes:
+                return
+            while self._rows and self.nbytes + rows.nbytes > self.max_bytes:
+                _, old = self._rows.popitem(last=False)
+                self.nbytes -= old.nbytes
+            self._rows[key] = rows
+            self.nbytes += rows.nbytes
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+@dataclasses.dataclass
+class VisionRunner:
+    """The image encoder on this runner's devices. `params` are placed once (replicated
+    under a mesh); `executables` hold the warmed programs by window count."""
+
+    vc: VisionConfig
+    params: dict[str, jax.Array]
+    dtype: Any  # the decoder's activations' dtype: what the image rows are cast to
+    cache: EncoderCache
+    sharding: Any = None
+    executables: dict[int, Any] = dataclasses.field(default_factory=dict)
+    buckets: tuple[int, ...] = ()
+    num_encoded: int = 0  # images run through the encoder (cache misses that encoded)
+
+    def __post_init__(self) -> None:
+        self.buckets = window_buckets(self.vc)
+
+    def rows(self, image: Any) -> np.ndarray:
+        """The image's [num_tokens, E] input rows (an `ImageItem`): cached, or encoded now."""
+        rows = self.cache.get(image.hash)
+        if rows is None:
+            rows = self.encode(image.pixel_values, image.grid_thw)
+            if rows.shape[0] != image.num_tokens:
+                raise ValueError(f"image {image.hash[:12]}: the encoder gave {rows.shape[0]} rows for "
+                                 f"{image.num_tokens} placeholder tokens")
+            self.cache.put(image.hash, rows)
+        return rows
+
+    def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+        layout = vision_layout(grid_thw, self.vc)
+        windows = pick(self.buckets, layout.num_windows)
+        pixels, positions, valid = slot_inputs(pixel_values, layout, windows, self.vc)
+        args = jax.device_put((pixels, positions, valid), self.sharding)
+        exe = self.executables.get(windows)
+        out = exe(self.params, *args) if exe is not None else encode_jit(self.params, *args, vc=self.vc)
+        self.num_encoded += 1
+        return np.asarray(out)[layout.token_rows].astype(self.dtype)
+
+    def lower(self, windows: int) -> Any:
+        """Compiles the encoder for `windows` windows on abstract inputs."""
+        n = windows * slots_per_window(self.vc)
+        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=self.sharding)  # noqa: E731
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                              self.params)
+        return encode_jit.lower(params, sds((n, self.vc.patch_dim), jnp.float32), sds((n, 2), jnp.int32),
+                                sds((n,), jnp.bool_), vc=self.vc).compile()
+
+    def shape_keys(self) -> list[ShapeKey]:
+        return [ShapeKey("vision", w) for w in self.buckets]
+
+
+def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hidden_size: int, dtype: Any,
+                      vision: VisionRunner | None) -> dict[str, np.ndarray]:
+    """A step's `MultimodalMetadata` fields on the host: each image token's encoder row and
+    each token's (t, h, w) positions, spans in batch order as `BatchBuilder` lays them out.
+    `requests`: the runner's per-request state (`CachedRequestState.multimodal`)."""
+    embeds = np.zeros((T, hidden_size), dtype)
+    is_embed = np.zeros(T, bool)
+    pos = np.zeros((3, T), np.int32)
+    row = 0
+    for sr in scheduled:
+        n = sr.num_tokens
+        st = requests.get(sr.request_id)
+        mm = getattr(st, "multimodal", None)
+        if mm is None:
+            pos[:, row:row + n] = np.arange(sr.start, sr.start + n)
+        else:
+            pos[:, row:row + n] = mm.positions(sr.start, n)
+            for image in mm.images:
+                lo, hi = max(sr.start, image.offset), min(sr.start + n, image.end)
+                if lo >= hi:
+                    continue
+                if vision is None:
+                    raise ValueError("a request with images reached a runner without an image encoder")
+                rows = vision.rows(image)
+                embeds[row + lo - sr.start:row + hi - sr.start] = rows[lo - image.offset:hi - image.offset]
+                is_embed[row + lo - sr.start:row + hi - sr.start] = True
+        row += n
+    return {"embeds": embeds, "is_embed": is_embed, "mrope_positions": pos}
+
+
+def abstract_multimodal(T: int, hidden_size: int, dtype: Any, sharding: Any = None) -> MultimodalMetadata:
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    return MultimodalMetadata(embeds=sds((T, hidden_size), dtype), is_embed=sds((T,), jnp.bool_),
+                              mrope_positions=sds((3, T), jnp.int32))
