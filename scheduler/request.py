@@ -11,8 +11,8 @@ and carried along only for the engine's benefit.
 from __future__ import annotations
 
 import enum
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler.structured_params import GrammarHandle, StructuredOutputsParams
 

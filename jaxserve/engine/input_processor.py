@@ -29,7 +29,12 @@ import numpy as np
 
 from jaxserve.models.config import VisionConfig
 from jaxserve.multimodal.images import ImageInputError, ImageLimits, load_image
-from jaxserve.multimodal.prompt import ImageItem, MultimodalPrompt, expand_placeholders, mrope_positions
+from jaxserve.multimodal.prompt import (
+    ImageItem,
+    MultimodalPrompt,
+    expand_placeholders,
+    mrope_positions,
+)
 from jaxserve.multimodal.qwen_vl_preprocess import QwenVLImageConfig, preprocess_image
 from jaxserve.worker.input_batch import MAX_STOP_TOKEN_IDS
 from scheduler import SamplingParams

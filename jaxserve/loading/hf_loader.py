@@ -24,8 +24,8 @@ from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import MOE_WEIGHTS
-from jaxserve.models.registry import family_of
 from jaxserve.models.qwen_vision import vision_params_from_tensors
+from jaxserve.models.registry import family_of
 
 logger = logging.getLogger(__name__)
 

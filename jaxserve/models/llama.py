@@ -36,7 +36,13 @@ from jaxserve.models.layers import (
 from jaxserve.models.lora import LoRABatch, lora_delta, num_slots
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.quantization import SCALE_SUFFIX, scale_name
-from jaxserve.models.rope import apply_rope, mrope_tables, rope_attention_factor, rope_inv_freq, rope_tables
+from jaxserve.models.rope import (
+    apply_rope,
+    mrope_tables,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_tables,
+)
 from pallas_kernels.quantized_matmul.dense import dense_matmul
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
 

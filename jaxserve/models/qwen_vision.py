@@ -62,11 +62,11 @@ def vision_params_from_tensors(get: Any, vc: VisionConfig, dtype: Any) -> dict[s
 
 
 def _check_shapes(p: dict[str, np.ndarray], vc: VisionConfig) -> None:
-    C, I, L, M = vc.hidden_size, vc.intermediate_size, vc.depth, vc.hidden_size * vc.merge_unit
+    C, F, L, M = vc.hidden_size, vc.intermediate_size, vc.depth, vc.hidden_size * vc.merge_unit  # F: MLP width
     expected = {
         "norm1": (L, C), "norm2": (L, C), "qkv_w": (L, C, 3 * C), "qkv_b": (L, 3 * C), "proj_w": (L, C, C),
-        "proj_b": (L, C), "gate_w": (L, C, I), "gate_b": (L, I), "up_w": (L, C, I), "up_b": (L, I),
-        "down_w": (L, I, C), "down_b": (L, C), "merger_norm": (C,), "merger_fc1_w": (M, M), "merger_fc1_b": (M,),
+        "proj_b": (L, C), "gate_w": (L, C, F), "gate_b": (L, F), "up_w": (L, C, F), "up_b": (L, F),
+        "down_w": (L, F, C), "down_b": (L, C), "merger_norm": (C,), "merger_fc1_w": (M, M), "merger_fc1_b": (M,),
         "merger_fc2_w": (M, vc.out_hidden_size), "merger_fc2_b": (vc.out_hidden_size,),
     }
     for name, shape in expected.items():

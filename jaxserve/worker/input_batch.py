@@ -9,8 +9,8 @@ appends each token it samples. Nothing here reads a scheduler `Request`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

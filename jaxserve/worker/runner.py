@@ -48,7 +48,6 @@ from jaxserve.worker.runner_output import (
     TokenLogprob,
 )
 from jaxserve.worker.sampler import SamplerFlags, SamplerOutput, SamplingTensors
-from jaxserve.worker.vision import EncoderCache, VisionRunner, multimodal_inputs
 from jaxserve.worker.step_programs import (
     StepPrograms,
     abstract,
@@ -64,6 +63,7 @@ from jaxserve.worker.step_programs import (
     scatter_pages_jit,
     scatter_states_jit,
 )
+from jaxserve.worker.vision import EncoderCache, VisionRunner, multimodal_inputs
 from pallas_kernels.quantized_matmul.dense import native_dense_available
 from scheduler import SchedulerOutput
 

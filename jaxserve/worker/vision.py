@@ -20,7 +20,13 @@ import numpy as np
 
 from jaxserve.models.config import VisionConfig
 from jaxserve.models.metadata import MultimodalMetadata
-from jaxserve.models.qwen_vision import encode_jit, slot_inputs, slots_per_window, vision_layout, window_buckets
+from jaxserve.models.qwen_vision import (
+    encode_jit,
+    slot_inputs,
+    slots_per_window,
+    vision_layout,
+    window_buckets,
+)
 from jaxserve.worker.buckets import pick
 from jaxserve.worker.compile_plan import ShapeKey
 

@@ -1,0 +1,182 @@
+"""Qwen2.5-VL: greedy parity with transformers' generate on a tiny random checkpoint with
+synthetic images (one image, two, images of different sizes in one batch, chunked prefill
+through an image), the encoder once per image and its cache bounded, prefix hits on the same
+image and none on another, no compilation after warmup, and bad image inputs refused by name
+while the engine keeps serving. (Image decoding and preprocessing: test_multimodal_inputs.)"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from logprob_checks import check_greedy_close, top_from_array, top_k_of  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+Image = pytest.importorskip("PIL.Image")
+
+IMAGE, START, END = 250, 248, 249
+MAX_NEW = 8
+# max_pixels 28*28*80: a program of at most a few windows; larger images are resized down.
+PREPROCESSOR = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 80, "patch_size": 14, "merge_size": 2,
+                "temporal_patch_size": 2}
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), page_size=4, max_model_len=256,
+              num_pages=160, max_logprobs=5, structured_outputs=False, compilation_cache_dir=None, dtype="float32",
+              strict_compile_guard=True, limit_mm_per_prompt={"image": 2})
+
+
+def _image(w: int, h: int, seed: int):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _save(path) -> object:
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1], window_size=112),
+        image_token_id=IMAGE, video_token_id=251, vision_start_token_id=START, vision_end_token_id=END,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval().float()
+    with torch.no_grad():  # sharp logits: greedy picks are not near-ties
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "visual" not in name:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    (pathlib.Path(path) / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return model
+
+
+def _hf_greedy(model, ids: list[int], images: list, max_new: int = MAX_NEW):
+    """transformers' generate on the placeholders expanded as its processor expands them."""
+    from jaxserve.multimodal.qwen_vl_preprocess import QwenVLImageConfig, preprocess_image
+
+    cfg = QwenVLImageConfig.from_preprocessor_config(PREPROCESSOR)
+    done = [preprocess_image(im, cfg) for im in images]
+    expanded, k = [], 0
+    for t in ids:
+        expanded += [IMAGE] * done[k].num_tokens if t == IMAGE else [t]
+        k += t == IMAGE
+    x = torch.tensor([expanded])
+    kw = {}
+    if done:
+        kw = dict(pixel_values=torch.from_numpy(np.concatenate([d.pixel_values for d in done])),
+                  image_grid_thw=torch.tensor([d.grid_thw for d in done]), mm_token_type_ids=(x == IMAGE).int())
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True, eos_token_id=None,
+                             pad_token_id=0, **kw)
+    logp = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), -1).numpy()
+    return out.sequences[0, len(expanded):].tolist(), logp, len(expanded)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    from jaxserve import LLM
+
+    path = tmp_path_factory.mktemp("qwen2_5_vl") / "tiny"
+    hf = _save(path)
+    return hf, LLM(model=str(path), **ENGINE)
+
+
+def _prompt(ids, images):
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
+def _check(llm_out, ref, name):
+    want, want_logp, n_prompt = ref
+    got = llm_out.outputs[0].token_ids
+    assert len(llm_out.prompt_token_ids) == n_prompt, name
+    check_greedy_close(want, top_from_array(want_logp), got, top_k_of(llm_out.outputs[0].logprobs), name=name,
+                       top_k=5)
+
+
+def test_greedy_matches_transformers_with_images(vl):
+    """One image, two, images of different sizes beside a text-only prompt in one batch; the
+    50-token image runs through 16-token chunks (chunked prefill splits its rows)."""
+    from jaxserve import SamplingParams
+
+    hf, llm = vl
+    small, wide, tall = _image(84, 112, 0), _image(280, 140, 1), _image(60, 200, 2)
+    prompts = [([5, 6, START, IMAGE, END, 7, 8], [small]),
+               ([5, START, IMAGE, END, 11, START, IMAGE, END, 12], [wide, tall]),
+               ([9, START, IMAGE, END, 3], [tall]),
+               ([3, 4, 5, 6, 7], [])]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    runner = llm.engine.runner
+    encoded = runner.vision.num_encoded
+    outs = llm.generate([_prompt(ids, ims) for ids, ims in prompts], params, use_tqdm=False)
+    for i, ((ids, ims), out) in enumerate(zip(prompts, outs)):
+        _check(out, _hf_greedy(hf, ids, ims), f"prompt {i}")
+    assert runner.vision.num_encoded - encoded == 3  # small, wide, tall: each once, the chunks from the cache
+    assert runner.guard.compiles_after_warmup == 0
+
+
+def test_prefix_hit_on_the_same_image_and_none_on_another(vl):
+    from jaxserve import SamplingParams
+
+    hf, llm = vl
+    text = [7, 8, 9, 10, 11, 12, 13, 14, START, IMAGE, END, 20, 21]
+    first, other = _image(112, 112, 5), _image(112, 112, 6)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    a = llm.generate([_prompt(text, [first])], params, use_tqdm=False)[0]
+    again = llm.generate([_prompt(text, [first])], params, use_tqdm=False)[0]
+    swapped = llm.generate([_prompt(text, [other])], params, use_tqdm=False)[0]
+    n_prompt = len(a.prompt_token_ids)
+    assert again.usage.cached_tokens >= n_prompt - 4  # every full block of the prompt (page_size 4)
+    assert swapped.usage.cached_tokens <= 8  # the 9 text tokens before the image: 2 full blocks at most
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+    _check(a, _hf_greedy(hf, text, [first]), "first image")
+    _check(swapped, _hf_greedy(hf, text, [other]), "another image behind the same text")
+
+
+def test_bad_image_inputs_are_refused_by_name_and_the_engine_keeps_serving(vl):
+    from jaxserve import SamplingParams
+
+    _, llm = vl
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    good = _image(56, 56, 9)
+    cases = [
+        (_prompt([START, IMAGE, END], [b"\x89PNG\r\n\x1a\n-truncated"]), "multi_modal_data.image[0]"),
+        (_prompt([START, IMAGE, END, IMAGE, IMAGE], [good] * 3), "limit_mm_per_prompt"),
+        (_prompt([START, IMAGE, END], [good, good]), "placeholder"),
+        (_prompt([START, IMAGE, END], ["file:///etc/passwd"]), "multi_modal_data.image[0]"),
+        (_prompt([START, IMAGE, END], ["http://example.com/cat.png"]), "allowed-media-domains"),
+    ]
+    for prompt, needle in cases:
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            llm.generate([prompt], params, use_tqdm=False)
+    out = llm.generate([_prompt([START, IMAGE, END, 4], [good])], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_encoder_cache_is_bounded_and_least_recently_used_goes_first():
+    from jaxserve.worker.vision import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 400)
+    rows = {k: np.full((10, 10), i, np.float32) for i, k in enumerate("abcd")}  # 400 bytes each
+    for k in "abc":
+        cache.put(k, rows[k])
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("d", rows["d"])
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("d") is not None
+    assert cache.nbytes <= cache.max_bytes and len(cache) == 3
+    cache.put("huge", np.zeros((100, 100), np.float32))  # larger than the budget: never kept
+    assert cache.get("huge") is None and len(cache) == 3
+
+
+def test_text_model_refuses_images():
+    from jaxserve.engine.input_processor import InputError, InputLimits, InputProcessor
+
+    proc = InputProcessor(InputLimits(vocab_size=256, max_model_len=64, max_logprobs=5, max_n=4))
+    with pytest.raises(InputError, match="takes no images"):
+        proc.image_prompt([1, 2, 3], [(b"png", "multi_modal_data.image[0]")])
