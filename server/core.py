@@ -444,6 +444,9 @@ class ServingCore:
         except InputError as e:
             raise _invalid(e) from None
         ids = await self._prompt_ids(tenant, req.prompt)
+        mm = None
+        if req.prompt.images:
+            ids, mm = await self._image_prompt(tenant, ids, req.prompt)
         self.require_serving()  # again: the drain may have begun while it tokenized
         grammar = None
         if params.structured_outputs is not None:
@@ -451,7 +454,7 @@ class ServingCore:
         try:
             request = self.processor.process(ids, params, prompt=req.prompt.text, fill_max_tokens=req.fill_max_tokens,
                                              grammar=grammar, param=req.prompt.param, field_names=req.field_names,
-                                             params_checked=True)
+                                             params_checked=True, multimodal=mm)
         except InputError as e:
             raise _invalid(e) from None
         p = request.params
@@ -533,6 +536,23 @@ class ServingCore:
         else:
             job = self.frontend.encode(p.text, tenant.name, p.add_special_tokens)
         return await self._on_pool(job, p.param)
+
+    async def _image_prompt(self, tenant: Tenant, ids: list[int], p: PromptInput) -> tuple[list[int], Any]:
+        """The prompt's images decoded (fetched from an allowed host), resized and patched on
+        the front-end pool, its placeholders expanded: a bad image is a 400 naming its part."""
+        if self.processor.images is None:
+            where = p.images[0][1]
+            raise invalid(f"{where}: only text parts are supported (this model takes text), got an image",
+                          f"{where}.type")
+        cost = sum(len(src) if isinstance(src, str | bytes) else 0 for src, _ in p.images)
+        try:
+            return await self.frontend.run(self.processor.image_prompt, ids, list(p.images), p.param,
+                                           owner=tenant.name, cost_chars=cost)
+        except InputError as e:
+            raise _invalid(e) from None
+        except FrontendBusy as e:
+            self.count_refusal("tokenizer_backlog_chars")
+            raise ServeError(ErrorKind.EXHAUSTED, str(e), code="tokenizer_backlog_chars") from e
 
     async def _on_pool(self, job: Awaitable[Any], param: str) -> Any:
         try:

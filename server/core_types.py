@@ -26,6 +26,9 @@ class PromptInput:
     render: Callable[[], list[int]] | None = None
     add_special_tokens: bool = True
     param: str = "prompt"  # the client's name for the prompt field (errors name it)
+    # A vision-language model's images: (source, where) in prompt order, one per placeholder
+    # the prompt (or its chat template) holds; a source is a data: or http(s) URL or bytes.
+    images: Sequence[tuple[Any, str]] = ()
 
 
 @dataclasses.dataclass(frozen=True)

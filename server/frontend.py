@@ -89,6 +89,11 @@ class FrontendPool:
         as the chat template: rendering a long one costs the same CPU."""
         return await self._run(owner, conversation_chars(messages), render)
 
+    async def run(self, fn: Callable[..., Any], *args: Any, owner: str = "", cost_chars: int = 0) -> Any:
+        """Any other front-end work (decoding and resizing a request's images) on the pool,
+        under the same backlog: `cost_chars` is what it counts as."""
+        return await self._run(owner, cost_chars, fn, *args)
+
     async def decode(self, token_ids: list[int], owner: str = "", skip_special_tokens: bool = False) -> str:
         return await self._run(owner, len(token_ids), self._decode, token_ids, skip_special_tokens)
 

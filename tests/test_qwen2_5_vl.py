@@ -30,6 +30,29 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), pa
               strict_compile_guard=True, limit_mm_per_prompt={"image": 2})
 
 
+SPECIALS = {248: "<|vision_start|>", 249: "<|vision_end|>", 250: "<|image_pad|>", 251: "<|video_pad|>",
+            252: "<|im_start|>", 253: "<|im_end|>", 254: "<unk>", 255: "<pad>"}
+# Qwen2-VL's chat template in small: an image part is its vision markers around one placeholder.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {% if m.content is string %}{{ m.content }}"
+                 "{% else %}{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|>"
+                 "<|vision_end|>{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def _save_tokenizer(path) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t247" and the specials)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(248)} | {text: i for i, text in SPECIALS.items()}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS.values()])
+    tok.save(str(pathlib.Path(path) / "tokenizer.json"))
+    (pathlib.Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+        "pad_token": "<pad>", "unk_token": "<unk>"}))
+
+
 def _image(w: int, h: int, seed: int):
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (h, w, 3), dtype=np.uint8))
 
@@ -52,6 +75,7 @@ def _save(path) -> object:
                 p.mul_(3.0)
     model.save_pretrained(path)
     (pathlib.Path(path) / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    _save_tokenizer(path)
     return model
 
 
@@ -157,6 +181,73 @@ def test_bad_image_inputs_are_refused_by_name_and_the_engine_keeps_serving(vl):
     out = llm.generate([_prompt([START, IMAGE, END, 4], [good])], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
     assert not llm.engine.has_unfinished_requests()
+
+
+def _data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_openai_client_sends_a_base64_image_to_the_server_and_bad_parts_are_400s(vl):
+    """The official client's chat call with an image_url part gets the batch API's greedy answer
+    for the same conversation; a corrupt image, an SVG, a URL of a host not allowed and too
+    many images are each a 400 naming the content part, and the server keeps serving."""
+    import openai
+    from server_harness import ServerThread
+
+    from jaxserve.config.engine_config import EngineConfig
+    from server.app import ServerOptions
+
+    _, llm = vl
+    engine = llm.engine
+    srv = ServerThread(EngineConfig(model=engine.config.model), ServerOptions(
+        host="127.0.0.1", port=0, metrics_port=0, http_port=0, log_interval=0), engine=engine)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server.http_port}/v1", api_key="none", max_retries=0)
+        picture = _image(140, 84, 11)
+        content = [{"type": "text", "text": "t5 t6"}, {"type": "image_url", "image_url": {"url": _data_url(picture)}},
+                   {"type": "text", "text": "t7"}]
+        name = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=name, max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": content}])
+        ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": "t5 t6"}, {"type": "image"},
+                                          {"type": "text", "text": "t7"}]}],
+            tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ids.count(IMAGE) == 1
+        want = batch_text(srv, ids, picture)
+        assert reply.choices[0].message.content == want
+        assert reply.usage.prompt_tokens == len(ids) - 1 + 15  # 140x84 -> 10x6 patches -> 15 tokens
+        bad = [({"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="}, "messages[0].content[1]"),
+               ({"url": "data:image/svg+xml;base64,PHN2Zy8+"}, "messages[0].content[1]"),
+               ({"url": "https://example.com/cat.png"}, "messages[0].content[1]")]
+        for image_url, param in bad:
+            parts = [content[0], {"type": "image_url", "image_url": image_url}]
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": parts}])
+            assert e.value.body["param"] == param and "base64" not in e.value.body["message"].split(":", 1)[-1]
+        many = [content[1]] * 3
+        with pytest.raises(openai.BadRequestError, match="limit_mm_per_prompt"):
+            client.chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": many}])
+        again = client.chat.completions.create(model=name, max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": content}])
+        assert again.choices[0].message.content == want
+    finally:
+        srv.close()
+
+
+def batch_text(srv, ids, picture) -> str:
+    from server_harness import batch_generate
+
+    from jaxserve import SamplingParams
+
+    out = batch_generate(srv, [{"prompt_token_ids": ids, "multi_modal_data": {"image": [picture]}}],
+                         SamplingParams(temperature=0, max_tokens=4))
+    return out[0].outputs[0].text
 
 
 def test_encoder_cache_is_bounded_and_least_recently_used_goes_first():

@@ -195,6 +195,16 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str  # a data:image/...;base64, URL, or an http(s) URL of a host --allowed-media-domains lists
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sizes images
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OtherPart(_Body):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
@@ -223,24 +233,34 @@ class MessageToolCall(_Body):
 class ChatMessage(_Body):
     model_config = ConfigDict(strict=True, extra="allow")  # other fields reach the template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
+    content: str | list[TextPart | ImagePart | OtherPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
+    def images(self, index: int) -> list[tuple[str, str]]:
+        """(url, where) of each image part, in order (`where`: `messages[i].content[j]`)."""
+        if not isinstance(self.content, list):
+            return []
+        return [(part.image_url.url, f"messages[{index}].content[{j}]")
+                for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
     def template_dict(self, index: int) -> dict[str, Any]:
         """The message as the chat template sees it: content as one string (text parts
-        joined by newlines, as vLLM does), "developer" as "system" (templates know only it)."""
+        joined by newlines, as vLLM does), or, with image parts, the parts in order as
+        `{"type": "text", "text": ...}` / `{"type": "image"}` (what vision-language chat
+        templates read); "developer" as "system" (templates know only it)."""
         content = self.content
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, TextPart):
-                    raise invalid(f"messages[{index}].content[{j}]: only text parts are supported "
-                                  f"(this model takes text), got type {part.type!r}",
-                                  f"messages[{index}].content[{j}].type")
-                texts.append(part.text)
-            content = "\n".join(texts)
+                if not isinstance(part, TextPart | ImagePart):
+                    raise invalid(f"messages[{index}].content[{j}]: only text and image_url parts are supported, "
+                                  f"got type {part.type!r}", f"messages[{index}].content[{j}].type")
+            if any(isinstance(part, ImagePart) for part in content):
+                content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                           for p in content]
+            else:
+                content = "\n".join(p.text for p in content)
         out = {**(self.model_extra or {}), "role": "system" if self.role == "developer" else self.role,
                "content": content or ""}
         if self.name is not None:
@@ -334,6 +354,10 @@ class ChatCompletionRequest(_Sampling):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
+
+    def images(self) -> list[tuple[str, str]]:
+        """Every image part's (url, where), in conversation order."""
+        return [im for i, m in enumerate(self.messages) for im in m.images(i)]
 
 
 class TokenizeRequest(_Body):

@@ -222,7 +222,7 @@ class OpenAIFront:
         prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message, tools=tools,
                              messages_without_tool_support=messages_for_plain_template(messages, req.tools)
-                             if tools else None, param="messages")
+                             if tools else None, param="messages", images=req.images())
         limit = req.output_limit
         params = req.sampling_params(limit or 1, req.num_logprobs)
         structured_param = req.structured_param
