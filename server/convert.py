@@ -69,14 +69,24 @@ def prompt_from_proto(req: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
     kind = req.WhichOneof("input")
     if kind is None:
         raise ValueError("input: one of text, token_ids or chat is required")
+    images = [(bytes(b), f"images[{i}]") for i, b in enumerate(getattr(req, "images", ()))]
     if kind == "text":
-        return PromptInput(text=req.text, param="text")
+        return PromptInput(text=req.text, param="text", images=images)
     if kind == "token_ids":
-        return PromptInput(token_ids=list(req.token_ids.ids), param="token_ids")
+        return PromptInput(token_ids=list(req.token_ids.ids), param="token_ids", images=images)
+    if images:
+        raise ValueError("images: a chat carries its images in its messages (chat.messages[i].images)")
     chat = req.chat
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages, images = [], []
+    for i, m in enumerate(chat.messages):
+        if m.images:  # the images first, then the text, as the content parts of an OpenAI message
+            images += [(bytes(b), f"chat.messages[{i}].images[{j}]") for j, b in enumerate(m.images)]
+            content = [{"type": "image"} for _ in m.images] + [{"type": "text", "text": m.content}]
+            messages.append({"role": m.role, "content": content})
+        else:
+            messages.append({"role": m.role, "content": m.content})
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return PromptInput(messages=messages, add_generation_prompt=add_gen, param="chat.messages")
+    return PromptInput(messages=messages, add_generation_prompt=add_gen, param="chat.messages", images=images)
 
 
 def output_to_proto(out: RequestOutput, reported: set[int] | None = None, *,

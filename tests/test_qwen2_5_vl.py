@@ -236,8 +236,35 @@ def test_openai_client_sends_a_base64_image_to_the_server_and_bad_parts_are_400s
         again = client.chat.completions.create(model=name, max_tokens=4, temperature=0,
                                                messages=[{"role": "user", "content": content}])
         assert again.choices[0].message.content == want
+        _check_grpc(srv, ids, picture, want)
     finally:
         srv.close()
+
+
+def _check_grpc(srv, ids, picture, want: str) -> None:
+    """gRPC: image bytes beside a token-id prompt (one placeholder, expanded by the engine) and
+    in a chat message; corrupt bytes are INVALID_ARGUMENT naming the field."""
+    import io
+
+    import grpc
+
+    from server.proto import jaxserve_pb2 as pb
+    from server.proto import jaxserve_pb2_grpc as pb_grpc
+
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    params = pb.SamplingParams(max_tokens=4, temperature=0.0)
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.JaxServeStub(ch)
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), images=[buf.getvalue()], sampling_params=params)
+        assert "".join(d.text for r in stub.Generate(req, timeout=60) for d in r.outputs) == want
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="t5 t6", images=[buf.getvalue()])])
+        got = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling_params=params), timeout=60))
+        assert got[-1].finished and got[-1].usage.prompt_tokens > 15
+        bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), images=[b"\x89PNG broken"], sampling_params=params)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in e.value.details()
 
 
 def batch_text(srv, ids, picture) -> str:
