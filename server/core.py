@@ -443,6 +443,10 @@ class ServingCore:
             self.processor.check_params(params, req.field_names)
         except InputError as e:
             raise _invalid(e) from None
+        if req.prompt.images and self.processor.images is None:  # before any template sees the parts
+            where = req.prompt.images[0][1]
+            raise invalid(f"{where}: only text parts are supported (this model takes text), got an image",
+                          f"{where}.type")
         ids = await self._prompt_ids(tenant, req.prompt)
         mm = None
         if req.prompt.images:
@@ -540,10 +544,6 @@ class ServingCore:
     async def _image_prompt(self, tenant: Tenant, ids: list[int], p: PromptInput) -> tuple[list[int], Any]:
         """The prompt's images decoded (fetched from an allowed host), resized and patched on
         the front-end pool, its placeholders expanded: a bad image is a 400 naming its part."""
-        if self.processor.images is None:
-            where = p.images[0][1]
-            raise invalid(f"{where}: only text parts are supported (this model takes text), got an image",
-                          f"{where}.type")
         cost = sum(len(src) if isinstance(src, str | bytes) else 0 for src, _ in p.images)
         try:
             return await self.frontend.run(self.processor.image_prompt, ids, list(p.images), p.param,

@@ -111,3 +111,25 @@ def test_moe_flagship_compiles_on_gpus_with_the_grouped_matmul_kernel(ep):
     assert backbone.compiled, backbone.error
     assert backbone.attention == "pallas" and backbone.experts == "pallas", report.table()
     assert report.experts[0] == "pallas" and report.fits
+
+
+def test_qwen2_5_vl_7b_plans_on_one_v5e_with_its_image_encoder():
+    """Qwen2.5-VL-7B in int8 on tpu:v5e-1: the decoder's step with the Mosaic attention kernel
+    and the image encoder's largest program (128 windows: an image at the processor's default
+    1280-token limit) compile, the encoder's params are counted with the model's, its output
+    cache in host memory, and the plan fits (v6e-1 in bf16: docs/benchmarks.md)."""
+    from jaxserve.compilation.aot import compile_for_target
+    from jaxserve.compilation.targets import Target
+    from jaxserve.config.engine_config import EngineConfig
+    from jaxserve.loading import load_model_config
+
+    mc = load_model_config(str(DATA / "qwen2_5_vl_7b_config.json"))
+    assert mc.vision is not None and mc.mrope_section == (16, 24, 24)
+    report = compile_for_target(mc, EngineConfig(**SETTINGS, quantization="int8"), Target.parse("tpu:v5e-1"),
+                                shapes=["backbone[T=16]", "vision[windows=128]"])
+    backbone, vision = report.shapes
+    assert backbone.compiled and vision.compiled, (backbone.error, vision.error)
+    assert backbone.attention == "pallas" and backbone.cache_copies == 0
+    assert 1.2 < report.vision_bytes / 2**30 < 1.3  # 676 M encoder params in bf16
+    assert report.encoder_cache_host_bytes == 2**29
+    assert report.fits and report.max_num_pages > SETTINGS["num_pages"], report.verdict()

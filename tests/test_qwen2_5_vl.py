@@ -277,6 +277,23 @@ def batch_text(srv, ids, picture) -> str:
     return out[0].outputs[0].text
 
 
+def test_encoder_matches_transformers_vision_tower_over_padded_window_slots(vl):
+    """Windows padded to fixed slots give transformers' packed windows, for grids of one to six
+    windows, programs larger than the image included."""
+    from jaxserve.models import qwen_vision as qv
+
+    hf, llm = vl
+    vision = llm.engine.runner.vision
+    for grid in [(1, 4, 4), (1, 8, 12), (1, 20, 10), (1, 2, 6)]:
+        px = np.random.RandomState(sum(grid)).randn(grid[1] * grid[2], vision.vc.patch_dim).astype(np.float32)
+        with torch.no_grad():
+            want = hf.model.visual(torch.from_numpy(px), grid_thw=torch.tensor([grid])).pooler_output.numpy()
+        layout = qv.vision_layout(grid, vision.vc)
+        pix, pos, valid = qv.slot_inputs(px, layout, layout.num_windows + 2, vision.vc)
+        got = np.asarray(qv.encode_jit(vision.params, pix, pos, valid, vc=vision.vc))[layout.token_rows]
+        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=str(grid))
+
+
 def test_encoder_cache_is_bounded_and_least_recently_used_goes_first():
     from jaxserve.worker.vision import EncoderCache
 

@@ -43,6 +43,7 @@ from jaxserve.models.quantization import (
     storage_dtype,
     with_scale_shapes,
 )
+from jaxserve.models.qwen_vision import vision_param_shapes
 from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import CompilePlan, ShapeKey, variant_name
@@ -50,6 +51,7 @@ from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kernel_choice import choose_kernels
 from jaxserve.worker.runner import cpu_weight_layout
 from jaxserve.worker.step_programs import StepPrograms, sds
+from jaxserve.worker.vision import vision_dtype
 
 MANIFEST = "manifest.json"
 # A Pallas kernel in optimized HLO: its custom call (Mosaic / Triton) and the kernel's name.
@@ -161,10 +163,15 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
         lora_specs = slot_specs(c, parallel.MODEL_AXIS)
         lora = {k: sds(shape, dtype, place(lora_specs[k] if tp > 1 else P()))
                 for k, shape in slot_shapes(c, config.max_loras, config.max_lora_rank).items()}
+    vision = None
+    if c.vision is not None:  # the image encoder's params, replicated like the step inputs
+        vdtype = vision_dtype(target.platform, dtype)
+        vision = {k: sds(shape, vdtype, rep) for k, shape in vision_param_shapes(c.vision).items()}
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
-        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora, num_state_arrays=num_state_arrays)
+        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora, num_state_arrays=num_state_arrays,
+        multimodal=c.vision is not None, vision=vision, vision_config=c.vision)
     return programs, resolved
 
 
@@ -219,6 +226,8 @@ class CompileReport:
     experts: tuple[str, str] | None = None  # MoE: the grouped matmul the target runs, and why
     lora_bytes: int = 0  # per device, the LoRA adapter slots (counted in params_bytes too)
     state_bytes: int = 0  # per device, a hybrid model's state slots (beside the pages)
+    vision_bytes: int = 0  # per device, a vision-language model's image encoder (counted in params_bytes too)
+    encoder_cache_host_bytes: int = 0  # host memory of its encoder-output cache (mm_encoder_cache_gb)
 
     @property
     def temp_bytes(self) -> int:
@@ -289,12 +298,14 @@ class CompileReport:
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "kv_bytes_per_page": self.kv_bytes_per_page,
                 "state_bytes": self.state_bytes,
+                "vision_bytes": self.vision_bytes,
                 "temp_bytes": self.temp_bytes,
                 "total_bytes": self.total_bytes,
             },
             "attention": {"implementation": self.attention[0], "reason": self.attention[1]},
             "experts": None if self.experts is None else {"implementation": self.experts[0],
                                                           "reason": self.experts[1]},
+            "encoder_cache_host_bytes": self.encoder_cache_host_bytes,
             "program": self.fingerprint,
             "wall_seconds": round(self.wall_seconds, 2),
             "shapes": [dataclasses.asdict(s) for s in self.shapes],
@@ -318,9 +329,12 @@ class CompileReport:
         lines += [
             f"HBM per device: params {_gb(self.params_bytes)}"
             + (f" (LoRA slots {_gb(self.lora_bytes)})" if self.lora_bytes else "")
+            + (f" (image encoder {_gb(self.vision_bytes)})" if self.vision_bytes else "")
             + f" + KV cache {_gb(self.kv_cache_bytes)} ({self.num_pages} pages x {_gb(self.kv_bytes_per_page)})"
             + (f" + state slots {_gb(self.state_bytes)}" if self.state_bytes else "")
             + f" + temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} of {cap}",
+            *([f"host memory: encoder-output cache up to {_gb(self.encoder_cache_host_bytes)} "
+               "(mm_encoder_cache_gb)"] if self.encoder_cache_host_bytes else []),
             self.verdict(),
         ]
         copying = [s.name for s in self.shapes if s.cache_copies]
@@ -465,8 +479,11 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
     kv_bytes = per_device_bytes(pages)
     report = CompileReport(
         target=target, device_kind=device.device_kind, capacity_bytes=target.hbm_bytes(),
-        params_bytes=per_device_bytes(programs.state) + per_device_bytes(programs.lora or {}),
+        params_bytes=(per_device_bytes(programs.state) + per_device_bytes(programs.lora or {})
+                      + per_device_bytes(programs.vision or {})),
         lora_bytes=per_device_bytes(programs.lora or {}), kv_cache_bytes=kv_bytes,
+        vision_bytes=per_device_bytes(programs.vision or {}),
+        encoder_cache_host_bytes=int(config.mm_encoder_cache_gb * 2**30) if programs.vision is not None else 0,
         kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=kernels.attention,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
         shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,

@@ -61,15 +61,20 @@ def vision_params_from_tensors(get: Any, vc: VisionConfig, dtype: Any) -> dict[s
     return {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
 
 
-def _check_shapes(p: dict[str, np.ndarray], vc: VisionConfig) -> None:
+def vision_param_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """The tower's params as `vision_params_from_tensors` holds them."""
     C, F, L, M = vc.hidden_size, vc.intermediate_size, vc.depth, vc.hidden_size * vc.merge_unit  # F: MLP width
-    expected = {
+    return {
         "norm1": (L, C), "norm2": (L, C), "qkv_w": (L, C, 3 * C), "qkv_b": (L, 3 * C), "proj_w": (L, C, C),
         "proj_b": (L, C), "gate_w": (L, C, F), "gate_b": (L, F), "up_w": (L, C, F), "up_b": (L, F),
-        "down_w": (L, F, C), "down_b": (L, C), "merger_norm": (C,), "merger_fc1_w": (M, M), "merger_fc1_b": (M,),
-        "merger_fc2_w": (M, vc.out_hidden_size), "merger_fc2_b": (vc.out_hidden_size,),
+        "down_w": (L, F, C), "down_b": (L, C), "patch_embed": (vc.patch_dim, C), "merger_norm": (C,),
+        "merger_fc1_w": (M, M), "merger_fc1_b": (M,), "merger_fc2_w": (M, vc.out_hidden_size),
+        "merger_fc2_b": (vc.out_hidden_size,),
     }
-    for name, shape in expected.items():
+
+
+def _check_shapes(p: dict[str, np.ndarray], vc: VisionConfig) -> None:
+    for name, shape in vision_param_shapes(vc).items():
         if p[name].shape != shape:
             raise ValueError(f"vision tower weight {name!r} has shape {p[name].shape}, expected {shape}")
 

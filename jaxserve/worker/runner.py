@@ -63,7 +63,7 @@ from jaxserve.worker.step_programs import (
     scatter_pages_jit,
     scatter_states_jit,
 )
-from jaxserve.worker.vision import EncoderCache, VisionRunner, multimodal_inputs
+from jaxserve.worker.vision import EncoderCache, VisionRunner, multimodal_inputs, vision_dtype
 from pallas_kernels.quantized_matmul.dense import native_dense_available
 from scheduler import SchedulerOutput
 
@@ -231,8 +231,7 @@ class ModelRunner:
         if loaded.vision is None:
             raise ValueError(f"{self.config.architecture}: the image encoder's weights were not loaded "
                              "(vision-language models load from HF checkpoints)")
-        platform = jax.devices()[0].platform
-        vdtype = jnp.float32 if platform == "cpu" else self.dtype
+        vdtype = vision_dtype(jax.devices()[0].platform, self.dtype)
         params = {k: np.asarray(v).astype(vdtype) for k, v in loaded.vision.items()}
         params = jax.device_put(params, self.input_sharding)
         return VisionRunner(self.config.vision, params, np.dtype(self.dtype), EncoderCache(cache_bytes),
@@ -740,12 +739,11 @@ class ModelRunner:
             vocab_size=self.config.vocab_size, attention_backend=self.attention_backend,
             max_pages_per_seq=self.max_pages_per_seq,
             lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0,
-            num_state_arrays=self.num_state_arrays, multimodal=self.multimodal)
+            num_state_arrays=self.num_state_arrays, multimodal=self.multimodal,
+            vision=abstract(self.vision.params) if self.vision is not None else None, vision_config=self.config.vision)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""
-        if key.kind == "vision":
-            return self.vision.lower(key.size)
         return self.programs().lower(key, max_reqs, tensors)
 
     def install(self, key: ShapeKey, executable: Any) -> None:

@@ -30,7 +30,7 @@ from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import ShapeKey
 from jaxserve.worker.recurrent_inputs import chunk_grid
 from jaxserve.worker.sampler import SamplingTensors, per_row, sample, token_logprobs
-from jaxserve.worker.vision import abstract_multimodal
+from jaxserve.worker.vision import abstract_multimodal, lower_encoder
 from pallas_kernels.mla_attention.ops import mla_paged_attention, update_latent_cache
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored per call: [128, V] f32 logits at most
@@ -68,6 +68,8 @@ class StepPrograms:
     batch_invariant: bool = False  # the sampler one row at a time (`sampler.per_row`)
     num_state_arrays: int = 0  # a hybrid model's state pools, last in `kv_cache`
     multimodal: bool = False  # a vision-language model: the backbone takes image rows and 3-D positions
+    vision: dict[str, jax.ShapeDtypeStruct] | None = None  # its image encoder's abstract params
+    vision_config: Any = None  # and its `VisionConfig`
 
     @property
     def dtype(self) -> Any:
@@ -95,6 +97,8 @@ class StepPrograms:
                 multimodal=mm,
             )
 
+        if key.kind == "vision":
+            return lower_encoder(self.vision_config, self.vision, key.size, rep)
         if key.kind == "backbone":
             T = key.size
             md = metadata(T)

@@ -28,7 +28,6 @@ from jaxserve.models.qwen_vision import (
     window_buckets,
 )
 from jaxserve.worker.buckets import pick
-from jaxserve.worker.compile_plan import ShapeKey
 
 
 class EncoderCache:
@@ -105,17 +104,20 @@ class VisionRunner:
         self.num_encoded += 1
         return np.asarray(out)[layout.token_rows].astype(self.dtype)
 
-    def lower(self, windows: int) -> Any:
-        """Compiles the encoder for `windows` windows on abstract inputs."""
-        n = windows * slots_per_window(self.vc)
-        sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=self.sharding)  # noqa: E731
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                              self.params)
-        return encode_jit.lower(params, sds((n, self.vc.patch_dim), jnp.float32), sds((n, 2), jnp.int32),
-                                sds((n,), jnp.bool_), vc=self.vc).compile()
 
-    def shape_keys(self) -> list[ShapeKey]:
-        return [ShapeKey("vision", w) for w in self.buckets]
+
+def vision_dtype(platform: str, dtype: Any) -> Any:
+    """The encoder's dtype: f32 on CPU (XLA:CPU's bf16 dot is ~10x slower than its f32 one),
+    else the decoder's."""
+    return jnp.float32 if platform == "cpu" else dtype
+
+
+def lower_encoder(vc: VisionConfig, params: dict[str, Any], windows: int, sharding: Any = None) -> Any:
+    """Compiles the encoder for `windows` windows over abstract params and inputs."""
+    n = windows * slots_per_window(vc)
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    return encode_jit.lower(params, sds((n, vc.patch_dim), jnp.float32), sds((n, 2), jnp.int32),
+                            sds((n,), jnp.bool_), vc=vc).compile()
 
 
 def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hidden_size: int, dtype: Any,
