@@ -289,8 +289,8 @@ def test_encoder_matches_transformers_vision_tower_over_padded_window_slots(vl):
         with torch.no_grad():
             want = hf.model.visual(torch.from_numpy(px), grid_thw=torch.tensor([grid])).pooler_output.numpy()
         layout = qv.vision_layout(grid, vision.vc)
-        pix, pos, valid = qv.slot_inputs(px, layout, layout.num_windows + 2, vision.vc)
-        got = np.asarray(qv.encode_jit(vision.params, pix, pos, valid, vc=vision.vc))[layout.token_rows]
+        inputs = qv.slot_inputs(px, layout, layout.num_windows + 2, vision.vc)
+        got = np.asarray(qv.encode_jit(vision.params, inputs, vc=vision.vc))[layout.token_rows, 0]
         np.testing.assert_allclose(got, want, atol=2e-6, err_msg=str(grid))
 
 

@@ -83,6 +83,10 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+# The image encoders, and the activation of each one's MLP (transformers' names).
+VISION_KINDS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """A vision-language model's image encoder (Qwen2.5-VL's windowed ViT and patch merger) and
@@ -90,7 +94,7 @@ class VisionConfig:
     `image_token_id`s between `vision_start_token_id` and `vision_end_token_id`, whose input
     embeddings are the encoder's output rows."""
 
-    kind: str  # "qwen2_5_vl"
+    kind: str  # "qwen2_5_vl" | "qwen3_vl"
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -114,10 +118,16 @@ class VisionConfig:
     max_pixels: int = 28 * 28 * 1280
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    # Qwen3-VL: a learned square grid of position embeddings resampled (bilinear) to each image's
+    # patch grid, and the blocks whose outputs feed the decoder's first layers (DeepStack: one
+    # merger each, added to the image tokens' hidden states after decoder layer i).
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind != "qwen2_5_vl":
-            raise UnsupportedModelError(f"unsupported vision encoder {self.kind!r}; supported: qwen2_5_vl")
+        if self.kind not in VISION_KINDS:
+            raise UnsupportedModelError(f"unsupported vision encoder {self.kind!r}; supported: "
+                                        f"{', '.join(VISION_KINDS)}")
         for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
                      "temporal_patch_size", "spatial_merge_size", "in_channels", "window_size"):
             if getattr(self, name) <= 0:
@@ -128,12 +138,17 @@ class VisionConfig:
         if self.window_size % (self.patch_size * self.spatial_merge_size):
             raise ValueError(f"vision window_size {self.window_size} must be a multiple of patch_size * "
                              f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})")
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"vision hidden_act {self.hidden_act!r} is not supported (silu only)")
+        act = VISION_KINDS[self.kind]
+        if self.hidden_act != act:
+            raise UnsupportedModelError(f"{self.kind} vision hidden_act {self.hidden_act!r} is not supported "
+                                        f"({act} only)")
+        if self.kind == "qwen3_vl" and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+            raise ValueError(f"num_position_embeddings {self.num_position_embeddings} must be a square (a grid)")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"vision min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: need 0 < min <= max")
-        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} must lie in [0, depth={self.depth})")
+        for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+            if any(not 0 <= i < self.depth for i in getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)} must lie in [0, depth={self.depth})")
 
     @property
     def head_dim(self) -> int:
@@ -291,6 +306,9 @@ class ModelConfig:
     # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies split in sections rotated by the
     # temporal, height and width positions (sizes summing to rotary_dim / 2); None: 1-D RoPE.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the sections interleaved (frequency f turns with h when f % 3 == 1 and
+    # f < 3 * section[1], with w when f % 3 == 2 and f < 3 * section[2], else with t).
+    mrope_interleaved: bool = False
     # The image encoder of a vision-language model (None: text only).
     vision: VisionConfig | None = None
 

@@ -191,11 +191,14 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.embed_scale:  # the normaliser is rounded to the params' dtype, as HF does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
         mm = md.multimodal
+        num_deepstack = 0
         if mm is not None:  # image tokens take the encoder's rows
             h = jnp.where(mm.is_embed[:, None], mm.embeds.astype(dtype), h)
+            num_deepstack = mm.deepstack.shape[0]
         if cfg.mrope_section is not None:
             pos3 = mm.mrope_positions if mm is not None else jnp.broadcast_to(positions, (3, *positions.shape))
-            rope = mrope_tables(pos3, self._inv_freq, cfg.mrope_section, rope_attention_factor(cfg))
+            rope = mrope_tables(pos3, self._inv_freq, cfg.mrope_section, rope_attention_factor(cfg),
+                                cfg.mrope_interleaved)
         else:
             rope = rope_tables(positions, self._inv_freq, rope_attention_factor(cfg))  # cos, sin: [T, D/2] each
         local_rope = rope_tables(positions, self._local_inv_freq) if self._local_inv_freq is not None else None
@@ -248,7 +251,12 @@ class LlamaForCausalLM(nnx.Module):
             h, pool = self._attention(
                 h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
             x = self._norm(h, lp["post_norm"])
-            return (self._mlp(x, lp, moe_fn, residual=h), to_carry(pool)), None
+            h = self._mlp(x, lp, moe_fn, residual=h)
+            if num_deepstack:  # Qwen3-VL: the image tokens' DeepStack row after layer i < D
+                i = per["layer_id"]
+                row = jax.lax.dynamic_index_in_dim(mm.deepstack, jnp.minimum(i, num_deepstack - 1), 0, False)
+                h = jnp.where((mm.is_embed & (i < num_deepstack))[:, None], h + row.astype(h.dtype), h)
+            return (h, to_carry(pool)), None
 
         (h, pool), _ = jax.lax.scan(layer, (h, pool), (layer_params, per_layer, lora_weights))
 

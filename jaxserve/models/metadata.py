@@ -48,3 +48,6 @@ class MultimodalMetadata:
     embeds: jax.Array  # [T, E] activations' dtype: the encoder's row for each image token (0 elsewhere)
     is_embed: jax.Array  # [T] bool: the token's input is its `embeds` row, not its embedding
     mrope_positions: jax.Array  # [3, T] int32: (t, h, w) rotary positions (0 for padding)
+    # [D, T, E]: Qwen3-VL's DeepStack rows, added to the image tokens' hidden states after
+    # decoder layer i < D (D = 0 for the others)
+    deepstack: jax.Array

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -26,51 +27,93 @@ import numpy as np
 
 from jaxserve.models.config import VisionConfig
 
-# Checkpoint names of the tower (under `visual.`), per block (`blocks.{i}.`) and global.
+# Checkpoint names of the tower (under `visual.`), per kind: per block (`blocks.{i}.`), global,
+# and (Qwen3-VL) per DeepStack merger (`deepstack_merger_list.{j}.`). `_w` names are linear
+# weights, held transposed [in, out].
 HF_BLOCK = {
-    "norm1": "norm1.weight", "norm2": "norm2.weight",
-    "qkv_w": "attn.qkv.weight", "qkv_b": "attn.qkv.bias", "proj_w": "attn.proj.weight", "proj_b": "attn.proj.bias",
-    "gate_w": "mlp.gate_proj.weight", "gate_b": "mlp.gate_proj.bias", "up_w": "mlp.up_proj.weight",
-    "up_b": "mlp.up_proj.bias", "down_w": "mlp.down_proj.weight", "down_b": "mlp.down_proj.bias",
+    "qwen2_5_vl": {
+        "norm1": "norm1.weight", "norm2": "norm2.weight",
+        "qkv_w": "attn.qkv.weight", "qkv_b": "attn.qkv.bias", "proj_w": "attn.proj.weight",
+        "proj_b": "attn.proj.bias", "gate_w": "mlp.gate_proj.weight", "gate_b": "mlp.gate_proj.bias",
+        "up_w": "mlp.up_proj.weight", "up_b": "mlp.up_proj.bias", "down_w": "mlp.down_proj.weight",
+        "down_b": "mlp.down_proj.bias",
+    },
+    "qwen3_vl": {
+        "norm1": "norm1.weight", "norm1_b": "norm1.bias", "norm2": "norm2.weight", "norm2_b": "norm2.bias",
+        "qkv_w": "attn.qkv.weight", "qkv_b": "attn.qkv.bias", "proj_w": "attn.proj.weight",
+        "proj_b": "attn.proj.bias", "fc1_w": "mlp.linear_fc1.weight", "fc1_b": "mlp.linear_fc1.bias",
+        "fc2_w": "mlp.linear_fc2.weight", "fc2_b": "mlp.linear_fc2.bias",
+    },
 }
 HF_GLOBAL = {
-    "patch_embed": "patch_embed.proj.weight", "merger_norm": "merger.ln_q.weight",
-    "merger_fc1_w": "merger.mlp.0.weight", "merger_fc1_b": "merger.mlp.0.bias",
-    "merger_fc2_w": "merger.mlp.2.weight", "merger_fc2_b": "merger.mlp.2.bias",
+    "qwen2_5_vl": {
+        "merger_norm": "merger.ln_q.weight", "merger_fc1_w": "merger.mlp.0.weight",
+        "merger_fc1_b": "merger.mlp.0.bias", "merger_fc2_w": "merger.mlp.2.weight",
+        "merger_fc2_b": "merger.mlp.2.bias",
+    },
+    "qwen3_vl": {
+        "patch_bias": "patch_embed.proj.bias", "pos_embed": "pos_embed.weight",
+        "merger_norm": "merger.norm.weight", "merger_norm_b": "merger.norm.bias",
+        "merger_fc1_w": "merger.linear_fc1.weight", "merger_fc1_b": "merger.linear_fc1.bias",
+        "merger_fc2_w": "merger.linear_fc2.weight", "merger_fc2_b": "merger.linear_fc2.bias",
+    },
+}
+HF_DEEPSTACK = {
+    "ds_norm": "norm.weight", "ds_norm_b": "norm.bias", "ds_fc1_w": "linear_fc1.weight",
+    "ds_fc1_b": "linear_fc1.bias", "ds_fc2_w": "linear_fc2.weight", "ds_fc2_b": "linear_fc2.bias",
 }
 _NORM_EPS = 1e-6
 
 
+def _as_held(name: str, w: np.ndarray) -> np.ndarray:
+    """A checkpoint tensor as held here: linear weights transposed to [in, out]."""
+    return w.T if name.endswith("_w") else w
+
+
 def vision_params_from_tensors(get: Any, vc: VisionConfig, dtype: Any) -> dict[str, np.ndarray]:
     """The tower's params from `get(checkpoint name) -> np.ndarray` (names under `visual.`):
-    linear weights transposed to [in, out], blocks stacked [depth, ...], the patch conv as a
-    [patch_dim, C] matmul (its kernel covers a patch row's values in the processor's order)."""
+    linear weights transposed to [in, out], blocks (and DeepStack mergers) stacked, the patch
+    conv as a [patch_dim, C] matmul (its kernel covers a patch row's values in the processor's
+    order)."""
     out: dict[str, np.ndarray] = {}
-    for name, hf in HF_BLOCK.items():
-        layers = [np.asarray(get(f"blocks.{i}.{hf}"), np.float32) for i in range(vc.depth)]
-        out[name] = np.stack([w.T if name.endswith("_w") else w for w in layers])
-    conv = np.asarray(get(HF_GLOBAL["patch_embed"]), np.float32)  # [C, 3, t, p, p]
+    for name, hf in HF_BLOCK[vc.kind].items():
+        out[name] = np.stack([_as_held(name, np.asarray(get(f"blocks.{i}.{hf}"), np.float32))
+                              for i in range(vc.depth)])
+    conv = np.asarray(get("patch_embed.proj.weight"), np.float32)  # [C, 3, t, p, p]
     expected = (vc.hidden_size, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
     if conv.shape != expected:
-        raise ValueError(f"visual.{HF_GLOBAL['patch_embed']} has shape {conv.shape}, expected {expected}")
+        raise ValueError(f"visual.patch_embed.proj.weight has shape {conv.shape}, expected {expected}")
     out["patch_embed"] = conv.reshape(vc.hidden_size, -1).T  # [patch_dim, C]
-    for name in ("merger_norm", "merger_fc1_w", "merger_fc1_b", "merger_fc2_w", "merger_fc2_b"):
-        w = np.asarray(get(HF_GLOBAL[name]), np.float32)
-        out[name] = w.T if name.endswith("_w") else w
+    for name, hf in HF_GLOBAL[vc.kind].items():
+        out[name] = _as_held(name, np.asarray(get(hf), np.float32))
+    if vc.deepstack_visual_indexes:
+        for name, hf in HF_DEEPSTACK.items():
+            out[name] = np.stack([_as_held(name, np.asarray(get(f"deepstack_merger_list.{j}.{hf}"), np.float32))
+                                  for j in range(len(vc.deepstack_visual_indexes))])
     _check_shapes(out, vc)
     return {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
 
 
 def vision_param_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
     """The tower's params as `vision_params_from_tensors` holds them."""
-    C, F, L, M = vc.hidden_size, vc.intermediate_size, vc.depth, vc.hidden_size * vc.merge_unit  # F: MLP width
-    return {
+    C, F, L, M, E = (vc.hidden_size, vc.intermediate_size, vc.depth, vc.hidden_size * vc.merge_unit,
+                     vc.out_hidden_size)  # F: the MLP's width, M: a merged token's, E: the decoder's
+    shapes = {
         "norm1": (L, C), "norm2": (L, C), "qkv_w": (L, C, 3 * C), "qkv_b": (L, 3 * C), "proj_w": (L, C, C),
-        "proj_b": (L, C), "gate_w": (L, C, F), "gate_b": (L, F), "up_w": (L, C, F), "up_b": (L, F),
-        "down_w": (L, F, C), "down_b": (L, C), "patch_embed": (vc.patch_dim, C), "merger_norm": (C,),
-        "merger_fc1_w": (M, M), "merger_fc1_b": (M,), "merger_fc2_w": (M, vc.out_hidden_size),
-        "merger_fc2_b": (vc.out_hidden_size,),
+        "proj_b": (L, C), "patch_embed": (vc.patch_dim, C), "merger_norm": (C,),
+        "merger_fc1_w": (M, M), "merger_fc1_b": (M,), "merger_fc2_w": (M, E), "merger_fc2_b": (E,),
     }
+    if vc.kind == "qwen2_5_vl":
+        return {**shapes, "gate_w": (L, C, F), "gate_b": (L, F), "up_w": (L, C, F), "up_b": (L, F),
+                "down_w": (L, F, C), "down_b": (L, C)}
+    D = len(vc.deepstack_visual_indexes)
+    shapes.update({"norm1_b": (L, C), "norm2_b": (L, C), "fc1_w": (L, C, F), "fc1_b": (L, F), "fc2_w": (L, F, C),
+                   "fc2_b": (L, C), "patch_bias": (C,), "pos_embed": (vc.num_position_embeddings, C),
+                   "merger_norm_b": (C,)})
+    if D:
+        shapes.update({"ds_norm": (D, M), "ds_norm_b": (D, M), "ds_fc1_w": (D, M, M), "ds_fc1_b": (D, M),
+                       "ds_fc2_w": (D, M, E), "ds_fc2_b": (D, E)})
+    return shapes
 
 
 def _check_shapes(p: dict[str, np.ndarray], vc: VisionConfig) -> None:
@@ -87,6 +130,7 @@ class VisionLayout:
     patch_of_slot: np.ndarray  # [num_windows * S] int32: the pixel row in each slot (-1: padding)
     positions: np.ndarray  # [num_windows * S, 2] int32: each slot's (row, column) patch position
     token_rows: np.ndarray  # [num_tokens] int32: the merged output row of each image token, in order
+    grid_hw: tuple[int, int] = (0, 0)  # the image's patch grid (rows, columns)
 
 
 def slots_per_window(vc: VisionConfig) -> int:
@@ -124,7 +168,7 @@ def vision_layout(grid_thw: tuple[int, int, int], vc: VisionConfig) -> VisionLay
                     positions[rows, 1] = bw * m + jj
                     token_rows[u] = (base + k * unit) // unit
                     k += 1
-    return VisionLayout(nwh * nww, patch_of_slot, positions, token_rows)
+    return VisionLayout(nwh * nww, patch_of_slot, positions, token_rows, (h, w))
 
 
 def max_windows(vc: VisionConfig) -> int:
@@ -153,10 +197,11 @@ def window_buckets(vc: VisionConfig) -> tuple[int, ...]:
 
 
 def slot_inputs(pixel_values: np.ndarray, layout: VisionLayout, num_windows: int,
-                vc: VisionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The encoder's inputs for a program of `num_windows` windows: pixels [N, patch_dim] in
-    slot order (0 in padding slots), positions [N, 2] and the valid-slot mask [N] (N =
-    num_windows * slots_per_window)."""
+                vc: VisionConfig) -> dict[str, np.ndarray]:
+    """The encoder's inputs for a program of `num_windows` windows (N = num_windows *
+    slots_per_window slots): "pixels" [N, patch_dim] in slot order (0 in padding slots),
+    "positions" [N, 2] (row, column), "valid" [N]; Qwen3-VL also "pos_index" / "pos_weight"
+    [N, 4]: the learned position grid's bilinear taps for each slot."""
     n = num_windows * slots_per_window(vc)
     used = layout.patch_of_slot.shape[0]
     if used > n:
@@ -168,7 +213,29 @@ def slot_inputs(pixel_values: np.ndarray, layout: VisionLayout, num_windows: int
     pixels[:used][real] = pixel_values[layout.patch_of_slot[real]]
     valid[:used] = real
     positions[:used] = layout.positions
-    return pixels, positions, valid
+    out = {"pixels": pixels, "positions": positions, "valid": valid}
+    if vc.kind == "qwen3_vl":
+        index, weight = bilinear_taps(positions, layout.grid_hw, math.isqrt(vc.num_position_embeddings))
+        out.update(pos_index=np.where(valid[:, None], index, 0), pos_weight=np.where(valid[:, None], weight, 0))
+    return out
+
+
+def bilinear_taps(positions: np.ndarray, grid_hw: tuple[int, int], side: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 4 taps [N, 4] (indices into the flattened side x side table) and weights [N, 4] that
+    resample the learned grid to an h x w patch grid at `positions` [N, 2], bilinear with
+    aligned corners (transformers' `F.interpolate` form), in f32 as it computes them."""
+    def axis(index: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        floor = np.floor(src)
+        offsets = np.arange(2)
+        taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+        weights = np.maximum(np.float32(1) - np.abs(src[:, None] - floor[:, None] - offsets), 0).astype(np.float32)
+        return taps, weights
+
+    (ht, hw), (wt, ww) = axis(positions[:, 0], grid_hw[0]), axis(positions[:, 1], grid_hw[1])
+    index = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4).astype(np.int32)
+    weight = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+    return index, weight
 
 
 # ---------------------------------------------------------------------- the tower (jax)
@@ -176,6 +243,14 @@ def _rms(x: jax.Array, w: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + _NORM_EPS)
     return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def _layer_norm(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + _NORM_EPS)
+    return (y * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
 def _rope_tables(positions: jax.Array, vc: VisionConfig) -> tuple[jax.Array, jax.Array]:
@@ -220,41 +295,87 @@ def _full_attention(q, k, v, valid, *, S, scale):
     return out.reshape(n, H, d)
 
 
-def encode(params: dict[str, jax.Array], pixels: jax.Array, positions: jax.Array, valid: jax.Array, *,
-           vc: VisionConfig) -> jax.Array:
-    """pixels [N, patch_dim], positions [N, 2], valid [N] (slot order, N = windows * S) ->
-    merged rows [N / m^2, out_hidden_size] in slot order (padding rows are garbage)."""
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return (jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _mlp(x: jax.Array, lp: dict[str, jax.Array], vc: VisionConfig) -> jax.Array:
+    """The block's MLP: Qwen2.5-VL's gated SiLU, Qwen3-VL's fc1 -> tanh-GELU -> fc2."""
+    f32 = jnp.float32
+    if vc.kind == "qwen2_5_vl":
+        gate, up = _linear(x, lp["gate_w"], lp["gate_b"]), _linear(x, lp["up_w"], lp["up_b"])
+        act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
+        return _linear(act, lp["down_w"], lp["down_b"])
+    act = jax.nn.gelu(_linear(x, lp["fc1_w"], lp["fc1_b"]).astype(f32), approximate=True).astype(x.dtype)
+    return _linear(act, lp["fc2_w"], lp["fc2_b"])
+
+
+def _norm(x: jax.Array, lp: dict[str, jax.Array], name: str) -> jax.Array:
+    """RMSNorm (Qwen2.5-VL) or LayerNorm with a bias (Qwen3-VL) by weight `name`."""
+    return _layer_norm(x, lp[name], lp[name + "_b"]) if name + "_b" in lp else _rms(x, lp[name])
+
+
+def _merge(x: jax.Array, p: dict[str, jax.Array], prefix: str, vc: VisionConfig, postshuffle: bool) -> jax.Array:
+    """A patch merger: [N, C] -> [N / m^2, O], normed per patch (or, after the shuffle, per
+    merged group: Qwen3-VL's DeepStack mergers), then fc1 -> GELU -> fc2."""
+    M = vc.merge_unit * vc.hidden_size
+    if postshuffle:
+        y = _norm(x.reshape(-1, M), p, prefix + "norm")
+    else:
+        y = _norm(x, p, prefix + "norm").reshape(-1, M)
+    y = jax.nn.gelu(_linear(y, p[prefix + "fc1_w"], p[prefix + "fc1_b"]).astype(jnp.float32),
+                    approximate=False).astype(x.dtype)
+    return _linear(y, p[prefix + "fc2_w"], p[prefix + "fc2_b"])
+
+
+def encode(params: dict[str, jax.Array], inputs: dict[str, jax.Array], *, vc: VisionConfig) -> jax.Array:
+    """`slot_inputs`' arrays (N slots) -> [N / m^2, 1 + D, out_hidden_size]: each merged
+    token's row for the decoder's input, then its D DeepStack rows (Qwen3-VL), in slot order
+    (padding rows are garbage)."""
     dtype = params["patch_embed"].dtype
     S, H, d = slots_per_window(vc), vc.num_heads, vc.head_dim
+    pixels, valid = inputs["pixels"], inputs["valid"]
     n = pixels.shape[0]
-    x = jnp.dot(pixels.astype(dtype), params["patch_embed"], preferred_element_type=jnp.float32).astype(dtype)
-    cos, sin = _rope_tables(positions, vc)
+    x = jnp.dot(pixels.astype(dtype), params["patch_embed"], preferred_element_type=jnp.float32)
+    if "patch_bias" in params:
+        x = x + params["patch_bias"].astype(jnp.float32)
+    x = x.astype(dtype)
+    if "pos_embed" in params:  # the learned grid, resampled to the image's
+        taps = jnp.take(params["pos_embed"], inputs["pos_index"], axis=0)  # [N, 4, C]
+        x = x + jnp.sum(taps.astype(jnp.float32) * inputs["pos_weight"][..., None], axis=1).astype(dtype)
+    cos, sin = _rope_tables(inputs["positions"], vc)
     full = np.zeros(vc.depth, bool)
     full[list(vc.fullatt_block_indexes)] = True
-    blocks = {k: params[k] for k in HF_BLOCK}
+    ds_slot = np.full(vc.depth, -1, np.int32)  # each block's DeepStack merger (-1: none)
+    for j, i in enumerate(vc.deepstack_visual_indexes):
+        ds_slot[i] = j
+    blocks = {k: params[k] for k in HF_BLOCK[vc.kind]}
+    deepstack = {k: params[k] for k in HF_DEEPSTACK if k in params}
     scale = d ** -0.5
+    D, rows = len(vc.deepstack_visual_indexes), n // vc.merge_unit
 
-    def linear(x, w, b):
-        return (jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
-
-    def block(x, xs):
-        lp, is_full = xs
-        y = _rms(x, lp["norm1"])
-        qkv = linear(y, lp["qkv_w"], lp["qkv_b"]).reshape(n, 3, H, d)
+    def block(carry, xs):
+        x, ds = carry
+        lp, is_full, slot = xs
+        y = _norm(x, lp, "norm1")
+        qkv = _linear(y, lp["qkv_w"], lp["qkv_b"]).reshape(n, 3, H, d)
         q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
         attn = jax.lax.cond(is_full, functools.partial(_full_attention, S=S, scale=scale),
                             functools.partial(_window_attention, S=S, scale=scale), q, k, v, valid)
-        x = x + linear(attn.reshape(n, H * d), lp["proj_w"], lp["proj_b"])
-        y = _rms(x, lp["norm2"])
-        gate, up = linear(y, lp["gate_w"], lp["gate_b"]), linear(y, lp["up_w"], lp["up_b"])
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        return x + linear(act, lp["down_w"], lp["down_b"]), None
+        x = x + _linear(attn.reshape(n, H * d), lp["proj_w"], lp["proj_b"])
+        x = x + _mlp(_norm(x, lp, "norm2"), lp, vc)
+        if D:
+            def with_feature(ds):
+                j = jnp.maximum(slot, 0)
+                w = jax.tree.map(lambda a: a[j], deepstack)
+                return jax.lax.dynamic_update_index_in_dim(ds, _merge(x, w, "ds_", vc, postshuffle=True), j, 0)
+            ds = jax.lax.cond(slot >= 0, with_feature, lambda ds: ds, ds)
+        return (x, ds), None
 
-    x, _ = jax.lax.scan(block, x, (blocks, jnp.asarray(full)))
-    y = _rms(x, params["merger_norm"]).reshape(n // vc.merge_unit, vc.merge_unit * vc.hidden_size)
-    y = jax.nn.gelu(linear(y, params["merger_fc1_w"], params["merger_fc1_b"]).astype(jnp.float32),
-                    approximate=False).astype(dtype)
-    return linear(y, params["merger_fc2_w"], params["merger_fc2_b"])
+    ds0 = jnp.zeros((D, rows, vc.out_hidden_size), dtype)
+    (x, ds), _ = jax.lax.scan(block, (x, ds0), (blocks, jnp.asarray(full), jnp.asarray(ds_slot)))
+    main = _merge(x, params, "merger_", vc, postshuffle=False)  # [rows, O]
+    return jnp.concatenate([main[:, None], jnp.swapaxes(ds, 0, 1)], axis=1)
 
 
 encode_jit = jax.jit(encode, static_argnames=("vc",))

@@ -75,11 +75,25 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0)
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
+def mrope_axes(section: tuple[int, ...], interleaved: bool = False) -> np.ndarray:
+    """[D/2]: which position row (t, h, w) turns each frequency. Qwen2-VL: the first
+    `section[0]` frequencies turn with t, the next `section[1]` with h, the rest with w.
+    Qwen3-VL (interleaved): h on f % 3 == 1 below 3 * section[1], w on f % 3 == 2 below
+    3 * section[2], t elsewhere."""
+    if not interleaved:
+        return np.repeat(np.arange(len(section)), section)
+    f = np.arange(sum(section))
+    axis = np.zeros_like(f)
+    axis[(f % 3 == 1) & (f < 3 * section[1])] = 1
+    axis[(f % 3 == 2) & (f < 3 * section[2])] = 2
+    return axis
+
+
 def mrope_tables(positions: jax.Array, inv_freq: np.ndarray, section: tuple[int, ...],
-                 factor: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Multimodal RoPE (Qwen2-VL): positions [3, T] (t, h, w); the first `section[0]`
-    frequencies turn with t, the next `section[1]` with h, the rest with w. -> cos, sin [T, D/2]."""
-    axis = np.repeat(np.arange(len(section)), section)  # [D/2]: the position row of each frequency
+                 factor: float = 1.0, interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE: positions [3, T] (t, h, w), each frequency turned by the row
+    `mrope_axes` gives it. -> cos, sin [T, D/2]."""
+    axis = mrope_axes(section, interleaved)
     pos = jnp.take(positions, jnp.asarray(axis), axis=0).astype(jnp.float32)  # [D/2, T]
     angles = pos.T * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor

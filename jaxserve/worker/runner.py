@@ -530,8 +530,10 @@ class ModelRunner:
             host = arrays.multimodal
             if host is None:  # text only (tools that run `forward`): 1-D positions on every axis
                 T = arrays.token_ids.shape[0]
-                host = {"embeds": np.zeros((T, self.config.hidden_size), np.dtype(self.dtype)),
-                        "is_embed": np.zeros(T, bool), "mrope_positions": np.broadcast_to(arrays.positions, (3, T))}
+                E, D = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
+                host = {"embeds": np.zeros((T, E), np.dtype(self.dtype)), "is_embed": np.zeros(T, bool),
+                        "mrope_positions": np.broadcast_to(arrays.positions, (3, T)),
+                        "deepstack": np.zeros((D, T, E), np.dtype(self.dtype))}
             mm = MultimodalMetadata(**self._put(host))
         md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq,
                                recurrent=rec, multimodal=mm)

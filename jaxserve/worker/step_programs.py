@@ -90,7 +90,10 @@ class StepPrograms:
                 nc, C = chunk_grid(T, max_reqs)
                 rec = RecurrentMetadata(state_slots=i32(max_reqs), token_rows=i32(T), chunk_tokens=i32(nc, C),
                                         chunk_rows=i32(nc), num_chunks=i32(1))
-            mm = abstract_multimodal(T, self.hidden_size, self.dtype, rep) if self.multimodal else None
+            mm = None
+            if self.multimodal:
+                ds = len(self.vision_config.deepstack_visual_indexes) if self.vision_config is not None else 0
+                mm = abstract_multimodal(T, self.hidden_size, self.dtype, ds, rep)
             return AttentionMetadata(
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1), recurrent=rec,

@@ -84,7 +84,8 @@ class VisionRunner:
         self.buckets = window_buckets(self.vc)
 
     def rows(self, image: Any) -> np.ndarray:
-        """The image's [num_tokens, E] input rows (an `ImageItem`): cached, or encoded now."""
+        """The image's [num_tokens, 1 + D, E] rows (an `ImageItem`): each token's input row, then
+        its D DeepStack rows (Qwen3-VL); cached, or encoded now."""
         rows = self.cache.get(image.hash)
         if rows is None:
             rows = self.encode(image.pixel_values, image.grid_thw)
@@ -97,10 +98,9 @@ class VisionRunner:
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
         layout = vision_layout(grid_thw, self.vc)
         windows = pick(self.buckets, layout.num_windows)
-        pixels, positions, valid = slot_inputs(pixel_values, layout, windows, self.vc)
-        args = jax.device_put((pixels, positions, valid), self.sharding)
+        inputs = jax.device_put(slot_inputs(pixel_values, layout, windows, self.vc), self.sharding)
         exe = self.executables.get(windows)
-        out = exe(self.params, *args) if exe is not None else encode_jit(self.params, *args, vc=self.vc)
+        out = exe(self.params, inputs) if exe is not None else encode_jit(self.params, inputs, vc=self.vc)
         self.num_encoded += 1
         return np.asarray(out)[layout.token_rows].astype(self.dtype)
 
@@ -116,8 +116,11 @@ def lower_encoder(vc: VisionConfig, params: dict[str, Any], windows: int, shardi
     """Compiles the encoder for `windows` windows over abstract params and inputs."""
     n = windows * slots_per_window(vc)
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
-    return encode_jit.lower(params, sds((n, vc.patch_dim), jnp.float32), sds((n, 2), jnp.int32),
-                            sds((n,), jnp.bool_), vc=vc).compile()
+    inputs = {"pixels": sds((n, vc.patch_dim), jnp.float32), "positions": sds((n, 2), jnp.int32),
+              "valid": sds((n,), jnp.bool_)}
+    if vc.kind == "qwen3_vl":
+        inputs.update(pos_index=sds((n, 4), jnp.int32), pos_weight=sds((n, 4), jnp.float32))
+    return encode_jit.lower(params, inputs, vc=vc).compile()
 
 
 def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hidden_size: int, dtype: Any,
@@ -125,7 +128,9 @@ def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hi
     """A step's `MultimodalMetadata` fields on the host: each image token's encoder row and
     each token's (t, h, w) positions, spans in batch order as `BatchBuilder` lays them out.
     `requests`: the runner's per-request state (`CachedRequestState.multimodal`)."""
+    D = len(vision.vc.deepstack_visual_indexes) if vision is not None else 0
     embeds = np.zeros((T, hidden_size), dtype)
+    deepstack = np.zeros((D, T, hidden_size), dtype)
     is_embed = np.zeros(T, bool)
     pos = np.zeros((3, T), np.int32)
     row = 0
@@ -143,14 +148,18 @@ def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hi
                     continue
                 if vision is None:
                     raise ValueError("a request with images reached a runner without an image encoder")
-                rows = vision.rows(image)
-                embeds[row + lo - sr.start:row + hi - sr.start] = rows[lo - image.offset:hi - image.offset]
-                is_embed[row + lo - sr.start:row + hi - sr.start] = True
+                rows = vision.rows(image)[lo - image.offset:hi - image.offset]  # [k, 1 + D, E]
+                at = slice(row + lo - sr.start, row + hi - sr.start)
+                embeds[at] = rows[:, 0]
+                deepstack[:, at] = np.swapaxes(rows[:, 1:], 0, 1)
+                is_embed[at] = True
         row += n
-    return {"embeds": embeds, "is_embed": is_embed, "mrope_positions": pos}
+    return {"embeds": embeds, "deepstack": deepstack, "is_embed": is_embed, "mrope_positions": pos}
 
 
-def abstract_multimodal(T: int, hidden_size: int, dtype: Any, sharding: Any = None) -> MultimodalMetadata:
+def abstract_multimodal(T: int, hidden_size: int, dtype: Any, num_deepstack: int = 0,
+                        sharding: Any = None) -> MultimodalMetadata:
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     return MultimodalMetadata(embeds=sds((T, hidden_size), dtype), is_embed=sds((T,), jnp.bool_),
-                              mrope_positions=sds((3, T), jnp.int32))
+                              mrope_positions=sds((3, T), jnp.int32),
+                              deepstack=sds((num_deepstack, T, hidden_size), dtype))
