@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: greedy parity with transformers' generate on a tiny random checkpoint with
+"""Qwen2.5-VL and Qwen3-VL: greedy parity with transformers' generate on tiny random checkpoints with
 synthetic images (one image, two, images of different sizes in one batch, chunked prefill
 through an image), the encoder once per image and its cache bounded, prefix hits on the same
 image and none on another, no compilation after warmup, and bad image inputs refused by name
@@ -79,11 +79,11 @@ def _save(path) -> object:
     return model
 
 
-def _hf_greedy(model, ids: list[int], images: list, max_new: int = MAX_NEW):
+def _hf_greedy(model, ids: list[int], images: list, max_new: int = MAX_NEW, preprocessor: dict = PREPROCESSOR):
     """transformers' generate on the placeholders expanded as its processor expands them."""
     from jaxserve.multimodal.qwen_vl_preprocess import QwenVLImageConfig, preprocess_image
 
-    cfg = QwenVLImageConfig.from_preprocessor_config(PREPROCESSOR)
+    cfg = QwenVLImageConfig.from_preprocessor_config(preprocessor)
     done = [preprocess_image(im, cfg) for im in images]
     expanded, k = [], 0
     for t in ids:
@@ -113,6 +113,57 @@ def vl(tmp_path_factory):
 
 def _prompt(ids, images):
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
+# Qwen3-VL: patch 16, mean/std 0.5, DeepStack from two of three blocks, interleaved M-RoPE.
+PREPROCESSOR3 = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 80, "patch_size": 16, "merge_size": 2,
+                 "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+
+
+@pytest.fixture(scope="module")
+def vl3(tmp_path_factory):
+    from jaxserve import LLM
+
+    path = tmp_path_factory.mktemp("qwen3_vl") / "tiny"
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 2]),
+        image_token_id=IMAGE, video_token_id=251, vision_start_token_id=START, vision_end_token_id=END,
+        tie_word_embeddings=False)
+    torch.manual_seed(4)
+    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "visual" not in name:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR3))
+    return model, LLM(model=str(path), **{**ENGINE, "num_pages": 96})
+
+
+def test_qwen3_vl_greedy_matches_transformers_with_deepstack_and_chunks(vl3):
+    """Qwen3-VL: DeepStack rows into the first two decoder layers and interleaved M-RoPE; one
+    image, two of different sizes, a text prompt, and a 50-token image through 16-token chunks
+    (its DeepStack rows split across steps as its embeddings are); a prefix hit on the same image."""
+    from jaxserve import SamplingParams
+
+    hf, llm = vl3
+    small, wide, tall = _image(96, 128, 20), _image(320, 160, 21), _image(70, 220, 22)
+    prompts = [([5, 6, START, IMAGE, END, 7, 8], [small]),
+               ([5, START, IMAGE, END, 11, START, IMAGE, END, 12], [wide, tall]),
+               ([3, 4, 5, 6, 7], [])]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outs = llm.generate([_prompt(ids, ims) for ids, ims in prompts], params, use_tqdm=False)
+    for i, ((ids, ims), out) in enumerate(zip(prompts, outs)):
+        _check(out, _hf_greedy(hf, ids, ims, preprocessor=PREPROCESSOR3), f"qwen3_vl prompt {i}")
+    again = llm.generate([_prompt(*prompts[1])], params, use_tqdm=False)[0]
+    assert again.usage.cached_tokens >= len(outs[1].prompt_token_ids) - 4
+    assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert llm.engine.runner.guard.compiles_after_warmup == 0
 
 
 def _check(llm_out, ref, name):
