@@ -366,3 +366,19 @@ def test_text_model_refuses_images():
     proc = InputProcessor(InputLimits(vocab_size=256, max_model_len=64, max_logprobs=5, max_n=4))
     with pytest.raises(InputError, match="takes no images"):
         proc.image_prompt([1, 2, 3], [(b"png", "multi_modal_data.image[0]")])
+
+
+def test_processor_kwargs_bound_the_images_and_the_encoder_programs(vl):
+    """`mm_processor_kwargs` replaces the checkpoint's resize bounds: a lower max_pixels means
+    fewer tokens per image and a smaller largest encoder program; other keys are refused."""
+    from jaxserve.config.engine_config import EngineConfig, vision_windows
+    from jaxserve.engine.llm_engine import Engine
+    from jaxserve.loading import load_model
+
+    _, llm = vl
+    loaded = load_model(llm.engine.config.model)
+    small = Engine._load(EngineConfig(mm_processor_kwargs={"max_pixels": 28 * 28 * 16}), loaded).config
+    assert small.vision.max_pixels == 28 * 28 * 16 and loaded.config.vision.max_pixels == 28 * 28 * 80
+    assert vision_windows(small)[-1] < vision_windows(loaded.config)[-1]
+    with pytest.raises(ValueError, match="only min_pixels and max_pixels"):
+        EngineConfig(mm_processor_kwargs='{"fps": 2}')

@@ -86,6 +86,31 @@ def _images_per_prompt(limit: Any) -> int:
     return limit
 
 
+def _processor_kwargs(kwargs: Any) -> dict[str, int] | None:
+    """`mm_processor_kwargs` (a dict or its JSON) checked: only the resize bounds, positive ints."""
+    if kwargs is None or kwargs == {}:
+        return None
+    if isinstance(kwargs, str):
+        import json
+
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            raise ValueError(f"mm_processor_kwargs must be a dict or JSON like '{{\"max_pixels\": 1003520}}', "
+                             f"got {kwargs!r}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
+    unknown = set(kwargs) - {"min_pixels", "max_pixels"}
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: only min_pixels and max_pixels are supported, got {sorted(unknown)}")
+    for k, v in kwargs.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"mm_processor_kwargs.{k} must be an integer >= 1, got {v!r}")
+    if kwargs.get("min_pixels", 1) > kwargs.get("max_pixels", kwargs.get("min_pixels", 1)):
+        raise ValueError("mm_processor_kwargs: min_pixels must be <= max_pixels")
+    return dict(kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine. `model=None` is the embedded SmolLM2-135M-Instruct GGUF."""
@@ -173,6 +198,10 @@ class EngineConfig:
     mm_encoder_cache_gb: float = 0.5
     # The largest decoded image accepted (width * height, checked from the header before decoding).
     max_image_pixels: int = 36_000_000
+    # The image processor's resize bounds instead of the checkpoint's (vLLM's spelling):
+    # {"min_pixels": ..., "max_pixels": ...} (or its JSON). A lower max_pixels shrinks large
+    # images to fewer tokens and the encoder's largest program with them.
+    mm_processor_kwargs: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -236,6 +265,7 @@ class EngineConfig:
         object.__setattr__(self, "allowed_media_domains", tuple(str(d).lower() for d in self.allowed_media_domains))
         if not self.mm_encoder_cache_gb > 0:
             raise ValueError(f"mm_encoder_cache_gb must be > 0, got {self.mm_encoder_cache_gb!r}")
+        object.__setattr__(self, "mm_processor_kwargs", _processor_kwargs(self.mm_processor_kwargs))
         if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be an integer >= 1, got {self.max_image_pixels!r}")
         # The scheduling fields: validated once, by SchedulerConfig, with stand-ins for the

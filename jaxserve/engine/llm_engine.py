@@ -212,6 +212,9 @@ class Engine:
         elif config.quantization is not None and params_quantization(loaded.params) is None:
             loaded = dataclasses.replace(loaded, params=quantize_params(
                 loaded.params, config.quantization, config.quantize_lm_head))
+        if config.mm_processor_kwargs and loaded.config.vision is not None:  # the engine's resize bounds
+            vision = dataclasses.replace(loaded.config.vision, **config.mm_processor_kwargs)
+            loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, vision=vision))
         held = params_quantization(loaded.params)
         if config.quantization is not None and held != config.quantization:
             raise ValueError(f"quantization={config.quantization!r} but the model's weights are {held or 'not quantized'}")
