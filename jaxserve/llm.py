@@ -123,8 +123,11 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in convs:
-            proc.check_messages(list(c))
-            prompts.append({"prompt_token_ids": apply_chat_template(proc.tokenizer, list(c), add_generation_prompt)})
+            messages, images = _chat_images(list(c))
+            proc.check_messages(messages)
+            ids = apply_chat_template(proc.tokenizer, messages, add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images
+                           else {"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _add(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None) -> str:
@@ -177,3 +180,32 @@ def _images(prompt: dict[str, Any]) -> list[Any]:
         raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
     images = data.get("image", [])
     return list(images) if isinstance(images, list | tuple) else [images]
+
+
+def _chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages whose content parts hold images (OpenAI's `image_url` parts, vLLM's
+    `image_pil` and `{"type": "image", "image": ...}`) as the chat template reads them
+    (`{"type": "image"}` in place), and the images in order."""
+    images: list[Any] = []
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(url.get("url") if isinstance(url, dict) else url)
+            elif kind == "image_pil":
+                images.append(part.get("image_pil"))
+            elif kind == "image" and "image" in part:
+                images.append(part["image"])
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        out.append({**m, "content": parts})
+    return out, images

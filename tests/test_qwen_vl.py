@@ -382,3 +382,23 @@ def test_processor_kwargs_bound_the_images_and_the_encoder_programs(vl):
     assert vision_windows(small)[-1] < vision_windows(loaded.config)[-1]
     with pytest.raises(ValueError, match="only min_pixels and max_pixels"):
         EngineConfig(mm_processor_kwargs='{"fps": 2}')
+
+
+def test_llm_chat_takes_image_parts_as_the_openai_api_does(vl):
+    """`LLM.chat` with an `image_url` part (a data URL) and a PIL `image_pil` part answers as
+    `generate` on the same template ids and images."""
+    from jaxserve import SamplingParams
+
+    _, llm = vl
+    a, b = _image(84, 84, 30), _image(112, 56, 31)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    content = [{"type": "text", "text": "t5"}, {"type": "image_url", "image_url": {"url": _data_url(a)}},
+               {"type": "image_pil", "image_pil": b}, {"type": "text", "text": "t6"}]
+    chat = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    ids = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "image"}, {"type": "image"},
+                                      {"type": "text", "text": "t6"}]}],
+        tokenize=True, add_generation_prompt=True, return_dict=False)
+    plain = llm.generate([_prompt(ids, [a, b])], params, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == plain.prompt_token_ids and IMAGE in chat.prompt_token_ids
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids

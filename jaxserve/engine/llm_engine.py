@@ -95,6 +95,9 @@ class Engine:
         if family_of(mc).kv_cache.recurrent and asked.max_num_seqs is None:  # as many as state slots fit
             self.config = config = dataclasses.replace(config, max_num_seqs=min(
                 config.max_num_seqs, asked._state_fitting_seqs(mc, None)))
+        if mc.vision is not None and config.num_processes > 1:
+            raise ValueError(f"{mc.architecture}: images are not served across hosts yet (num_processes "
+                             f"{config.num_processes}); run one process per host group")
         check_support(mc, lora=config.enable_lora, quantized_kv=config.kv_cache_dtype != "auto",
                       spec_decode=config.speculative_config is not None,
                       tensor_parallel=config.tensor_parallel_size > 1, expert_parallel=config.enable_expert_parallel)
