@@ -40,6 +40,11 @@ class SchedulerConfig:
     # the running ones; 0: no prefix caching of such models' states).
     recurrent_state: bool = False
     num_state_snapshots: int = 0
+    # Vision-language models: the image tokens whose encoding may start in one step (an image
+    # starts when a span first reaches its first placeholder token), so a flood of new images
+    # cannot make one step arbitrarily long; a span stops before the image that would exceed
+    # it (the step's first image always fits). 0: no bound.
+    max_num_encoder_tokens: int = 0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -47,6 +52,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_num_encoder_tokens, int) or self.max_num_encoder_tokens < 0:
+            raise ValueError(f"max_num_encoder_tokens must be an integer >= 0 (0: no bound), "
+                             f"got {self.max_num_encoder_tokens!r}")
         if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), "

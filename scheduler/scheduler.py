@@ -29,6 +29,7 @@ stays True until they are reported).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far; the three phases fill it in turn."""
 
     budget: int
+    encoder_budget: int = 0  # image tokens that may still start encoding this step
+    encoder_spent: int = 0
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -277,7 +280,7 @@ class Scheduler:
         if self._awaiting_grammar:
             self._admit_compiled_grammars()
         finished_ids, self._finished_ids = self._finished_ids, []
-        plan = _StepPlan(budget=self.step_tokens)
+        plan = _StepPlan(budget=self.step_tokens, encoder_budget=self.config.max_num_encoder_tokens or sys.maxsize)
         if self.config.policy == "priority":
             self.running.sort(key=_priority_key)
         self._schedule_running(plan)
@@ -308,10 +311,31 @@ class Scheduler:
             state_restores=plan.state_restores,
         )
 
-    def _span_len(self, req: Request, budget: int) -> int:
-        """Tokens the request may compute this step (see ``_clamp``)."""
-        n = self._clamp(req.num_tokens - req.num_computed_tokens, budget)
-        return self._snapshot_aligned(req, req.num_computed_tokens, n)
+    def _span_len(self, req: Request, plan: _StepPlan) -> int:
+        """Tokens the request may compute this step (see ``_clamp`` and ``_encoder_cut``)."""
+        start = req.num_computed_tokens
+        n = self._encoder_cut(req, start, self._clamp(req.num_tokens - start, plan.budget), plan)
+        return self._snapshot_aligned(req, start, n)
+
+    @staticmethod
+    def _encoder_cut(req: Request, start: int, n: int, plan: _StepPlan) -> int:
+        """A span of a prompt with images ends before the first image starting in it whose
+        tokens exceed the step's encoder budget left (the step's first image always fits, so
+        no image waits for ever); 0 when that image is the span's first token."""
+        if not req.mm_keys:
+            return n
+        spent = plan.encoder_spent
+        for offset, length, _ in req.mm_keys:
+            if start <= offset < start + n:
+                if spent and spent + length > plan.encoder_budget:
+                    return offset - start
+                spent += length
+        return n
+
+    @staticmethod
+    def _encoder_cost(req: Request, start: int, n: int) -> int:
+        """Image tokens whose first token lies in [start, start + n)."""
+        return sum(length for offset, length, _ in req.mm_keys if start <= offset < start + n)
 
     def _snapshot_aligned(self, req: Request, start: int, n: int) -> int:
         """A hybrid model with state snapshots: a multi-token span that would end inside a
@@ -340,7 +364,7 @@ class Scheduler:
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            n = self._span_len(req, plan.budget)
+            n = self._span_len(req, plan)
             if n <= 0:
                 i += 1
                 continue
@@ -372,7 +396,9 @@ class Scheduler:
             req = swapped.peek()
             if not self._lora_fits(req):
                 return
-            n = self._span_len(req, plan.budget)
+            n = self._span_len(req, plan)
+            if n <= 0:
+                return
             res = self.kv.swap_in(req, n)
             if res is None and not running:
                 n = 1
@@ -436,7 +462,10 @@ class Scheduler:
                 continue
             hits = kv.get_computed_blocks(req)
             num_hit = hits.num_tokens
-            n = self._snapshot_aligned(req, num_hit, self._clamp(req.num_tokens - num_hit, plan.budget))
+            n = self._encoder_cut(req, num_hit, self._clamp(req.num_tokens - num_hit, plan.budget), plan)
+            if n <= 0:  # its image waits for the next step's encoder budget; nobody overtakes it
+                return
+            n = self._snapshot_aligned(req, num_hit, n)
             new_ids = kv.allocate_slots(req, n, hits)
             if new_ids is None and not running:
                 # Nothing else holds device blocks: take what fits, or give up for good.
@@ -499,6 +528,8 @@ class Scheduler:
         ))
         plan.slots.append(self.kv.slot_of(req.request_id))
         plan.budget -= n
+        if req.mm_keys:
+            plan.encoder_spent += self._encoder_cost(req, start, n)
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
         """Take a running request off the device (it is already out of ``self.running``)."""

@@ -399,3 +399,33 @@ def test_a_grammar_that_failed_before_the_request_was_added_ends_it_with_the_err
     assert [sr.request_id for sr in out.scheduled] == ["good"] and not out.new_requests[1:]
     assert s.take_grammar_errors() == [("bad", "structured_outputs.regex: invalid regex")]
     assert s.get_request("bad") is None
+
+
+class _Images:
+    """A prompt's images as the scheduler sees them (`MultimodalPrompt.keys`)."""
+
+    def __init__(self, *keys):
+        self.keys = keys
+
+
+def test_encoder_budget_stops_a_span_before_the_image_that_does_not_fit():
+    """With 20 image tokens per step, the second prompt's 16-token image waits a step (its text
+    before the image runs), an image larger than the budget still runs when it is the step's
+    first, and image hashes never change what is scheduled otherwise."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=200, max_model_len=256, max_num_seqs=8,
+                          max_num_batched_tokens=64, max_num_encoder_tokens=20)
+    sched = Scheduler(cfg)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    sched.add_request(Request("a", list(range(1, 41)), sp, multimodal=_Images((2, 16, "x"))))
+    sched.add_request(Request("b", list(range(1, 41)), sp, multimodal=_Images((2, 16, "y"))))
+    first = sched.schedule()
+    assert [(s.request_id, s.start, s.num_tokens) for s in first.scheduled] == [("a", 0, 40), ("b", 0, 2)]
+    sched.update_from_output(first, {"a": [5], "b": []})
+    second = sched.schedule()
+    assert [(s.request_id, s.start, s.num_tokens) for s in second.scheduled] == [("b", 2, 38)]
+    sched.update_from_output(second, {"b": [5]})
+    sched.add_request(Request("c", list(range(1, 41)), sp, multimodal=_Images((0, 30, "z"))))
+    third = sched.schedule()
+    assert [(s.request_id, s.num_tokens) for s in third.scheduled] == [("c", 40)]
+    with pytest.raises(ValueError, match="max_num_encoder_tokens"):
+        SchedulerConfig(max_num_encoder_tokens=-1)

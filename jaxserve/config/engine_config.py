@@ -202,6 +202,9 @@ class EngineConfig:
     # {"min_pixels": ..., "max_pixels": ...} (or its JSON). A lower max_pixels shrinks large
     # images to fewer tokens and the encoder's largest program with them.
     mm_processor_kwargs: Any = None
+    # Image tokens whose encoding may start in one step (vLLM's encoder budget); None: the token
+    # budget, or the largest image's tokens if more. 0: no bound.
+    max_num_encoder_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -266,6 +269,10 @@ class EngineConfig:
         if not self.mm_encoder_cache_gb > 0:
             raise ValueError(f"mm_encoder_cache_gb must be > 0, got {self.mm_encoder_cache_gb!r}")
         object.__setattr__(self, "mm_processor_kwargs", _processor_kwargs(self.mm_processor_kwargs))
+        if self.max_num_encoder_tokens is not None and (
+                not isinstance(self.max_num_encoder_tokens, int) or self.max_num_encoder_tokens < 0):
+            raise ValueError(f"max_num_encoder_tokens must be an integer >= 0 (0: no bound), "
+                             f"got {self.max_num_encoder_tokens!r}")
         if not isinstance(self.max_image_pixels, int) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be an integer >= 1, got {self.max_image_pixels!r}")
         # The scheduling fields: validated once, by SchedulerConfig, with stand-ins for the
@@ -351,15 +358,15 @@ class EngineConfig:
         return default_dtype_for_platform(platform) if self.dtype == "auto" else self.dtype
 
     def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
-                         recurrent: bool = False) -> SchedulerConfig:
+                         recurrent: bool = False, encoder_tokens: int = 0) -> SchedulerConfig:
         try:
-            return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent)
+            return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent, encoder_tokens)
         except ValueError as e:  # name the field as the user wrote it
             msg = re.sub(r"^(\w+)", lambda m: _ENGINE_NAME.get(m.group(1), m.group(1)), str(e))
             raise ValueError(msg) from None
 
     def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
-                          recurrent: bool = False) -> SchedulerConfig:
+                          recurrent: bool = False, encoder_tokens: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.page_size,
             num_blocks=num_pages,
@@ -374,7 +381,19 @@ class EngineConfig:
             max_loras=self.max_loras if self.enable_lora else 0,
             recurrent_state=recurrent,
             num_state_snapshots=self.max_num_seqs if recurrent and self.enable_prefix_caching else 0,
+            max_num_encoder_tokens=encoder_tokens,
         )
+
+    def encoder_token_budget(self, model_config: Any) -> int:
+        """The image tokens whose encoding may start in one step (0: a text model): the
+        setting, or the token budget, raised to the largest image so that one always fits."""
+        vision = getattr(model_config, "vision", None)
+        if vision is None:
+            return 0
+        if self.max_num_encoder_tokens is not None:
+            return self.max_num_encoder_tokens
+        largest = vision.max_pixels // (vision.patch_size * vision.spatial_merge_size) ** 2
+        return max(self.max_num_batched_tokens, largest)
 
     def resolve(self, model_config: Any, kv_model_config: Any | None = None,
                 platform: str | None = None) -> ResolvedConfig:
@@ -419,7 +438,8 @@ class EngineConfig:
         else:
             num_host_pages = num_pages if self.preemption_mode == "swap" else 0
         return ResolvedConfig(
-            scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent),
+            scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent,
+                                            encoder_tokens=self.encoder_token_budget(model_config)),
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
