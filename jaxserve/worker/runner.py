@@ -195,6 +195,7 @@ class ModelRunner:
         # A vision-language model's image encoder (its step inputs carry image rows and 3-D positions).
         self.multimodal = self.config.vision is not None
         self.vision: VisionRunner | None = None
+        self._mm_zeros: dict[int, dict[str, jax.Array]] = {}  # a step without images: its rows, per bucket
         if self.multimodal:
             self.vision = self._vision_runner(loaded, encoder_cache_bytes)
         # Host-side swap pool, as the swap gather returns pages: [L, H, S, ...] per array (K, V
@@ -527,17 +528,28 @@ class ModelRunner:
             rec = RecurrentMetadata(**self._put(arrays.recurrent))
         mm = None
         if self.multimodal:
-            host = arrays.multimodal
-            if host is None:  # text only (tools that run `forward`): 1-D positions on every axis
-                T = arrays.token_ids.shape[0]
-                E, D = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
-                host = {"embeds": np.zeros((T, E), np.dtype(self.dtype)), "is_embed": np.zeros(T, bool),
-                        "mrope_positions": np.broadcast_to(arrays.positions, (3, T)),
-                        "deepstack": np.zeros((D, T, E), np.dtype(self.dtype))}
-            mm = MultimodalMetadata(**self._put(host))
+            mm = self._multimodal_metadata(arrays)
         md = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv, block_tables=tables, num_seqs=nseq,
                                recurrent=rec, multimodal=mm)
         return tok, pos, md, lidx
+
+    def _multimodal_metadata(self, arrays: StepArrays) -> MultimodalMetadata:
+        """The step's image rows and 3-D positions on the devices. A step without image tokens
+        (every decode step) sends its positions only: its zero rows are kept on the devices
+        per token bucket, not sent ([T, E] and [D, T, E] each step)."""
+        T = arrays.token_ids.shape[0]
+        host = arrays.multimodal
+        if host is None:  # text only (tools that run `forward`): 1-D positions on every axis
+            host = {"mrope_positions": np.broadcast_to(arrays.positions, (3, T)), "is_embed": np.zeros(T, bool)}
+        if host["is_embed"].any():
+            return MultimodalMetadata(**self._put(host))
+        zeros = self._mm_zeros.get(T)
+        if zeros is None:
+            E, D = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
+            zeros = self._mm_zeros[T] = self._put({
+                "embeds": np.zeros((T, E), np.dtype(self.dtype)), "is_embed": np.zeros(T, bool),
+                "deepstack": np.zeros((D, T, E), np.dtype(self.dtype))})
+        return MultimodalMetadata(mrope_positions=self._put(np.ascontiguousarray(host["mrope_positions"])), **zeros)
 
     def _put(self, tree):
         """Host data to (replicated) device arrays. Across processes each one places its own

@@ -2,9 +2,10 @@
 the step's), the cache of its outputs by image hash, and a step's multimodal inputs.
 
 A step's image rows come from the cache: an image is encoded the first time a span reaches
-its tokens, and its [num_tokens, E] rows stay on the host (LRU, bounded in bytes) for the
-later chunks of the same prefill and for other requests with the same image, so chunked
-prefill never encodes an image twice while its rows are cached.
+its tokens, and its [num_tokens, 1 + D, E] rows (the input row and Qwen3-VL's D DeepStack rows
+of each token) stay on the host (LRU, bounded in bytes) for the later chunks of the same
+prefill and for other requests with the same image, so chunked prefill never encodes an image
+twice while its rows are cached.
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ class VisionRunner:
         out = exe(self.params, inputs) if exe is not None else encode_jit(self.params, inputs, vc=self.vc)
         self.num_encoded += 1
         return np.asarray(out)[layout.token_rows].astype(self.dtype)
-
 
 
 def vision_dtype(platform: str, dtype: Any) -> Any:
