@@ -69,6 +69,7 @@ class EngineSnapshot:
     step_device_s: float
     spec_decode: SpecDecodeCounts | None = None  # cumulative; None: speculative decoding is off
     lora: dict[str, Any] | None = None  # `Engine.lora_activity()`; None: LoRA is off
+    encoder: dict[str, int] | None = None  # `Engine.encoder_activity()`; None: a text model
 
 
 @dataclasses.dataclass
@@ -351,6 +352,7 @@ class EngineLoop:
             step_host_s=ls.host_s, step_device_s=ls.device_s,
             spec_decode=self._spec_copy(),
             lora=self.engine.lora_activity() if self.engine.lora_registry is not None else None,
+            encoder=self.engine.encoder_activity(),
         )
 
     def _spec_copy(self) -> SpecDecodeCounts | None:

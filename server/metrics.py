@@ -181,6 +181,16 @@ class _SnapshotCollector:
         yield CounterMetricFamily(P + "engine_steps", "Engine steps run.", value=snap.num_steps)
         if snap.lora is not None:
             yield from _lora_metrics(snap.lora)
+        enc = snap.encoder
+        if enc is not None:  # a vision-language model's image encoder and its output cache
+            yield CounterMetricFamily(P + "mm_images_encoded", "Images run through the image encoder.",
+                                      value=enc["images_encoded"])
+            yield CounterMetricFamily(P + "mm_encoder_cache_hits", "Encoder-cache lookups that found the image.",
+                                      value=enc["cache_hits"])
+            yield CounterMetricFamily(P + "mm_encoder_cache_misses", "Encoder-cache lookups that did not.",
+                                      value=enc["cache_misses"])
+            yield GaugeMetricFamily(P + "mm_encoder_cache_bytes", "Host bytes the encoder cache holds.",
+                                    value=enc["cache_bytes"])
         spec = snap.spec_decode
         if spec is not None:  # vLLM's names
             yield CounterMetricFamily(P + "spec_decode_num_drafts", "Sequences that carried speculative drafts.",

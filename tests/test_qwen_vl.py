@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -288,6 +289,9 @@ def test_openai_client_sends_a_base64_image_to_the_server_and_bad_parts_are_400s
                                                messages=[{"role": "user", "content": content}])
         assert again.choices[0].message.content == want
         _check_grpc(srv, ids, picture, want)
+        metrics = httpx_get(f"http://127.0.0.1:{srv.server.http_port}/metrics")
+        counts = dict(re.findall(r"^jaxserve:(mm_\w+) ([0-9.e+]+)$", metrics, re.M))
+        assert float(counts["mm_images_encoded_total"]) >= 1 and float(counts["mm_encoder_cache_hits_total"]) >= 3
     finally:
         srv.close()
 
@@ -316,6 +320,14 @@ def _check_grpc(srv, ids, picture, want: str) -> None:
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(bad, timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in e.value.details()
+
+
+def httpx_get(url: str) -> str:
+    import httpx
+
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.text
 
 
 def batch_text(srv, ids, picture) -> str:

@@ -416,6 +416,16 @@ class Engine:
     def list_loras(self) -> list[LoRARequest]:
         return self.lora_registry.loaded() if self.lora_registry is not None else []
 
+    def encoder_activity(self) -> dict[str, int] | None:
+        """A vision-language model's image encoder: images encoded, encoder-cache hits and
+        misses (lookups by image hash), and the cache's bytes and entries (None: a text model)."""
+        vision = self.runner.vision
+        if vision is None:
+            return None
+        cache = vision.cache
+        return {"images_encoded": vision.num_encoded, "cache_hits": cache.hits, "cache_misses": cache.misses,
+                "cache_bytes": cache.nbytes, "cache_entries": len(cache)}
+
     def lora_activity(self) -> dict[str, Any] | None:
         """Adapters of the running and the waiting requests (names), the slots and the
         adapter loads into them, and the per-adapter counts (None: LoRA is off)."""
