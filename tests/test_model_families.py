@@ -80,7 +80,8 @@ _CHILD = textwrap.dedent("""
 """).replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
 
 # tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism;
-# "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1.
+# "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1;
+# an int8 width split of routed experts: DeepSeek-V3's and Gemma 4's int8:tp2.
 # Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window
 # entering the per-shard attention (and KV heads replicated 2x at tp4); DeepSeek-V3 its query
 # heads split over a latent cache every rank holds whole, its experts split whole (ep2) and its
@@ -90,7 +91,7 @@ _CHILD = textwrap.dedent("""
 # entering the per-shard attention, its dense / MoE groups and input-scaled experts. Gemma 4 its
 # two attention kinds' stacks and K/V pools split by head, and its MoE block (int8 too); E2B's
 # features (per-layer inputs, layers reading earlier K/V, double-wide MLPs) split by head too.
-LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:tp2", "int8:ep8"), "gemma3": ("tp4",),
+LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:ep8"), "gemma3": ("tp4",),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
            "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2"),
            "gemma4": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
