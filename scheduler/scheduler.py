@@ -58,8 +58,8 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far; the three phases fill it in turn."""
 
     budget: int
-    encoder_budget: int = 0  # image tokens that may still start encoding this step
-    encoder_spent: int = 0
+    encoder_budget: int = 0  # the step's bound on image tokens whose encoding starts (max_num_encoder_tokens)
+    encoder_spent: int = 0  # image tokens whose encoding starts in the spans scheduled so far
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
