@@ -89,6 +89,9 @@ class ScriptedEngine:
         self.lora_registry = None
         self._live: dict[str, _Live] = {}
 
+    def encoder_activity(self) -> None:
+        return None  # a text model: no image encoder
+
     def add_request(self, request: EngineRequest, *, request_id: str | None = None,
                     arrival_time: float | None = None, output_kind: OutputKind = OutputKind.CUMULATIVE,
                     lora_request: Any = None) -> str:

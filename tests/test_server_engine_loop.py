@@ -40,8 +40,11 @@ class FakeEngine:
         self.last_step = StepTiming()
         self.scheduler = types.SimpleNamespace(stats=self._stats)
         self.tokenizer = None
-        self.proposer = None  # the ServingEngine members the loop reads: no spec decode, no LoRA
-        self.lora_registry = None
+        self.proposer = None  # the ServingEngine members the loop reads: no spec decode, no LoRA,
+        self.lora_registry = None  # no image encoder
+
+    def encoder_activity(self):
+        return None
 
     def _stats(self) -> SchedulerStats:
         n = len(self.reqs)
