@@ -45,6 +45,10 @@ class SchedulerConfig:
     # cannot make one step arbitrarily long; a span stops before the image that would exceed
     # it (the step's first image always fits). 0: no bound.
     max_num_encoder_tokens: int = 0
+    # Images whose tokens attend to each other in both directions (Gemma 3): every token of an
+    # image must be computed in one step, after or beside the keys of all of them, so a span
+    # never ends inside an image (it stops before it, or waits for a step with room for it).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")

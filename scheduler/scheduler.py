@@ -315,7 +315,18 @@ class Scheduler:
         """Tokens the request may compute this step (see ``_clamp`` and ``_encoder_cut``)."""
         start = req.num_computed_tokens
         n = self._encoder_cut(req, start, self._clamp(req.num_tokens - start, plan.budget), plan)
-        return self._snapshot_aligned(req, start, n)
+        return self._snapshot_aligned(req, start, self._whole_image_cut(req, start, n))
+
+    def _whole_image_cut(self, req: Request, start: int, n: int) -> int:
+        """With `whole_images`, a span that would end inside an image ends before it instead;
+        0 when the span starts in (or at) that image and the image's rest does not fit."""
+        if not self.config.whole_images or not req.mm_keys:
+            return n
+        end = start + n
+        for offset, length, _ in req.mm_keys:
+            if offset < end < offset + length:
+                return max(offset - start, 0)
+        return n
 
     @staticmethod
     def _encoder_cut(req: Request, start: int, n: int, plan: _StepPlan) -> int:
@@ -371,7 +382,7 @@ class Scheduler:
             new_ids = kv.allocate_slots(req, n)
             while new_ids is None:
                 if n > 1:  # shrink a prefill chunk to the room left before preempting anyone
-                    fit = kv.num_tokens_that_fit(req)
+                    fit = self._whole_image_cut(req, req.num_computed_tokens, kv.num_tokens_that_fit(req))
                     if 1 <= fit < n:
                         n = fit
                         new_ids = kv.allocate_slots(req, n)
@@ -401,8 +412,8 @@ class Scheduler:
                 return
             res = self.kv.swap_in(req, n)
             if res is None and not running:
-                n = 1
-                res = self.kv.swap_in(req, 1)
+                n = self._whole_image_cut(req, req.num_computed_tokens, 1)
+                res = self.kv.swap_in(req, n) if n else None
                 if res is None:
                     swapped.pop()
                     self._end_capacity(req)
@@ -463,13 +474,14 @@ class Scheduler:
             hits = kv.get_computed_blocks(req)
             num_hit = hits.num_tokens
             n = self._encoder_cut(req, num_hit, self._clamp(req.num_tokens - num_hit, plan.budget), plan)
-            if n <= 0:  # its image waits for the next step's encoder budget; nobody overtakes it
+            n = self._whole_image_cut(req, num_hit, n)
+            if n <= 0:  # its image waits for the next step's budgets; nobody overtakes it
                 return
             n = self._snapshot_aligned(req, num_hit, n)
             new_ids = kv.allocate_slots(req, n, hits)
             if new_ids is None and not running:
                 # Nothing else holds device blocks: take what fits, or give up for good.
-                fit = kv.num_tokens_that_fit(req, hits)
+                fit = self._whole_image_cut(req, num_hit, kv.num_tokens_that_fit(req, hits))
                 if 1 <= fit < n:
                     n = fit
                     new_ids = kv.allocate_slots(req, n, hits)

@@ -429,3 +429,41 @@ def test_encoder_budget_stops_a_span_before_the_image_that_does_not_fit():
     assert [(s.request_id, s.num_tokens) for s in third.scheduled] == [("c", 40)]
     with pytest.raises(ValueError, match="max_num_encoder_tokens"):
         SchedulerConfig(max_num_encoder_tokens=-1)
+
+
+def test_whole_images_never_end_a_span_inside_an_image():
+    """Bidirectional images (Gemma 3): with 16 tokens per step, a chunk that would end inside
+    the 10-token image at 12 stops before it; the image then runs whole with the text after
+    it; a prefix hit that ends inside the image resumes with the image's whole rest; an image
+    that does not fit the budget left waits while a decode runs."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=200, max_model_len=256, max_num_seqs=8,
+                          max_num_batched_tokens=16, whole_images=True)
+    sched = Scheduler(cfg)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompt = list(range(1, 31))
+    sched.add_request(Request("a", prompt, sp, multimodal=_Images((12, 10, "x"))))
+    spans = []
+    for _ in range(3):
+        out = sched.schedule()
+        spans += [(s.request_id, s.start, s.num_tokens) for s in out.scheduled]
+        sched.update_from_output(out, {s.request_id: [7] if s.start + s.num_tokens >= 30 else []
+                                       for s in out.scheduled})
+    assert spans == [("a", 0, 12), ("a", 12, 16), ("a", 28, 2)]
+    # Same prompt and image: a prefix hit of whole blocks ends inside the image (at 20); the
+    # image's rest runs in one span with what follows.
+    sched.add_request(Request("b", prompt, sp, multimodal=_Images((12, 10, "x"))))
+    out = sched.schedule()
+    b = [(s.start, s.num_tokens) for s in out.scheduled if s.request_id == "b"]
+    assert b and all(not (12 < st + n < 22) for st, n in b)
+    # Without the rule the budget cuts through the image.
+    plain = Scheduler(SchedulerConfig(block_size=4, num_blocks=200, max_model_len=256, max_num_seqs=8,
+                                      max_num_batched_tokens=16))
+    plain.add_request(Request("c", prompt, sp, multimodal=_Images((12, 10, "x"))))
+    assert [(s.start, s.num_tokens) for s in plain.schedule().scheduled] == [(0, 16)]
+    # A 16-token image at the span's start with 15 tokens of budget left waits for the next step.
+    tight = Scheduler(cfg)
+    tight.add_request(Request("d", list(range(1, 5)), sp))
+    tight.update_from_output(tight.schedule(), {"d": [9]})
+    tight.add_request(Request("e", list(range(1, 19)), sp, multimodal=_Images((0, 16, "y"))))
+    out = tight.schedule()
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("d", 1)]
