@@ -36,6 +36,7 @@ from jaxserve.compilation.warmup import ShapeRecord, WarmupReport
 from jaxserve.config.engine_config import EngineConfig, ResolvedConfig
 from jaxserve.loading.loader import resolve_dtype
 from jaxserve.lora.slots import slot_shapes, slot_specs
+from jaxserve.models import gemma3_vision, qwen_vision
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fused import fused_layer_shapes
 from jaxserve.models.quantization import (
@@ -43,7 +44,6 @@ from jaxserve.models.quantization import (
     storage_dtype,
     with_scale_shapes,
 )
-from jaxserve.models.qwen_vision import vision_param_shapes
 from jaxserve.models.registry import family_of
 from jaxserve.worker import parallel
 from jaxserve.worker.compile_plan import CompilePlan, ShapeKey, variant_name
@@ -166,7 +166,7 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     vision = None
     if c.vision is not None:  # the image encoder's params, replicated like the step inputs
         vdtype = vision_dtype(target.platform, dtype)
-        vision = {k: sds(shape, vdtype, rep) for k, shape in vision_param_shapes(c.vision).items()}
+        vision = {k: sds(shape, vdtype, rep) for k, shape in _vision_param_shapes(c.vision).items()}
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
@@ -652,3 +652,9 @@ def load_compiled(directory: str, manifest: dict[str, Any], runner, keys: list[S
         records.append(ShapeRecord(key.name, key.kind, key.size, variant_name(key.flags) if key.flags else None,
                                    round(time.perf_counter() - t0, 3), "loaded"))
     return WarmupReport(tuple(records), time.perf_counter() - t_start)
+
+
+def _vision_param_shapes(vc: Any) -> dict[str, tuple[int, ...]]:
+    """The image encoder's params, as its loader holds them, by encoder kind."""
+    module = gemma3_vision if vc.kind == "gemma3" else qwen_vision
+    return module.vision_param_shapes(vc)

@@ -358,15 +358,17 @@ class EngineConfig:
         return default_dtype_for_platform(platform) if self.dtype == "auto" else self.dtype
 
     def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
-                         recurrent: bool = False, encoder_tokens: int = 0) -> SchedulerConfig:
+                         recurrent: bool = False, encoder_tokens: int = 0, whole_images: bool = False) -> SchedulerConfig:
         try:
-            return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent, encoder_tokens)
+            return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent, encoder_tokens,
+                                          whole_images)
         except ValueError as e:  # name the field as the user wrote it
             msg = re.sub(r"^(\w+)", lambda m: _ENGINE_NAME.get(m.group(1), m.group(1)), str(e))
             raise ValueError(msg) from None
 
     def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
-                          recurrent: bool = False, encoder_tokens: int = 0) -> SchedulerConfig:
+                          recurrent: bool = False, encoder_tokens: int = 0,
+                          whole_images: bool = False) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.page_size,
             num_blocks=num_pages,
@@ -382,7 +384,20 @@ class EngineConfig:
             recurrent_state=recurrent,
             num_state_snapshots=self.max_num_seqs if recurrent and self.enable_prefix_caching else 0,
             max_num_encoder_tokens=encoder_tokens,
+            whole_images=whole_images,
         )
+
+    def _check_whole_images(self, model_config: Any) -> None:
+        """Gemma 3's images run whole in one step: the step's token budget must hold one."""
+        if not _bidirectional_images(model_config):
+            return
+        need = model_config.vision.tokens_per_image
+        room = min(self.max_num_batched_tokens, max(self.token_buckets, default=self.max_num_batched_tokens))
+        if room < need:
+            raise ValueError(f"max_num_batched_tokens: {model_config.architecture} computes each image's "
+                             f"{need} tokens in one step (they attend to each other); the step holds {room} "
+                             f"(max_num_batched_tokens {self.max_num_batched_tokens}, token_buckets "
+                             f"{list(self.token_buckets) or 'derived'})")
 
     def encoder_token_budget(self, model_config: Any) -> int:
         """The image tokens whose encoding may start in one step (0: a text model): the
@@ -413,6 +428,7 @@ class EngineConfig:
         from jaxserve.worker.compile_plan import CompilePlan
         from pallas_kernels import kv_cache_layout
 
+        self._check_whole_images(model_config)
         dtype = self.resolved_dtype(platform)
         max_model_len = self.resolved_max_model_len(model_config)
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype) or np.dtype(np.float32 if dtype == "float32" else np.float16)
@@ -439,7 +455,8 @@ class EngineConfig:
             num_host_pages = num_pages if self.preemption_mode == "swap" else 0
         return ResolvedConfig(
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent,
-                                            encoder_tokens=self.encoder_token_budget(model_config)),
+                                            encoder_tokens=self.encoder_token_budget(model_config),
+                                            whole_images=_bidirectional_images(model_config)),
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
@@ -454,9 +471,14 @@ def vision_windows(model_config: Any) -> tuple[int, ...]:
     """The image encoder's program sizes of a vision-language model (none for a text model)."""
     if getattr(model_config, "vision", None) is None:
         return ()
-    from jaxserve.models.qwen_vision import window_buckets
+    from jaxserve.worker.vision import encoder_buckets
 
-    return window_buckets(model_config.vision)
+    return encoder_buckets(model_config.vision)
+
+
+def _bidirectional_images(model_config: Any) -> bool:
+    vision = getattr(model_config, "vision", None)
+    return vision is not None and vision.bidirectional_images
 
 
 def state_bytes_per_slot(model_config: Any, tp: int = 1) -> int:

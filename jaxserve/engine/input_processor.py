@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from jaxserve.models.config import VisionConfig
+from jaxserve.multimodal.gemma3_preprocess import Gemma3ImageConfig, preprocess_gemma3_image
 from jaxserve.multimodal.images import ImageInputError, ImageLimits, load_image
 from jaxserve.multimodal.prompt import (
     ImageItem,
     MultimodalPrompt,
     expand_placeholders,
     mrope_positions,
+    plain_positions,
 )
 from jaxserve.multimodal.qwen_vl_preprocess import QwenVLImageConfig, preprocess_image
 from jaxserve.worker.input_batch import MAX_STOP_TOKEN_IDS
@@ -75,24 +77,44 @@ class InputLimits:
 
 @dataclasses.dataclass(frozen=True)
 class ImageSupport:
-    """How a vision-language engine takes images: its encoder's config (placeholder id, merge
-    size), the processor's resize and normalisation, what an image may be (bytes, pixels,
-    fetchable hosts) and how many a prompt may hold (`limit_mm_per_prompt`)."""
+    """How a vision-language engine takes images: its encoder's config, the processor's resize
+    and normalisation, what an image may be (bytes, pixels, fetchable hosts), how many a prompt
+    may hold (`limit_mm_per_prompt`), and how a placeholder expands: the `placeholder_id`
+    token becomes `before`, the image's tokens, then `after` (Gemma 3 frames them with its
+    start/end-of-image tokens and blank lines; Qwen's placeholder is the image token itself)."""
 
     vision: VisionConfig
-    processor: QwenVLImageConfig
+    processor: QwenVLImageConfig | Gemma3ImageConfig
     limits: ImageLimits
     max_images: int
+    placeholder_id: int
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
 
     @classmethod
     def for_model(cls, vision: VisionConfig, max_images: int, allowed_domains: Sequence[str] = (),
-                  max_image_pixels: int = 36_000_000) -> ImageSupport:
+                  max_image_pixels: int = 36_000_000, blank_line_ids: Sequence[int] = ()) -> ImageSupport:
+        """`blank_line_ids`: the tokenizer's ids of "\n\n" (Gemma 3's framing; its text
+        prompts get them from the processor's string, token-id prompts from here)."""
+        limits = ImageLimits(max_pixels=max_image_pixels, allowed_domains=frozenset(allowed_domains))
+        if vision.kind == "gemma3":
+            processor = Gemma3ImageConfig(image_size=vision.image_size, patch_size=vision.patch_size,
+                                          tokens_per_image=vision.tokens_per_image, image_mean=vision.image_mean,
+                                          image_std=vision.image_std)
+            blank = tuple(int(t) for t in blank_line_ids)
+            return cls(vision, processor, limits, max_images, placeholder_id=vision.vision_start_token_id,
+                       before=(*blank, vision.vision_start_token_id), after=(vision.vision_end_token_id, *blank))
         processor = QwenVLImageConfig(
             patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
             merge_size=vision.spatial_merge_size, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels,
             image_mean=vision.image_mean, image_std=vision.image_std)
-        limits = ImageLimits(max_pixels=max_image_pixels, allowed_domains=frozenset(allowed_domains))
-        return cls(vision, processor, limits, max_images)
+        return cls(vision, processor, limits, max_images, placeholder_id=vision.image_token_id)
+
+    def preprocess(self, image: Any, where: str) -> Any:
+        """A decoded image -> its `ProcessedImage` (patches, grid, token count, hash)."""
+        if isinstance(self.processor, Gemma3ImageConfig):
+            return preprocess_gemma3_image(image, self.processor, where=where)
+        return preprocess_image(image, self.processor, where=where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,17 +222,22 @@ class InputProcessor:
         for source, where in images:
             try:
                 image = load_image(source, support.limits, where)
-                processed.append(preprocess_image(image, support.processor, where=where))
+                processed.append(support.preprocess(image, where))
             except ImageInputError as e:
                 raise InputError(str(e), e.where) from None
         vc = support.vision
         try:
-            expanded, offsets = expand_placeholders(ids, processed, vc.image_token_id, param)
+            expanded, offsets = expand_placeholders(ids, processed, vc.image_token_id, param,
+                                                    placeholder_id=support.placeholder_id, before=support.before,
+                                                    after=support.after)
         except ValueError as e:
             raise InputError(str(e), param) from None
         items = tuple(ImageItem(off, p.num_tokens, p.hash, p.pixel_values, p.grid_thw)
                       for off, p in zip(offsets, processed))
-        positions, delta = mrope_positions(len(expanded), items, vc.spatial_merge_size)
+        if vc.kind == "gemma3":
+            positions, delta = plain_positions(len(expanded))
+        else:
+            positions, delta = mrope_positions(len(expanded), items, vc.spatial_merge_size)
         return expanded, MultimodalPrompt(items, positions, delta)
 
     # ------------------------------------------------------------------ sampling

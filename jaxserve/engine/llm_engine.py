@@ -218,6 +218,8 @@ class Engine:
         if config.mm_processor_kwargs and loaded.config.vision is not None:  # the engine's resize bounds
             vision = dataclasses.replace(loaded.config.vision, **config.mm_processor_kwargs)
             loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, vision=vision))
+        if config.limit_mm_per_prompt == 0 and loaded.config.vision is not None:
+            loaded = _text_only(loaded)
         held = params_quantization(loaded.params)
         if config.quantization is not None and held != config.quantization:
             raise ValueError(f"quantization={config.quantization!r} but the model's weights are {held or 'not quantized'}")
@@ -297,8 +299,12 @@ class Engine:
                              max_logprobs=self.config.max_logprobs, max_n=self.config.max_n,
                              prompt_logprobs=self.config.num_processes == 1)
         vision = self.model_config.vision
+        blank = ()
+        if vision is not None and vision.kind == "gemma3" and self.tokenizer is not None:
+            blank = self.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
         images = None if vision is None else ImageSupport.for_model(
-            vision, self.config.limit_mm_per_prompt, self.config.allowed_media_domains, self.config.max_image_pixels)
+            vision, self.config.limit_mm_per_prompt, self.config.allowed_media_domains, self.config.max_image_pixels,
+            blank_line_ids=blank)
         return InputProcessor(limits, self.tokenizer, self.structured, why, seed=self.config.seed, images=images)
 
     def add_prompt(
@@ -843,3 +849,14 @@ def _config_difference(new: Any, running: Any) -> str:
     diffs = [f"{f.name}: {getattr(new, f.name)!r} vs {getattr(running, f.name)!r}"
              for f in dataclasses.fields(running) if getattr(new, f.name) != getattr(running, f.name)]
     return "; ".join(diffs[:4]) or "equal fields"
+
+
+def _text_only(loaded: LoadedModel) -> LoadedModel:
+    """`limit_mm_per_prompt` 0 (vLLM's text-only mode): the language model alone, without its
+    image encoder. Gemma 3's is then served as Gemma 3 text (its family takes tensor
+    parallelism and LoRA); a Qwen VL decoder keeps its family (its M-RoPE over text positions
+    is plain RoPE)."""
+    cfg = dataclasses.replace(loaded.config, vision=None)
+    if loaded.config.vision.kind == "gemma3":
+        cfg = dataclasses.replace(cfg, architecture="gemma3")
+    return dataclasses.replace(loaded, config=cfg, vision=None)

@@ -22,6 +22,7 @@ from jaxserve.loading.mxfp4 import check_mxfp4, dequantize_mxfp4
 from jaxserve.loading.params import TRANSPOSED, QuantizedTensor, assemble_params
 from jaxserve.loading.part import LoadPart, TensorPart
 from jaxserve.loading.safetensors_file import SafetensorsFile, scratch
+from jaxserve.models import gemma3_vision
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import MOE_WEIGHTS
 from jaxserve.models.qwen_vision import vision_params_from_tensors
@@ -60,11 +61,26 @@ def load_hf_vision(path: str, cfg: ModelConfig) -> dict[str, np.ndarray] | None:
     if cfg.vision is None:
         return None
     index = _SafetensorsIndex(path)
+    if cfg.vision.kind == "gemma3":
+        return _load_gemma3_vision(index, path, cfg)
     prefix = next((p for p in ("visual.", "model.visual.") if index.has(p + "patch_embed.proj.weight")), None)
     if prefix is None:
         raise CheckpointError(f"{path}: {cfg.architecture} needs its image encoder's weights (visual.*), "
                               "which the checkpoint lacks")
     return vision_params_from_tensors(lambda name: index.get(prefix + name), cfg.vision, np.float32)
+
+
+def _load_gemma3_vision(index: Any, path: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Gemma 3's SigLIP tower and multimodal projector (`gemma3_vision` names)."""
+    tower = next((p for p in gemma3_vision.TOWER_PREFIXES if index.has(p + "embeddings.patch_embedding.weight")),
+                 None)
+    projector = next((p for p in gemma3_vision.PROJECTOR_PREFIXES
+                      if index.has(p + "mm_input_projection_weight")), None)
+    if tower is None or projector is None:
+        raise CheckpointError(f"{path}: {cfg.architecture} needs its image encoder's weights (vision_tower.*, "
+                              "multi_modal_projector.*), which the checkpoint lacks")
+    return gemma3_vision.vision_params_from_tensors(lambda n: index.get(tower + n), lambda n: index.get(projector + n),
+                                                    cfg.vision, np.float32)
 
 
 def preprocessor_config(path: str) -> dict[str, Any]:

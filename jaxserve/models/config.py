@@ -84,7 +84,7 @@ class MLAConfig:
 
 
 # The image encoders, and the activation of each one's MLP (transformers' names).
-VISION_KINDS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}
+VISION_KINDS = {"qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class VisionConfig:
     `image_token_id`s between `vision_start_token_id` and `vision_end_token_id`, whose input
     embeddings are the encoder's output rows."""
 
-    kind: str  # "qwen2_5_vl" | "qwen3_vl"
+    kind: str  # "qwen2_5_vl" | "qwen3_vl" | "gemma3" (SigLIP and Gemma 3's pooling projector)
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -123,6 +123,11 @@ class VisionConfig:
     # merger each, added to the image tokens' hidden states after decoder layer i).
     num_position_embeddings: int = 0
     deepstack_visual_indexes: tuple[int, ...] = ()
+    # Gemma 3: every image is resized to image_size x image_size; its patch grid is average-
+    # pooled over spatial_merge_size x spatial_merge_size patches into mm_tokens_per_image
+    # tokens, which attend to each other in both directions in the decoder.
+    image_size: int = 0
+    layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.kind not in VISION_KINDS:
@@ -132,7 +137,8 @@ class VisionConfig:
                      "temporal_patch_size", "spatial_merge_size", "in_channels", "window_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"vision config field {name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+        rotary = self.kind != "gemma3"  # SigLIP's positions are learned: no rotary halves
+        if self.hidden_size % self.num_heads or (rotary and (self.hidden_size // self.num_heads) % 4):
             raise ValueError(f"vision hidden_size {self.hidden_size} over {self.num_heads} heads must give a head "
                              "width that is a multiple of 4 (2-D rotary halves)")
         if self.window_size % (self.patch_size * self.spatial_merge_size):
@@ -142,6 +148,9 @@ class VisionConfig:
         if self.hidden_act != act:
             raise UnsupportedModelError(f"{self.kind} vision hidden_act {self.hidden_act!r} is not supported "
                                         f"({act} only)")
+        if self.kind == "gemma3" and (self.image_size <= 0 or self.image_size % (self.patch_size * self.spatial_merge_size)):
+            raise ValueError(f"gemma3 vision image_size {self.image_size} must be a positive multiple of patch_size * "
+                             f"the pooling kernel ({self.patch_size * self.spatial_merge_size})")
         if self.kind == "qwen3_vl" and math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise ValueError(f"num_position_embeddings {self.num_position_embeddings} must be a square (a grid)")
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -153,6 +162,21 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """An image's tokens attend to each other in both directions in the decoder (Gemma 3),
+        so a prefill chunk must hold every token of an image (`SchedulerConfig.whole_images`)."""
+        return self.kind == "gemma3"
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Gemma 3's fixed image token count (0 for the Qwen encoders, whose count follows the
+        image's size)."""
+        if self.kind != "gemma3":
+            return 0
+        side = self.image_size // self.patch_size // self.spatial_merge_size
+        return side * side
 
     @property
     def patch_dim(self) -> int:

@@ -299,6 +299,8 @@ class LlamaForCausalLM(nnx.Module):
         k = apply_rope(k, *cos_sin)
         pool = tuple(kv_update_fn(k, v, pool[0], pool[1], md.slot_mapping + page_offset * S, **_scales(pool)))
         extra = {"sinks": lp["sinks"].astype(jnp.float32)} if cfg.attention_sinks else {}
+        if md.multimodal is not None and md.multimodal.attend_until is not None:  # Gemma 3's images: both ways
+            extra["attend_until"] = md.multimodal.attend_until
         attn = attention_fn(
             q, pool[0], pool[1], md.kv_lens, md.block_tables + page_offset, md.cu_q_lens,
             md.num_seqs, sm_scale=cfg.sm_scale, num_kv_heads=Hkv, sliding_window=window,

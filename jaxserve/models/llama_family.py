@@ -108,7 +108,7 @@ def gguf_weight_names(cfg: ModelConfig) -> WeightNames:
 LLAMA = add_builtin(ModelFamily(
     name="llama",
     architectures=SUPPORTED_ARCHITECTURES,
-    hf_architectures={**HF_ARCH_NAMES, "Gemma3ForConditionalGeneration": "gemma3"},
+    hf_architectures=HF_ARCH_NAMES,  # (Gemma3ForConditionalGeneration: models/gemma3_vl.py)
     hf_model_types=HF_MODEL_TYPES,
     gguf_architectures=GGUF_ARCH_NAMES,
     config_from_hf=llama_config_from_hf,

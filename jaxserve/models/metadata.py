@@ -51,3 +51,6 @@ class MultimodalMetadata:
     # [D, T, E]: Qwen3-VL's DeepStack rows, added to the image tokens' hidden states after
     # decoder layer i < D (D = 0 for the others)
     deepstack: jax.Array
+    # [T] int32, Gemma 3: the last key position each token sees beyond its own (an image
+    # token: its image's last token; 0 elsewhere, i.e. causal); None for causal-only models
+    attend_until: jax.Array | None = None

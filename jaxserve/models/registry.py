@@ -20,7 +20,7 @@ MODEL_AXIS = "model"  # the mesh axis tensor parallelism splits (sharding rules 
 # Modules that register the built-in families when first imported.
 _BUILTIN_MODULES = ("jaxserve.models.llama_family", "jaxserve.models.deepseek_family", "jaxserve.models.gpt_oss",
                     "jaxserve.models.llama4", "jaxserve.models.gemma4", "jaxserve.models.qwen3_next",
-                    "jaxserve.models.qwen_vl")
+                    "jaxserve.models.qwen_vl", "jaxserve.models.gemma3_vl")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,26 +54,37 @@ class MultimodalPrompt:
         return out
 
 
-def expand_placeholders(ids: Sequence[int], images: Sequence[Any], image_token_id: int,
-                        param: str) -> tuple[list[int], list[int]]:
-    """Each lone `image_token_id` in `ids` becomes `images[i].num_tokens` of them, in order
-    (what transformers' processor does to the text's placeholder before tokenizing, and what
-    vLLM does to a token-id prompt). Returns the ids and each image's offset. Raises
-    ValueError naming `param` when the placeholders and images do not pair up."""
-    slots = [i for i, t in enumerate(ids) if t == image_token_id]
+def expand_placeholders(ids: Sequence[int], images: Sequence[Any], image_token_id: int, param: str, *,
+                        placeholder_id: int | None = None, before: Sequence[int] = (),
+                        after: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """Each lone placeholder in `ids` (`placeholder_id`, default `image_token_id`) becomes
+    `before`, then `images[i].num_tokens` image tokens, then `after`, in order (what
+    transformers' processor does to the text's placeholder before tokenizing, and what vLLM
+    does to a token-id prompt; Gemma 3 frames its image tokens with its start/end-of-image
+    tokens and blank lines). Returns the ids and each image's first image token's index.
+    Raises ValueError naming `param` when the placeholders and images do not pair up."""
+    placeholder = image_token_id if placeholder_id is None else placeholder_id
+    slots = [i for i, t in enumerate(ids) if t == placeholder]
     if len(slots) != len(images):
-        raise ValueError(f"{param}: the prompt has {len(slots)} image placeholder(s) (token id {image_token_id}) "
+        raise ValueError(f"{param}: the prompt has {len(slots)} image placeholder(s) (token id {placeholder}) "
                          f"for {len(images)} image(s)")
     out: list[int] = []
     offsets: list[int] = []
     prev = 0
     for slot, image in zip(slots, images):
         out.extend(ids[prev:slot])
+        out.extend(before)
         offsets.append(len(out))
         out.extend([image_token_id] * image.num_tokens)
+        out.extend(after)
         prev = slot + 1
     out.extend(ids[prev:])
     return out, offsets
+
+
+def plain_positions(num_tokens: int) -> tuple[np.ndarray, int]:
+    """The positions of a model without M-RoPE (Gemma 3): every axis is the token's index."""
+    return np.broadcast_to(np.arange(num_tokens, dtype=np.int32), (3, num_tokens)).copy(), 0
 
 
 def mrope_positions(num_tokens: int, images: Sequence[ImageItem], spatial_merge_size: int) -> tuple[np.ndarray, int]:

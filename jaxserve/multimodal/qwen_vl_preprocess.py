@@ -218,7 +218,7 @@ def preprocess_image(
     )
     # Always resized, even to the same size (Pillow then copies), as transformers does.
     resized = rgb.resize((resized_w, resized_h), resample=Image.Resampling.BICUBIC)
-    pixels = _rescale_and_normalize(np.asarray(resized), cfg)  # [H, W, 3] float32
+    pixels = rescale_and_normalize(np.asarray(resized), cfg)  # [H, W, 3] float32
     patches = _patchify(pixels, cfg)  # [gh * gw, 3 * t * p * p]
     grid_thw = (1, resized_h // cfg.patch_size, resized_w // cfg.patch_size)
     num_tokens = grid_thw[0] * grid_thw[1] * grid_thw[2] // cfg.merge_size**2
@@ -230,7 +230,7 @@ def preprocess_image(
     )
 
 
-def _rescale_and_normalize(pixels: np.ndarray, cfg: QwenVLImageConfig) -> np.ndarray:
+def rescale_and_normalize(pixels: np.ndarray, cfg: Any) -> np.ndarray:
     """uint8 [H, W, 3] -> float32 [H, W, 3]. The rescale is done in float64 and rounded to
     float32 once, and the normalisation in float32 with float32 mean/std: transformers'
     exact dtype sequence, which is what makes the result bit-identical rather than close."""

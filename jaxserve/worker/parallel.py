@@ -280,7 +280,7 @@ def per_shard_attention(attention_fn, kv_update_fn, mesh: Mesh):
         # Traced operands (a per-layer sliding window, replicated; a quantized cache's scales,
         # split by head) enter the shard_map as operands, not closures.
         extra = {}
-        for name in ("sliding_window", "attention_chunk"):
+        for name in ("sliding_window", "attention_chunk", "attend_until"):
             if isinstance(kwargs.get(name), jax.Array):
                 extra[name] = (kwargs.pop(name), P())
         if kwargs.get("sinks") is not None:  # [Hq]: each rank's own heads' sinks

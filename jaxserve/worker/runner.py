@@ -541,14 +541,18 @@ class ModelRunner:
         host = arrays.multimodal
         if host is None:  # text only (tools that run `forward`): 1-D positions on every axis
             host = {"mrope_positions": np.broadcast_to(arrays.positions, (3, T)), "is_embed": np.zeros(T, bool)}
+            if self.config.vision.bidirectional_images:
+                host["attend_until"] = np.zeros(T, np.int32)
         if host["is_embed"].any():
             return MultimodalMetadata(**self._put(host))
         zeros = self._mm_zeros.get(T)
         if zeros is None:
             E, D = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
-            zeros = self._mm_zeros[T] = self._put({
-                "embeds": np.zeros((T, E), np.dtype(self.dtype)), "is_embed": np.zeros(T, bool),
-                "deepstack": np.zeros((D, T, E), np.dtype(self.dtype))})
+            zeros = {"embeds": np.zeros((T, E), np.dtype(self.dtype)), "is_embed": np.zeros(T, bool),
+                     "deepstack": np.zeros((D, T, E), np.dtype(self.dtype))}
+            if self.config.vision.bidirectional_images:
+                zeros["attend_until"] = np.zeros(T, np.int32)
+            zeros = self._mm_zeros[T] = self._put(zeros)
         return MultimodalMetadata(mrope_positions=self._put(np.ascontiguousarray(host["mrope_positions"])), **zeros)
 
     def _put(self, tree):

@@ -93,7 +93,8 @@ class StepPrograms:
             mm = None
             if self.multimodal:
                 ds = len(self.vision_config.deepstack_visual_indexes) if self.vision_config is not None else 0
-                mm = abstract_multimodal(T, self.hidden_size, self.dtype, ds, rep)
+                bidi = self.vision_config is not None and self.vision_config.bidirectional_images
+                mm = abstract_multimodal(T, self.hidden_size, self.dtype, ds, rep, bidirectional=bidi)
             return AttentionMetadata(
                 slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1), recurrent=rec,

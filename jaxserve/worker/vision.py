@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import gemma3_vision
 from jaxserve.models.config import VisionConfig
 from jaxserve.models.metadata import MultimodalMetadata
 from jaxserve.models.qwen_vision import (
@@ -82,7 +83,7 @@ class VisionRunner:
     num_encoded: int = 0  # images run through the encoder (cache misses that encoded)
 
     def __post_init__(self) -> None:
-        self.buckets = window_buckets(self.vc)
+        self.buckets = encoder_buckets(self.vc)
 
     def rows(self, image: Any) -> np.ndarray:
         """The image's [num_tokens, 1 + D, E] rows (an `ImageItem`): each token's input row, then
@@ -97,6 +98,13 @@ class VisionRunner:
         return rows
 
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+        if self.vc.kind == "gemma3":  # one image per program, every image the same shape
+            inputs = jax.device_put({"patches": pixel_values[None]}, self.sharding)
+            exe = self.executables.get(1)
+            out = exe(self.params, inputs) if exe is not None else \
+                gemma3_vision.encode_jit(self.params, inputs, vc=self.vc)
+            self.num_encoded += 1
+            return np.asarray(out)[0].astype(self.dtype)  # [tokens, 1, E]
         layout = vision_layout(grid_thw, self.vc)
         windows = pick(self.buckets, layout.num_windows)
         inputs = jax.device_put(slot_inputs(pixel_values, layout, windows, self.vc), self.sharding)
@@ -112,10 +120,19 @@ def vision_dtype(platform: str, dtype: Any) -> Any:
     return jnp.float32 if platform == "cpu" else dtype
 
 
+def encoder_buckets(vc: VisionConfig) -> tuple[int, ...]:
+    """The encoder's program sizes: window counts (Qwen), or one image (Gemma 3)."""
+    return (1,) if vc.kind == "gemma3" else window_buckets(vc)
+
+
 def lower_encoder(vc: VisionConfig, params: dict[str, Any], windows: int, sharding: Any = None) -> Any:
-    """Compiles the encoder for `windows` windows over abstract params and inputs."""
-    n = windows * slots_per_window(vc)
+    """Compiles the encoder for `windows` windows (Gemma 3: images, always 1) over abstract
+    params and inputs."""
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    if vc.kind == "gemma3":
+        patches = sds((windows, gemma3_vision.num_patches(vc), vc.patch_dim), jnp.float32)
+        return gemma3_vision.encode_jit.lower(params, {"patches": patches}, vc=vc).compile()
+    n = windows * slots_per_window(vc)
     inputs = {"pixels": sds((n, vc.patch_dim), jnp.float32), "positions": sds((n, 2), jnp.int32),
               "valid": sds((n,), jnp.bool_)}
     if vc.kind == "qwen3_vl":
@@ -129,6 +146,8 @@ def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hi
     each token's (t, h, w) positions, spans in batch order as `BatchBuilder` lays them out.
     `requests`: the runner's per-request state (`CachedRequestState.multimodal`)."""
     D = len(vision.vc.deepstack_visual_indexes) if vision is not None else 0
+    bidirectional = vision is not None and vision.vc.bidirectional_images
+    until = np.zeros(T, np.int32)  # Gemma 3: an image token sees its image's last token (0: causal)
     embeds = np.zeros((T, hidden_size), dtype)
     deepstack = np.zeros((D, T, hidden_size), dtype)
     is_embed = np.zeros(T, bool)
@@ -153,13 +172,16 @@ def multimodal_inputs(scheduled: list[Any], requests: dict[str, Any], T: int, hi
                 embeds[at] = rows[:, 0]
                 deepstack[:, at] = np.swapaxes(rows[:, 1:], 0, 1)
                 is_embed[at] = True
+                until[at] = image.end - 1
         row += n
-    return {"embeds": embeds, "deepstack": deepstack, "is_embed": is_embed, "mrope_positions": pos}
+    out = {"embeds": embeds, "deepstack": deepstack, "is_embed": is_embed, "mrope_positions": pos}
+    return out | {"attend_until": until} if bidirectional else out
 
 
 def abstract_multimodal(T: int, hidden_size: int, dtype: Any, num_deepstack: int = 0,
-                        sharding: Any = None) -> MultimodalMetadata:
+                        sharding: Any = None, bidirectional: bool = False) -> MultimodalMetadata:
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     return MultimodalMetadata(embeds=sds((T, hidden_size), dtype), is_embed=sds((T,), jnp.bool_),
                               mrope_positions=sds((3, T), jnp.int32),
-                              deepstack=sds((num_deepstack, T, hidden_size), dtype))
+                              deepstack=sds((num_deepstack, T, hidden_size), dtype),
+                              attend_until=sds((T,), jnp.int32) if bidirectional else None)
