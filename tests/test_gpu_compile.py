@@ -110,6 +110,25 @@ def test_a_traced_per_layer_window_compiles_for_an_h200():
     assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo
 
 
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_attend_until_compiles_the_triton_kernel_on_gemma3_shapes(tokens):
+    """Gemma 3's image tokens (attend_until [T] int32, data) on its heads (Hq=8, Hkv=4, D=256),
+    bf16, decode-sized (split) and prefill-sized, in a scan over a window layer and a global one, on an H100: the
+    limits are one more Triton kernel input (the aliased output's operand index moves)."""
+    def layers(*args):
+        *attn_args, windows, until = args
+
+        def body(_, w):
+            return None, ATTENTION(*attn_args, sliding_window=w, soft_cap=50.0, attend_until=until)
+
+        return jax.lax.scan(body, None, windows)[1]
+
+    S = jax.ShapeDtypeStruct
+    args = (*attention_args(jnp.bfloat16, 8, 4, 256, tokens), S((2,), jnp.int32), S((tokens,), jnp.int32))
+    hlo = compiled_hlo(layers, args, gpu_device("h100"))
+    assert TRITON in hlo and "ragged_paged_attention_gpu" in hlo
+
+
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_auto_kv_update_compiles_the_kernel_for_gpu(head_dim):
     S = jax.ShapeDtypeStruct

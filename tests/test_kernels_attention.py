@@ -396,3 +396,90 @@ def test_chunked_attention_sees_only_the_rows_own_chunk(kernel, chunk, traced):
         fn(*_args(case), sm_scale=sm_scale, attention_chunk=arg)
     want = attention_numpy(case, sm_scale=sm_scale, attention_chunk=chunk or None)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+# attend_until (Gemma 3's image tokens see their whole image): token t sees keys up to
+# min(max(p, attend_until[t]), kv_len - 1); the window and chunk bounds still follow from p.
+# Small query and key blocks (GPU: 8 tokens, 16 keys, two KV splits; TPU: 16 tokens, chunks
+# of 2 pages of 8), so that an image crosses blocks and its later keys lie in chunks past a
+# block's last position.
+UNTIL_KERNELS = {**KERNELS, "reference": ragged_paged_attention_reference,
+                 "reference_per_row": functools.partial(ragged_paged_attention_reference, block_q=1),
+                 "gpu": functools.partial(ragged_paged_attention_gpu, interpret=not ON_GPU, block_q=8, block_k=16,
+                                          max_splits=2)}
+# A 30-token prefill whose positions 5..20 are one image, a decode, a continuation chunk
+# (positions 48..59) with an image at 50..55 and a last token whose limit lies past kv_len
+# (clipped: the slots after it hold NaN), a decode with -1 (causal), and padding tokens
+# whose limits must be ignored. TPU blocks of 16 tokens cut the first image in two.
+UNTIL_CASE = dict(seqs=[(30, 30), (1, 50), (12, 60), (1, 9)], num_tokens=48, num_rows=6)
+
+
+def _attend_until_case():
+    case = make_case(**UNTIL_CASE, head_dim=64, page_size=8, seed=29, unused_fill=np.nan)
+    until = np.zeros(48, np.int32)
+    until[5:21] = 20  # sequence 0, positions 5..20
+    until[30] = 10**6  # the decode of sequence 1: clipped to its own position
+    until[31 + 2:31 + 8] = 55  # sequence 2, positions 50..55
+    until[42] = 70  # sequence 2's last token (position 59): clipped to kv_len - 1 = 59
+    until[43] = -1
+    until[44:] = 1000  # padding
+    return case, until
+
+
+def _quantized_int8(case, kernel):
+    """(int8 K/V pages, their scales for `kernel`, the case on the dequantized pages)."""
+    from pallas_kernels import kv_quant
+    from pallas_kernels.kv_layout import kv_scales_shape
+    from pallas_kernels.ragged_paged_attention.testing import RaggedCase
+
+    kq, ks = kv_quant.quantize_numpy(case.k_pages, jnp.int8)
+    vq, vs = kv_quant.quantize_numpy(case.v_pages, jnp.int8)
+    deq = RaggedCase(case.q, np.asarray(kv_quant.dequantize(jnp.asarray(kq), jnp.asarray(ks))),
+                     np.asarray(kv_quant.dequantize(jnp.asarray(vq), jnp.asarray(vs))), *case.args()[3:])
+    scales = [jnp.asarray(ks), jnp.asarray(vs)]
+    if kernel == "tpu":  # the lanes layout's scales: [Hkv, ceil(P * ps / 128), 128]
+        num_pages, page_size, hkv = ks.shape
+        empty = jnp.zeros(kv_scales_shape(num_pages, page_size, hkv, "lanes"), jnp.float32)
+        slots = jnp.arange(num_pages * page_size, dtype=jnp.int32)
+        scales = [kv_quant.write_scales(empty, slots, jnp.asarray(s.reshape(-1, hkv)), "lanes") for s in (ks, vs)]
+    return jnp.asarray(kq), jnp.asarray(vq), dict(k_scales=scales[0], v_scales=scales[1]), deq
+
+
+@pytest.mark.parametrize("kernel", sorted(UNTIL_KERNELS))
+@pytest.mark.parametrize("window,kv", [(None, "f32"), (8, "f32"), (None, "int8")])
+def test_attend_until_lets_image_tokens_see_their_whole_image(kernel, window, kv):
+    """Against the float64 oracle, with and without a window smaller than an image (its lower
+    bound still follows from the position), and on int8 pages; all-zero limits are the plain
+    causal result."""
+    case, until = _attend_until_case()
+    sm_scale = 64 ** -0.5
+    fn = UNTIL_KERNELS[kernel]
+    q, k, v, *meta = _args(case)
+    kw, oracle_case = {}, case
+    if kv == "int8":
+        k, v, kw, oracle_case = _quantized_int8(case, kernel)
+    got = fn(q, k, v, *meta, sm_scale=sm_scale, sliding_window=window, attend_until=jnp.asarray(until), **kw)
+    got = np.asarray(jax.block_until_ready(got))
+    want = attention_numpy(oracle_case, sm_scale=sm_scale, sliding_window=window, attend_until=until)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    causal = attention_numpy(oracle_case, sm_scale=sm_scale, sliding_window=window)
+    assert np.abs(got[5:20] - causal[5:20]).max() > 0.1  # the image's tokens saw past themselves
+    np.testing.assert_allclose(got[20:30], causal[20:30], atol=2e-5, rtol=2e-5)  # the rest: causal
+    assert np.all(got[44:] == 0.0), "padding rows must be zero"
+    if window is None and kv == "f32":
+        zeros = fn(q, k, v, *meta, sm_scale=sm_scale, attend_until=jnp.zeros(48, jnp.int32))
+        plain = fn(q, k, v, *meta, sm_scale=sm_scale)
+        np.testing.assert_allclose(np.asarray(zeros), np.asarray(plain), atol=1e-6, rtol=1e-6)
+
+
+def test_attend_until_of_the_wrong_form_is_refused():
+    case = make_case(**CASES["mixed"], head_dim=64, seed=11)
+    args = _args(case)
+    num_tokens = case.q.shape[0]
+    for bad in (jnp.zeros(num_tokens - 1, jnp.int32), jnp.zeros((num_tokens, 1), jnp.int32),
+                jnp.zeros(num_tokens, jnp.float32), np.zeros(num_tokens, np.int64), 3):
+        with pytest.raises(ValueError, match="attend_until"):
+            pk.ragged_paged_attention(*args, sm_scale=0.125, attend_until=bad)
+    ok = pk.ragged_paged_attention(*args, sm_scale=0.125, attend_until=jnp.zeros(num_tokens, jnp.int32),
+                                   backend="reference")
+    assert ok.shape == case.q.shape

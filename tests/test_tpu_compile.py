@@ -98,6 +98,24 @@ def test_a_traced_per_layer_window_compiles_in_bf16(topology):
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
 
 
+def test_attend_until_compiles_the_mosaic_kernel_on_gemma3_shapes():
+    """Gemma 3's image tokens (attend_until [T] int32, data) on its heads (Hq=8, Hkv=4, D=256),
+    bf16, in a scan over a window layer and a global one: the limits reach the Mosaic kernel
+    as an input block, so the kernel (not the reference) serves both layers."""
+    def layers(*args):
+        *attn_args, windows, until = args
+
+        def body(_, w):
+            return None, ATTENTION(*attn_args, num_kv_heads=4, sliding_window=w, soft_cap=50.0, attend_until=until)
+
+        return jax.lax.scan(body, None, windows)[1]
+
+    S = jax.ShapeDtypeStruct
+    args = (*attention_args(jnp.bfloat16, 8, 4, 256), S((2,), jnp.int32), S((T,), jnp.int32))
+    hlo = compiled_hlo(layers, args, tpu_device("v5e:2x2"))
+    assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
+
+
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
     assert impl == "reference" and "D=96" in why

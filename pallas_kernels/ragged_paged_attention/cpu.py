@@ -97,11 +97,13 @@ def ragged_paged_attention_cpu(
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32 learned logits in each row's softmax denominator
     attention_chunk: int | jax.Array | None = None,  # chunked local attention (<= 0: none)
+    attend_until: jax.Array | None = None,  # [T] int32: a token's last key max(p, this), <= kv_len - 1
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """The reference's contract (see reference.py), computed by the native kernel.
 
     The window is an operand ([1] int32, <= 0: none), not an attribute, so one compiled call
     serves every layer of a scan whose layers differ in window; a static int is a constant.
+    `attend_until` is always an operand: zeros (plain causal) when None.
     """
     name, why = _register()
     if name is None:
@@ -112,6 +114,7 @@ def ragged_paged_attention_cpu(
         scales = (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, q.dtype))
     sink_arr = sinks.astype(jnp.float32) if sinks is not None else jnp.zeros((q.shape[1],), jnp.float32)
+    until = attend_until.astype(jnp.int32) if attend_until is not None else jnp.zeros((q.shape[0],), jnp.int32)
     return call(q, k_pages, v_pages, *scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                window.raw_bounds(sliding_window, attention_chunk), sink_arr, sm_scale=np.float32(sm_scale),
+                window.raw_bounds(sliding_window, attention_chunk), sink_arr, until, sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(soft_cap or 0.0), use_sinks=sinks is not None)

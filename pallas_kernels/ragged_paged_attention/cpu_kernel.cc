@@ -6,7 +6,9 @@
 // bandwidth. Same contract as `reference.py` (heads-layout pages [P, S, Hkv, D]): token j of
 // sequence i sits at position kv_lens[i] - q_len_i + j and attends to keys k <= p (and
 // p - k < sliding_window, an operand so that it may differ per layer of one scan; <= 0 is no
-// window); logits q.k * sm_scale, optionally soft-capped; rows past
+// window); logits q.k * sm_scale, optionally soft-capped; an `attend_until` operand [T]
+// raises token t's last key to min(max(p, attend_until[t]), kv_len - 1) (Gemma 3's image
+// tokens see their whole image; the window's lowest key still follows from p); rows past
 // cu_q_lens[num_seqs] are zero. Page ids and lengths are clamped to the buffers, so bad
 // metadata gives wrong numbers, never an out-of-bounds read.
 //
@@ -438,6 +440,7 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu_q_lens;
+  const int32_t* attend_until;  // [T]: a token's last key is max(p, this) (clipped to kv_len - 1)
   std::vector<int64_t> item_seq, item_first, item_count;  // one entry per work item
 };
 
@@ -642,7 +645,8 @@ inline void prefetch_page(const Problem& p, const int32_t* table, int64_t at, in
 }
 
 // The keys an item reads: from `first` (a page boundary) up to `hi` (exclusive); and each
-// token's own bounds: key pos[i] and the window's lowest key lo[i].
+// token's own bounds: its last key pos[i] (its position, or past it up to its attend_until,
+// within kv_len) and the window's lowest key lo[i] (from its position).
 struct ItemKeys {
   int64_t first = 0, hi = 0;
 };
@@ -655,6 +659,8 @@ ItemKeys item_keys(const Problem& p, int64_t item, int64_t* pos, int64_t* lo) {
     pos[i] = p.kv_lens[s] - q_len + (t0 + i - p.cu_q_lens[s]);
     lo[i] = p.sliding_window > 0 ? std::max<int64_t>(0, pos[i] - p.sliding_window + 1) : 0;
     if (p.attention_chunk > 0) lo[i] = std::max(lo[i], pos[i] - pos[i] % p.attention_chunk);
+    // From here pos[i] is only the last key the token sees (never lowered: <= p is causal).
+    pos[i] = std::max<int64_t>(pos[i], std::min<int64_t>(p.attend_until[t0 + i], kv_len - 1));
     key_lo = std::min(key_lo, lo[i]);
     key_hi = std::max(key_hi, std::min(pos[i] + 1, kv_len));
   }
@@ -851,8 +857,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
                   const ffi::Buffer<ffi::F32>* k_scales, const ffi::Buffer<ffi::F32>* v_scales,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                  ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
-                  bool use_sinks) {
+                  ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> attend_until, ffi::Result<ffi::AnyBuffer> out,
+                  float sm_scale, float soft_cap, bool use_sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D] and pages [P, S, Hkv, D] with Hq % Hkv == 0");
@@ -861,6 +867,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
     return ffi::Error::InvalidArgument("sliding_window must hold the window, and optionally the attention chunk");
   if (use_sinks && static_cast<int64_t>(sinks.element_count()) != qd[1])
     return ffi::Error::InvalidArgument("sinks must hold one f32 per query head");
+  if (static_cast<int64_t>(attend_until.element_count()) != qd[0])
+    return ffi::Error::InvalidArgument("attend_until must hold one int32 per query token");
   const auto qt = q.element_type(), kt = k_pages.element_type();
   if ((qt != ffi::F32 && qt != ffi::BF16) || v_pages.element_type() != kt)
     return ffi::Error::InvalidArgument("q must be float32 or bfloat16, K and V pages alike");
@@ -890,6 +898,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
   p.kv_lens = kv_lens.typed_data();
   p.tables = block_tables.typed_data();
   p.cu_q_lens = cu_q_lens.typed_data();
+  p.attend_until = attend_until.typed_data();
   const int64_t num_rows = kv_lens.dimensions()[0];
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, num_rows);
   int64_t covered = 0;  // tokens before this are real: cu_q_lens is nondecreasing
@@ -920,19 +929,20 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                 ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::F32> sinks,
-                ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, bool use_sinks) {
+                ffi::Buffer<ffi::S32> attend_until, ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
+                bool use_sinks) {
   return Attend(pool, q, k_pages, v_pages, nullptr, nullptr, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sliding_window, sinks, out, sm_scale, soft_cap, use_sinks);
+                sliding_window, sinks, attend_until, out, sm_scale, soft_cap, use_sinks);
 }
 
 ffi::Error ImplQuantized(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                          ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> sliding_window,
-                         ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap,
-                         bool use_sinks) {
+                         ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> attend_until,
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, bool use_sinks) {
   return Attend(pool, q, k_pages, v_pages, &k_scales, &v_scales, kv_lens, block_tables, cu_q_lens, num_seqs,
-                sliding_window, sinks, out, sm_scale, soft_cap, use_sinks);
+                sliding_window, sinks, attend_until, out, sm_scale, soft_cap, use_sinks);
 }
 
 }  // namespace
@@ -949,6 +959,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // [window, attention chunk], <= 0: none
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // attend_until [T] (<= p: causal)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
@@ -968,6 +979,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpuQuantized, ImplQuan
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // [window, attention chunk], <= 0: none
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks [Hq] (read with use_sinks)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // attend_until [T] (<= p: causal)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

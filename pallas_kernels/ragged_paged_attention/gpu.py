@@ -28,6 +28,10 @@ head, read as `[P * ps * Hkv]` rows beside the K/V rows: keys and values are wid
 query dtype on load (exact: int8 and fp8 fit bf16), the scores of a key are multiplied by its
 K scale and each softmax weight by its key's V scale before P.V (the denominator sums the
 unscaled weights), so dequantized pages never exist in memory.
+
+`attend_until` (Gemma 3's image tokens, [T] int32) arrives laid out like q's rows
+([(T + Bq) * Gp] int32): a row sees keys up to min(max(p, until), kv_len - 1), and a block
+visits keys up to its sequence's whole kv_len (the mask does the limiting).
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ def _kernel(
     q_ref,  # [Hkv, (T + Bq) * Gp, D]
     k_ref,  # [P * ps * Hkv, D]: one row per (slot, kv head)
     v_ref,  # [P * ps * Hkv, D]
-    *refs,  # quantized: k/v scales [P * ps * Hkv]; then aliased initial outputs, then the outputs
+    *refs,  # quantized: k/v scales [P * ps * Hkv]; with has_until: until [(T + Bq) * Gp] int32;
+    # then aliased initial outputs, then the outputs
     block_q: int,
     num_blocks: int,
     group_padded: int,
@@ -127,11 +132,14 @@ def _kernel(
     split: bool,
     quantized: bool,
     has_chunk: bool = False,
+    has_until: bool = False,
 ):
     # Unsplit: (o_init, o) with o [Hkv, rows, D] in q's dtype, normalised.
     # Split: (lse_init, o_part, lse) with o_part [S, Hkv, rows, D] f32, lse [S, Hkv, rows] f32.
     ks_ref, vs_ref = refs[:2] if quantized else (None, None)
     refs = refs[2:] if quantized else refs
+    until_ref = refs[0] if has_until else None
+    refs = refs[1:] if has_until else refs
     o_ref, lse_ref = refs[1], (refs[2] if split else None)
     item, h = pl.program_id(0), pl.program_id(1)
     num_splits = num_splits_ref[0]
@@ -155,8 +163,12 @@ def _kernel(
         tok = first + jnp.arange(block_rows, dtype=jnp.int32) // group_padded  # [BM]
         row_valid = tok < q_len
         row_pos = kv_len - q_len + tok  # [BM]
+        row_hi = row_pos  # [BM] last key a row sees: its position, or up to its attend_until
         # Keys this block can see: [lo, hi), then this program's share of them.
         hi = kv_len - q_len + jnp.minimum(first + block_q, q_len)
+        if until_ref is not None:
+            row_hi = jnp.minimum(jnp.maximum(row_pos, until_ref[pl.ds(row0, block_rows)]), kv_len - 1)
+            hi = kv_len
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.maximum(kv_len - q_len + first - sliding_window + 1, 0)
@@ -193,7 +205,7 @@ def _kernel(
             s_ = s_ * (k_scale[None, :] * sm_scale if quantized else sm_scale)  # [BM, BK] f32
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-            mask = (k_pos[None, :] <= row_pos[:, None]) & live[None, :]
+            mask = (k_pos[None, :] <= row_hi[:, None]) & live[None, :]
             if sliding_window is not None:
                 mask &= row_pos[:, None] - k_pos[None, :] < sliding_window
             if attention_chunk is not None:
@@ -310,6 +322,7 @@ def ragged_paged_attention_gpu(
     batch_invariant: bool = False,
     sinks: jax.Array | None = None,  # [Hq] f32
     attention_chunk: int | jax.Array | None = None,  # Llama 4's chunked local attention (<= 0: none)
+    attend_until: jax.Array | None = None,  # [T] int32: a token's last key max(p, this), <= kv_len - 1
 ) -> jax.Array:  # [T, Hq, D]
     """Triton (Pallas) ragged paged attention; same contract as the reference.
 
@@ -361,7 +374,11 @@ def ragged_paged_attention_gpu(
     quantized = k_scales is not None
     scales = (k_scales.reshape(-1).astype(jnp.float32), v_scales.reshape(-1).astype(jnp.float32)) if quantized \
         else ()
-    init_at = 10 + len(scales)  # operand index of the aliased initial output
+    until_in = ()
+    if attend_until is not None:  # [T] -> [(T + Bq) * Gp], laid out like q's rows
+        until = jnp.pad(attend_until.astype(jnp.int32), (0, block_q))
+        until_in = (jnp.repeat(until, group_padded),)
+    init_at = 10 + len(scales) + len(until_in)  # operand index of the aliased initial output
     split = max_splits > 1 or sinks is not None  # (the row log-sum-exps carry the sinks)
     if split:
         lse_shape = (max_splits, num_kv_heads, qg.shape[1])
@@ -387,6 +404,7 @@ def ragged_paged_attention_gpu(
         sm_scale=sm_scale,
         has_window=sliding_window is not None,
         has_chunk=attention_chunk is not None,
+        has_until=attend_until is not None,
         soft_cap=soft_cap,
         split=split,
         quantized=quantized,
@@ -411,6 +429,7 @@ def ragged_paged_attention_gpu(
         k_rows,
         v_rows,
         *scales,
+        *until_in,
         init,
     )
     sink_rows = None

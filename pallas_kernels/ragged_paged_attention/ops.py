@@ -81,6 +81,17 @@ def _check_window(value, name: str = "sliding_window") -> None:
     check_int32(name, value)
 
 
+def _check_attend_until(value, num_tokens: int) -> None:
+    """attend_until is an int32 array [T], one key limit per query token."""
+    if not hasattr(value, "dtype") or not hasattr(value, "shape"):
+        raise ValueError(f"attend_until must be an int32 array of shape [T={num_tokens}] or None, "
+                         f"got {type(value).__name__}")
+    if tuple(value.shape) != (num_tokens,):
+        raise ValueError(f"attend_until must have shape [T={num_tokens}] (one per query token), "
+                         f"got {list(value.shape)}")
+    check_int32("attend_until", value)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [num_pages, page_size, Hkv, D], or [num_pages, page_size, C] (lanes)
@@ -98,6 +109,7 @@ def ragged_paged_attention(
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,
     attention_chunk: int | jax.Array | None = None,
+    attend_until: jax.Array | None = None,
     backend: str = "auto",
     interpret: bool | object = False,
     batch_invariant: bool = False,
@@ -125,6 +137,12 @@ def ragged_paged_attention(
     with no value; every kernel takes them (the GPU one where its split partials merge).
     attention_chunk: Llama 4's chunked local attention, like `sliding_window` a static int or
     int32 data ([] or [1], <= 0: none): position p sees only keys k >= p - p % C.
+    attend_until: [T] int32, one per query token, or None (plain causal, the code of before).
+    Token t at position p sees key k iff k <= min(max(p, attend_until[t]), kv_len - 1) (its
+    sequence's kv_len), besides the window's and the attention chunk's lower bounds, which
+    still follow from p. A value <= p (0, -1) is plain causal; padding tokens ignore it.
+    Gemma 3's image tokens set it to their image's last position, so an image's tokens
+    attend to each other both ways. Every backend takes it.
     batch_invariant: the GPU kernel runs one block shape and no KV split (a row's result then
     never depends on the batch); the native CPU kernel already sums each row alone; the TPU
     kernel is unchanged (not verified invariant).
@@ -142,6 +160,9 @@ def ragged_paged_attention(
         if sinks.shape != (q.shape[1],):
             raise ValueError(f"sinks must be [Hq={q.shape[1]}] (one logit per query head), got {tuple(sinks.shape)}")
         kw["sinks"] = sinks
+    if attend_until is not None:
+        _check_attend_until(attend_until, q.shape[0])
+        kw["attend_until"] = attend_until
     layout = layout_of(k_pages)
     head_dim = q.shape[2]
     if backend == "auto" and not interpret:

@@ -99,6 +99,7 @@ def _online_softmax_attention(
     k_scales: jax.Array | None = None,  # quantized pages: kv_layout.kv_scales_shape(...) f32
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32
+    row_hi: jax.Array | None = None,  # [NB, Bq] int32, last key a row sees (None: row_pos)
 ) -> jax.Array:  # [NB, Bq, Hkv, G, D] f32
     """Online softmax over KV chunks; scores laid out per path so no transposes run in the loop.
     Quantized pages are dequantized per gathered chunk (values * their token's scale). A
@@ -133,7 +134,9 @@ def _online_softmax_attention(
         # rows); p is 0 there, but 0 * NaN is not. Non-finite V is zeroed: an elementwise op
         # XLA:CPU fuses into the PV reduction (a position mask here cost ~15% of decode).
         v = jnp.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-        mask = k_pos[None, None, :] <= row_pos[:, :, None]  # [NB, Bq, S]
+        # The upper bound is the row's own position, or its attend_until limit (Gemma 3's image
+        # tokens); the window and the attention chunk always start from its position.
+        mask = k_pos[None, None, :] <= (row_pos if row_hi is None else row_hi)[:, :, None]  # [NB, Bq, S]
         if sliding_window is not None:
             mask &= row_pos[:, :, None] - k_pos[None, None, :] < sliding_window
         if attention_chunk is not None:  # only the row's own chunk
@@ -193,6 +196,7 @@ def ragged_paged_attention_reference(
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,
     attention_chunk: int | jax.Array | None = None,
+    attend_until: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], dtype of q
     """Attention of a flat ragged token batch over a paged KV cache (see docs/architecture.md).
 
@@ -209,6 +213,9 @@ def ragged_paged_attention_reference(
     value: weights are exp(s) / (sum exp(s) + exp(sink)). A row that sees no key gives zeros.
     `attention_chunk` (Llama 4's chunked local attention, C; an int, or int32 data where <= 0
     is none): position p also needs k >= p - p % C.
+    `attend_until` ([T] int32 or None): token t's upper bound is
+    k <= min(max(p, attend_until[t]), kv_len - 1) instead of k <= p (Gemma 3's image tokens
+    see their whole image); the window and chunk bounds still follow from p.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
@@ -242,12 +249,17 @@ def ragged_paged_attention_reference(
 
     qf = q.astype(jnp.float32) * jnp.float32(sm_scale)  # [T, Hq, D]
     tok_pos = kv_lens[tok_seq] - q_lens[tok_seq] + (jnp.arange(num_tokens) - q_starts[tok_seq])
+    tok_hi = None  # [T] last key each token sees, with attend_until
+    if attend_until is not None:
+        until = jnp.minimum(attend_until.astype(jnp.int32), kv_lens[tok_seq] - 1)
+        tok_hi = jnp.where(tok_valid, jnp.maximum(tok_pos, until), tok_pos)
 
     if block_q == 1:
         # One row per token: block b is token b.
         num_blocks = num_tokens
         q_blk = qf.reshape(num_tokens, 1, num_kv_heads, group, head_dim)
         row_pos = tok_pos[:, None]  # [T, 1]
+        row_hi = None if tok_hi is None else tok_hi[:, None]
         row_valid = tok_valid[:, None]  # [T, 1]
         row_tables = tables[tok_seq]  # [T, M']
         out_row = jnp.arange(num_tokens)  # [T] flat row of each token
@@ -270,6 +282,7 @@ def ragged_paged_attention_reference(
         )
         q_blk = jnp.where(row_valid[:, :, None, None, None], q_blk, 0.0)
         row_pos = jnp.where(row_valid, tok_pos[row_tok_safe], -1)  # [NB, Bq]
+        row_hi = None if tok_hi is None else jnp.where(row_valid, tok_hi[row_tok_safe], -1)
         row_tables = tables[blk_seq]  # [NB, M']
         out_row = blk_cu[tok_seq] * block_q + (jnp.arange(num_tokens) - q_starts[tok_seq])
         out_row = jnp.where(tok_valid, out_row, 0)
@@ -304,6 +317,7 @@ def ragged_paged_attention_reference(
         v_scales=v_scales,
         sinks=sinks,
         attention_chunk=attention_chunk,
+        row_hi=row_hi,
     )  # [NB, Bq, Hkv, G, D]
     out = out.reshape(-1, num_q_heads, head_dim)[out_row]  # [T, Hq, D]
     out = jnp.where(tok_valid[:, None, None], out, 0.0)

@@ -109,11 +109,14 @@ def attention_numpy(
     soft_cap: float | None = None,
     sinks: np.ndarray | None = None,
     attention_chunk: int | None = None,
+    attend_until: np.ndarray | None = None,
 ) -> np.ndarray:  # [T, Hq, D] float64
     """Dead-simple oracle: per sequence, per token, per head, in float64. A window <= 0 is
     no window, as a per-layer window array's value is in the ops. `sinks` [Hq]: one more
     softmax entry per head, with no value (gpt-oss). `attention_chunk` C: a position sees only
-    its own C-token chunk (Llama 4)."""
+    its own C-token chunk (Llama 4). `attend_until` [T]: token t sees keys up to
+    min(max(p, attend_until[t]), kv_len - 1) instead of p (Gemma 3's image tokens); the window
+    and the chunk still start from p."""
     if sliding_window is not None:
         sliding_window = int(np.asarray(sliding_window).reshape(()))
         sliding_window = sliding_window if sliding_window > 0 else None
@@ -129,8 +132,9 @@ def attention_numpy(
         kv_len = int(case.kv_lens[i])
         for j in range(end - start):
             pos = kv_len - (end - start) + j
-            keys = [k for k in range(pos + 1) if (sliding_window is None or pos - k < sliding_window)
-                    and (not attention_chunk or k // attention_chunk == pos // attention_chunk)]
+            last = pos if attend_until is None else min(max(pos, int(attend_until[start + j])), kv_len - 1)
+            keys = [k for k in range(last + 1) if (sliding_window is None or pos - k < sliding_window)
+                    and (not attention_chunk or k >= pos - pos % attention_chunk)]
             for h in range(num_q_heads):
                 kh = h // group
                 ks = np.stack(

@@ -34,6 +34,10 @@ weights): no dequantized page is written anywhere.
 Only chunks a sequence's rows can see are visited (its window start to its last position
 in the block), and only pages inside the block table are fetched (indices are clamped), so
 nothing is read out of bounds.
+
+`attend_until` (Gemma 3's image tokens, [T] int32) arrives expanded per row (token * G + g,
+like the sinks) as a VMEM input block; a row then sees keys up to min(max(p, until), kv_len
+- 1), and a sequence visits chunks up to its whole kv_len (the mask does the limiting).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def _kernel(
     quantized: bool,
     has_sinks: bool = False,
     has_chunk: bool = False,
+    has_until: bool = False,
 ):
     # Quantized pages add inputs ks_hbm, vs_hbm ([Hkv, N, 128] f32 HBM) and scratch ks_buf,
     # vs_buf ([2, Hkv, Cp * R, 128] f32 VMEM: R rows of 128 scales per page and head).
@@ -103,9 +108,11 @@ def _kernel(
     # whole pages); sems: DMA semaphores [2, 2 or 4] (buffer slot, k/v/k scales/v scales);
     # m_ref, l_ref: [Hkv, Bq * G, 1] f32; acc_ref: [Hkv, Bq * G, W] f32.
     # With sinks, one more input: sink_ref [Hkv, Bq * G, 1] f32 (each row's head's sink logit).
+    # With attend_until, one more: until_ref [Bq * G, 1] int32 (each row's token's limit).
     refs = list(refs)
     ks_hbm, vs_hbm = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
     sink_ref = refs.pop(0) if has_sinks else None
+    until_ref = refs.pop(0) if has_until else None
     if quantized:
         o_ref, k_buf, v_buf, sems, ks_buf, vs_buf, m_ref, l_ref, acc_ref = refs
     else:
@@ -176,6 +183,8 @@ def _kernel(
         q_end = cu_q_lens_ref[seq + 1]
         ctx = kv_lens_ref[seq] - (q_end - q_start)  # position of the sequence's first query
         hi = ctx + jnp.minimum(q_end, blk_end) - q_start  # last visible key + 1
+        if has_until:  # a row may see past its position, up to the whole context
+            hi = kv_lens_ref[seq]
         lo_chunk = jnp.int32(0)
         first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
         if sliding_window is not None:
@@ -199,6 +208,9 @@ def _kernel(
         has_next = in_block(seq + 1)
         next_seq = jnp.minimum(seq + 1, num_seqs - 1)  # clamped: read only when has_next
         rows_of = pl.ds(r0, nrows)
+        row_hi = row_pos  # [N, 1] last key a row sees: its position, or up to its attend_until
+        if until_ref is not None:
+            row_hi = jnp.minimum(jnp.maximum(row_pos, until_ref[rows_of, :]), kv_len - 1)
 
         m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -220,7 +232,7 @@ def _kernel(
             for cp in chunk_copies(seq, c, slot):
                 cp.wait()
             k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (nrows, chunk), 1)
-            mask = in_seq & (k_pos <= row_pos)  # [N, S]
+            mask = in_seq & (k_pos <= row_hi)  # [N, S]
             if sliding_window is not None:
                 mask &= row_pos - k_pos < sliding_window
             if attention_chunk is not None:
@@ -377,6 +389,7 @@ def ragged_paged_attention_tpu(
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [Hq] f32 (gpt-oss): one more softmax entry per head, no value
     attention_chunk: int | jax.Array | None = None,  # Llama 4's chunked local attention (<= 0: none)
+    attend_until: jax.Array | None = None,  # [T] int32: a token's last key max(p, this), <= kv_len - 1
 ) -> jax.Array:  # [T, Hq, D]
     """Mosaic (Pallas TPU) ragged paged attention over the lanes layout; same contract as
     the reference (which reads either layout).
@@ -418,12 +431,17 @@ def ragged_paged_attention_tpu(
         quantized=quantized,
         has_sinks=sinks is not None,
         has_chunk=attention_chunk is not None,
+        has_until=attend_until is not None,
     )
     q_spec = pl.BlockSpec((block_q, num_q_heads, width), lambda j, *_: (j, 0, 0))
     sink_in = []
     if sinks is not None:  # [Hq] -> [Hkv, Bq * G, 1]: row t * G + g of KV head h holds sinks[h * G + g]
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
         sink_in = [sink_rows.reshape(num_kv_heads, rows, 1)]
+    until_in = []
+    if attend_until is not None:  # [T] -> [padded_T * G, 1]: row t * G + g holds attend_until[t]
+        until = jnp.pad(attend_until.astype(jnp.int32), (0, padded_tokens - num_tokens))
+        until_in = [jnp.repeat(until, group).reshape(padded_tokens * group, 1)]
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
     buf_shape = (2, chunk_pages, page_size, lanes)
     scale_bufs = [pltpu.VMEM((2, num_kv_heads, chunk_pages * max(1, page_size // LANE), LANE), jnp.float32)] * 2 \
@@ -434,7 +452,8 @@ def ragged_paged_attention_tpu(
             num_scalar_prefetch=5,
             grid=(padded_tokens // block_q,),
             in_specs=[q_spec, hbm, hbm] + [hbm, hbm] * quantized
-            + [pl.BlockSpec((num_kv_heads, rows, 1), lambda j, *_: (0, 0, 0))] * len(sink_in),
+            + [pl.BlockSpec((num_kv_heads, rows, 1), lambda j, *_: (0, 0, 0))] * len(sink_in)
+            + [pl.BlockSpec((rows, 1), lambda j, *_: (j, 0))] * len(until_in),
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf_shape, k_pages.dtype),
@@ -463,6 +482,7 @@ def ragged_paged_attention_tpu(
         v_pages,
         *((k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)) if quantized else ()),
         *sink_in,
+        *until_in,
     )
     out = out[:num_tokens]
     return _own_lanes(out, group, head_dim) if width != head_dim else out
