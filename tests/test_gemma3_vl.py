@@ -228,3 +228,49 @@ def test_text_only_mode_serves_the_language_model_as_gemma3_text(gemma):
     assert text.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids == want
     with pytest.raises(ValueError, match="takes no images"):
         text.generate([_prompt([5, BOI], [_image(50, 50, 9)])], params, use_tqdm=False)
+
+
+_TP_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+sys.path.insert(0, TESTS_DIR)
+from logprob_checks import top_k_of
+from jaxserve import LLM, SamplingParams
+import test_gemma3_vl as g
+import test_qwen_vl as q
+
+result = {}
+params = SamplingParams(temperature=0, max_tokens=g.MAX_NEW, ignore_eos=True, logprobs=5)
+for name, path, engine, prompt in [
+        ("gemma3_vl", sys.argv[1], g.ENGINE, g._prompt([5, 6, g.BOI, 7, 8], [g._image(112, 112, 3)])),
+        ("qwen2_5_vl", sys.argv[2], q.ENGINE, q._prompt([5, 6, q.START, q.IMAGE, q.END, 7, 8], [q._image(84, 112, 0)]))]:
+    llm = LLM(model=path, **{**engine, "tensor_parallel_size": 2, "max_num_seqs": 2})
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    result[name] = [out.outputs[0].token_ids, top_k_of(out.outputs[0].logprobs), len(out.prompt_token_ids),
+                    llm.engine.runner.guard.compiles_after_warmup]
+print(json.dumps(result))
+""".replace("TESTS_DIR", repr(str(pathlib.Path(__file__).parent)))
+
+
+def test_tensor_parallel_with_images_gives_transformers_tokens(gemma, tmp_path):
+    """Two virtual CPU devices, TP=2 (each device its heads; the encoder, the image rows and
+    `attend_until` replicated): Gemma 3 and Qwen2.5-VL with an image give transformers' greedy
+    tokens (vLLM's near-tie rule), nothing compiled after warmup."""
+    import subprocess
+
+    import test_qwen_vl as q
+
+    hf, _, path = gemma
+    qwen_path = tmp_path / "qwen2_5_vl"
+    qwen = q._save(qwen_path)
+    res = subprocess.run([sys.executable, "-c", _TP_CHILD, str(path), str(qwen_path)], capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    refs = {"gemma3_vl": _hf_greedy(hf, [5, 6, BOI, 7, 8], [_image(112, 112, 3)]),
+            "qwen2_5_vl": q._hf_greedy(qwen, [5, 6, q.START, q.IMAGE, q.END, 7, 8], [q._image(84, 112, 0)])}
+    for name, (want, want_logp, n_prompt) in refs.items():
+        tokens, top, got_prompt, compiles = result[name]
+        assert got_prompt == n_prompt and compiles == 0, name
+        check_greedy_close(want, top_from_array(want_logp), tokens, top_k_of(top), name=f"{name} tp2", top_k=5)

@@ -34,6 +34,7 @@ GEMMA3_VL = add_builtin(ModelFamily(
                          bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
     layer_sharding=LAYER_SHARDING,
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
-    # As the Qwen VL families: LoRA and tensor parallelism are not wired for the image tower.
-    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=False),
+    # Tensor parallelism splits the decoder; the tower runs replicated. LoRA is not wired for
+    # the image families yet.
+    support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True),
 ))

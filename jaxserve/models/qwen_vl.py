@@ -107,9 +107,10 @@ def _family(kind: str, hf_architecture: str) -> ModelFamily:
                              bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
         layer_sharding=LAYER_SHARDING,
         expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
-        # LoRA and tensor parallelism are not wired for the image tower yet; speculative decoding
+        # Tensor parallelism splits the decoder (the tower, image rows and 3-D positions run
+        # replicated); LoRA is not wired for the image families yet; speculative decoding
         # (n-gram) and quantized KV pages see only the decoder.
-        support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=False),
+        support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True),
     )
 
 

@@ -31,7 +31,7 @@ unscaled weights), so dequantized pages never exist in memory.
 
 `attend_until` (Gemma 3's image tokens, [T] int32) arrives laid out like q's rows
 ([(T + Bq) * Gp] int32): a row sees keys up to min(max(p, until), kv_len - 1), and a block
-visits keys up to its sequence's whole kv_len (the mask does the limiting).
+visits keys up to its rows' largest limit when that is past its last query.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _kernel(
         hi = kv_len - q_len + jnp.minimum(first + block_q, q_len)
         if until_ref is not None:
             row_hi = jnp.minimum(jnp.maximum(row_pos, until_ref[pl.ds(row0, block_rows)]), kv_len - 1)
-            hi = kv_len
+            hi = jnp.maximum(hi, jnp.max(jnp.where(row_valid, row_hi, 0)) + 1)  # the block's largest limit
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.maximum(kv_len - q_len + first - sliding_window + 1, 0)

@@ -37,7 +37,8 @@ nothing is read out of bounds.
 
 `attend_until` (Gemma 3's image tokens, [T] int32) arrives expanded per row (token * G + g,
 like the sinks) as a VMEM input block; a row then sees keys up to min(max(p, until), kv_len
-- 1), and a sequence visits chunks up to its whole kv_len (the mask does the limiting).
+- 1), and a sequence visits chunks up to the block's largest limit (scalar prefetch) when that
+is past its last query.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _kernel(
     tables_ref,  # [R * M] int32, flattened block tables
     cu_q_lens_ref,  # [R+1] int32
     num_seqs_ref,  # [1] int32
-    window_ref,  # [2] int32: the effective sliding window and attention chunk (INT32_MAX: none)
+    window_ref,  # [2] int32: the effective sliding window and attention chunk (INT32_MAX: none);
+    # with attend_until, then each query block's largest attend_until ([2 + num_blocks])
     # inputs
     q_ref,  # [Bq, Hq, W] VMEM block of the token axis, each head in its KV head's lanes
     k_hbm,  # [P, ps, C] HBM
@@ -183,8 +185,8 @@ def _kernel(
         q_end = cu_q_lens_ref[seq + 1]
         ctx = kv_lens_ref[seq] - (q_end - q_start)  # position of the sequence's first query
         hi = ctx + jnp.minimum(q_end, blk_end) - q_start  # last visible key + 1
-        if has_until:  # a row may see past its position, up to the whole context
-            hi = kv_lens_ref[seq]
+        if has_until:  # rows may see past their positions: up to the block's largest limit
+            hi = jnp.maximum(hi, jnp.minimum(window_ref[2 + pl.program_id(0)] + 1, kv_lens_ref[seq]))
         lo_chunk = jnp.int32(0)
         first_pos = ctx + jnp.maximum(q_start, blk_start) - q_start
         if sliding_window is not None:
@@ -439,9 +441,13 @@ def ragged_paged_attention_tpu(
         sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
         sink_in = [sink_rows.reshape(num_kv_heads, rows, 1)]
     until_in = []
+    bounds = window.bounds_array(sliding_window, attention_chunk)
     if attend_until is not None:  # [T] -> [padded_T * G, 1]: row t * G + g holds attend_until[t]
         until = jnp.pad(attend_until.astype(jnp.int32), (0, padded_tokens - num_tokens))
         until_in = [jnp.repeat(until, group).reshape(padded_tokens * group, 1)]
+        # Each query block's largest limit (scalar prefetch): its sequences' key range ends there
+        # or at their last query, whichever is later.
+        bounds = jnp.concatenate([bounds, until.reshape(-1, block_q).max(1)])
     hbm = pl.BlockSpec(memory_space=pl.ANY)  # K/V stay in HBM; pages are DMAed by hand
     buf_shape = (2, chunk_pages, page_size, lanes)
     scale_bufs = [pltpu.VMEM((2, num_kv_heads, chunk_pages * max(1, page_size // LANE), LANE), jnp.float32)] * 2 \
@@ -476,7 +482,7 @@ def ragged_paged_attention_tpu(
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
-        window.bounds_array(sliding_window, attention_chunk),
+        bounds,
         q_p,
         k_pages,
         v_pages,
