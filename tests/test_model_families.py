@@ -82,8 +82,9 @@ _CHILD = textwrap.dedent("""
 # tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism;
 # "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1;
 # an int8 width split of routed experts: DeepSeek-V3's and Gemma 4's int8:tp2.
-# Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3 checks the per-layer window
-# entering the per-shard attention (and KV heads replicated 2x at tp4); DeepSeek-V3 its query
+# Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3's per-layer window entering the
+# per-shard attention is tests/test_gemma3_vl.py's TP check (with images), KV heads replicated
+# 2x tests/test_lora.py's and GLM-4.5 MoE's here; DeepSeek-V3 its query
 # heads split over a latent cache every rank holds whole, its experts split whole (ep2) and its
 # int8 projections read by layer index from their stacks; GLM-4.5 MoE its 2 KV heads replicated
 # at tp4 beside the shared expert's split. gpt-oss its sinks split by head and its expert biases
@@ -91,7 +92,7 @@ _CHILD = textwrap.dedent("""
 # entering the per-shard attention, its dense / MoE groups and input-scaled experts. Gemma 4 its
 # two attention kinds' stacks and K/V pools split by head, and its MoE block (int8 too); E2B's
 # features (per-layer inputs, layers reading earlier K/V, double-wide MLPs) split by head too.
-LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:ep8"), "gemma3": ("tp4",),
+LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:ep8"),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
            "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2"),
            "gemma4": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
