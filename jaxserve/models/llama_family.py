@@ -5,6 +5,8 @@ them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxserve.models import llama
 from jaxserve.models.config import (
     GGUF_ARCH_NAMES,
@@ -103,6 +105,27 @@ def hf_weight_names(cfg: ModelConfig) -> WeightNames:
 
 def gguf_weight_names(cfg: ModelConfig) -> WeightNames:
     return WeightNames(_GGUF_GLOBALS, _GGUF_LAYERS)
+
+
+def llama_decoder_family(name: str, hf_architecture: str, config_from_hf: Any, support: ModelSupport,
+                         hf_model_type: str | None = None) -> ModelFamily:
+    """A family of its own whose decoder is `LlamaForCausalLM` with these checkpoint names (the
+    vision-language families: their configs and encoders differ, their decoders do not)."""
+    return ModelFamily(
+        name=name,
+        architectures=(name,),
+        hf_architectures={hf_architecture: name},
+        hf_model_types={hf_model_type: name} if hf_model_type else {},
+        config_from_hf=config_from_hf,
+        model_class=llama.LlamaForCausalLM,
+        param_shapes=llama.expected_param_shapes,
+        hf_weight_names=hf_weight_names,
+        kv_cache=KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
+                             bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
+        layer_sharding=LAYER_SHARDING,
+        expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
+        support=support,
+    )
 
 
 LLAMA = add_builtin(ModelFamily(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.models import llama
 from jaxserve.models.config import (
     ModelConfig,
     UnsupportedModelError,
@@ -17,8 +16,8 @@ from jaxserve.models.config import (
     language_model_config,
     llama_config_from_hf,
 )
-from jaxserve.models.llama_family import EXPERT_PARALLEL_SHARDING, LAYER_SHARDING, hf_weight_names
-from jaxserve.models.registry import KVCacheSpec, ModelFamily, ModelSupport, add_builtin
+from jaxserve.models.llama_family import llama_decoder_family
+from jaxserve.models.registry import ModelFamily, ModelSupport, add_builtin
 
 # Each family's text model as transformers names it, and its image processor's default
 # normalisation (a checkpoint's preprocessor_config.json overrides it).
@@ -94,24 +93,12 @@ def _config_from_hf(hf: dict[str, Any], kind: str) -> ModelConfig:
 
 
 def _family(kind: str, hf_architecture: str) -> ModelFamily:
-    return ModelFamily(
-        name=kind,
-        architectures=(kind,),
-        hf_architectures={hf_architecture: kind},
-        hf_model_types={kind: kind},
-        config_from_hf=lambda hf: _config_from_hf(hf, kind),
-        model_class=llama.LlamaForCausalLM,
-        param_shapes=llama.expected_param_shapes,
-        hf_weight_names=hf_weight_names,
-        kv_cache=KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
-                             bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
-        layer_sharding=LAYER_SHARDING,
-        expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
-        # Tensor parallelism splits the decoder (the tower, image rows and 3-D positions run
-        # replicated); LoRA is not wired for the image families yet; speculative decoding
-        # (n-gram) and quantized KV pages see only the decoder.
-        support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True),
-    )
+    # Tensor parallelism splits the decoder (the tower, image rows and 3-D positions run
+    # replicated); LoRA is not wired for the image families yet; speculative decoding (n-gram)
+    # and quantized KV pages see only the decoder.
+    return llama_decoder_family(kind, hf_architecture, lambda hf: _config_from_hf(hf, kind),
+                                ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True),
+                                hf_model_type=kind)
 
 
 QWEN2_5_VL = add_builtin(_family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"))
