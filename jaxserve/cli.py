@@ -55,7 +55,7 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     loaded = load_model(ns.src, dtype=ns.dtype, quantization=ns.quantization, quantize_lm_head=ns.quantize_lm_head)
     t_convert = time.perf_counter() - t0
-    save_checkpoint(ns.dst, loaded.config, loaded.params, loaded.dtype, loaded.tokenizer)
+    save_checkpoint(ns.dst, loaded.config, loaded.params, loaded.dtype, loaded.tokenizer, loaded.vision)
     t_save = time.perf_counter() - t0 - t_convert
     t1 = time.perf_counter()
     load_model(ns.dst, dtype=ns.dtype)  # a quantized checkpoint restores quantized

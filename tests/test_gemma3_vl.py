@@ -274,3 +274,18 @@ def test_tensor_parallel_with_images_gives_transformers_tokens(gemma, tmp_path):
         tokens, top, got_prompt, compiles = result[name]
         assert got_prompt == n_prompt and compiles == 0, name
         check_greedy_close(want, top_from_array(want_logp), tokens, top_k_of(top), name=f"{name} tp2", top_k=5)
+
+
+def test_converted_checkpoint_keeps_the_image_encoder(gemma, tmp_path):
+    """`jaxserve convert` saves the tower and projector beside the params; the orbax
+    checkpoint restores the same config (vision included) and encoder weights."""
+    from jaxserve.cli import main
+    from jaxserve.loading import load_model
+
+    src = str(gemma[2])
+    assert main(["convert", src, str(tmp_path / "ckpt")]) == 0
+    restored, original = load_model(str(tmp_path / "ckpt"), "float32"), load_model(src, "float32")
+    assert restored.config == original.config and restored.config.vision is not None
+    assert sorted(restored.vision) == sorted(original.vision)
+    for name, arr in original.vision.items():
+        np.testing.assert_array_equal(restored.vision[name], arr, err_msg=name)

@@ -32,8 +32,10 @@ def is_orbax_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MARKER))
 
 
-def save_checkpoint(dst: str, cfg: ModelConfig, params: dict[str, Any], dtype: str, tokenizer: Any) -> None:
-    """Saves the params (quantized ones as they are, their method read from the params)."""
+def save_checkpoint(dst: str, cfg: ModelConfig, params: dict[str, Any], dtype: str, tokenizer: Any,
+                    vision: dict[str, Any] | None = None) -> None:
+    """Saves the params (quantized ones as they are, their method read from the params) and a
+    vision-language model's image encoder (`vision`, f32 host arrays: `LoadedModel.vision`)."""
     import orbax.checkpoint as ocp
 
     quantized = quantized_weight_names(params)
@@ -49,6 +51,8 @@ def save_checkpoint(dst: str, cfg: ModelConfig, params: dict[str, Any], dtype: s
     os.makedirs(dst, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(dst, "params"), jax.tree.map(np.asarray, params))
+        if vision is not None:
+            ckptr.save(os.path.join(dst, "vision"), {k: np.asarray(v) for k, v in vision.items()})
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(dst, "tokenizer"))
     with open(os.path.join(dst, MARKER), "w") as f:
@@ -115,6 +119,24 @@ def restore_params(path: str, target_shapes: dict[str, Any], dtype: Any, quantiz
             return ckptr.restore(os.path.join(os.path.abspath(path), "params"), abstract)
     except Exception as e:
         raise CheckpointError(f"cannot restore params from {path}: {e}") from e
+
+
+def restore_vision(path: str, cfg: ModelConfig) -> dict[str, np.ndarray] | None:
+    """A vision-language checkpoint's image encoder (f32 host arrays); None for a text model.
+    A VL config without its encoder is an error naming what is missing."""
+    if cfg.vision is None:
+        return None
+    where = os.path.join(os.path.abspath(path), "vision")
+    if not os.path.isdir(where):
+        raise CheckpointError(f"{path}: {cfg.architecture} needs its image encoder's weights, which this "
+                              "checkpoint lacks (convert it again from the HF directory)")
+    import orbax.checkpoint as ocp
+
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return {k: np.asarray(v, np.float32) for k, v in ckptr.restore(where).items()}
+    except Exception as e:
+        raise CheckpointError(f"cannot restore the image encoder from {path}: {e}") from e
 
 
 def load_checkpoint_tokenizer(path: str) -> Any:

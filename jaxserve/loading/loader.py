@@ -165,7 +165,9 @@ def _load_model(path: str | None, dtype: str, quantization: str | None, quantize
             params = quantize_loaded_params(params, cfg, method, quantize_lm_head)
         weights = time.perf_counter() - t0
         tok, tok_s = _timed(lambda: checkpoint.load_checkpoint_tokenizer(path))
-        return LoadedModel(cfg, params, tok, name, "orbax", path, method, {"weights": weights, "tokenizer": tok_s})
+        vision = checkpoint.restore_vision(path, cfg)
+        return LoadedModel(cfg, params, tok, name, "orbax", path, method, {"weights": weights, "tokenizer": tok_s},
+                           vision)
     if hf_loader.is_hf_dir(path):
         cfg = hf_loader.hf_config(path)
         cfg = cfg.with_mtp() if mtp else cfg

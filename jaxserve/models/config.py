@@ -465,9 +465,14 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
         if d.get("mla") is not None:
             d["mla"] = MLAConfig(**d["mla"])
-        for key in ("layer_windows", "layer_rope", "layer_chunks"):
+        for key in ("layer_windows", "layer_rope", "layer_chunks", "mrope_section"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
+        if d.get("vision") is not None:
+            v = dict(d["vision"])
+            for key in ("fullatt_block_indexes", "deepstack_visual_indexes", "image_mean", "image_std"):
+                v[key] = tuple(v[key])
+            d["vision"] = VisionConfig(**v)
         return cls(**d)
 
     # ------------------------------------------------------------------ HF config.json
