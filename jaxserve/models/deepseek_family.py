@@ -4,9 +4,9 @@ attention, `models/deepseek.py`) and GLM-4.5 MoE (grouped-query attention over t
 
 from __future__ import annotations
 
-from jaxserve.models import deepseek, glm4_moe, llama
+from jaxserve.models import deepseek, glm4_moe
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS
+from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS, LLAMA_KV_CACHE
 from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_LAYER_SHARDING
 from jaxserve.models.registry import (
     MODEL_AXIS,
@@ -105,8 +105,7 @@ GLM4_MOE = add_builtin(ModelFamily(
     param_shapes=glm4_moe.expected_param_shapes,
     hf_weight_names=glm_weight_names,
     layer_ids=deepseek.layer_ids,
-    kv_cache=KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
-                         bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
+    kv_cache=LLAMA_KV_CACHE,
     layer_sharding={**LLAMA_LAYER_SHARDING, **{k: v for k, v in LAYER_SHARDING.items() if k.startswith("shared_")}},
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
     support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True,

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models import llama
 from jaxserve.models.config import (
     ModelConfig,
     UnsupportedModelError,
@@ -41,12 +40,11 @@ from jaxserve.models.fused import split_qkv
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
 from jaxserve.models.layers import AttentionFn, KVUpdateFn, MoEFn, rms_norm
 from jaxserve.models.llama import single_device_moe
-from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS
+from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS, LLAMA_KV_CACHE
 from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_SHARDING
 from jaxserve.models.lora import LoRABatch
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.models.registry import (
-    KVCacheSpec,
     ModelFamily,
     ModelSupport,
     WeightNames,
@@ -256,8 +254,7 @@ LLAMA4 = add_builtin(ModelFamily(
     param_shapes=expected_param_shapes,
     hf_weight_names=hf_weight_names,
     layer_ids=layer_ids,
-    kv_cache=KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
-                         bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache),
+    kv_cache=LLAMA_KV_CACHE,
     layer_sharding={**LLAMA_SHARDING, **{k: v for k, v in DEEPSEEK_SHARDING.items() if k.startswith("shared_")}},
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
     support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True, expert_parallel=True),
