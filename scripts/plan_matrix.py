@@ -67,6 +67,14 @@ CASES = {
     "llama4-scout-h100x2-fp8": ("llama4_scout_config.json", "gpu:h100x2", ["--quantization", "fp8"]),
     "llama4-maverick-v5p-8-int8": ("llama4_maverick_config.json", "tpu:v5p-8",
                                     ["--quantization", "int8", "--enable-expert-parallel"]),
+    # Gemma 4 (the configs of transformers' Gemma 4 conversion script): 31B dense (30.7 B params)
+    # and 26B-A4B (25.2 B, 128 experts, 8 routed) on one v6e in int8, on v5e-4, and on one H100
+    "gemma4-31b-v6e-1-int8": ("gemma4_31b_config.json", "tpu:v6e-1", ["--quantization", "int8"]),
+    "gemma4-31b-v5e-4-int8": ("gemma4_31b_config.json", "tpu:v5e-4", ["--quantization", "int8"]),
+    "gemma4-31b-h100-fp8": ("gemma4_31b_config.json", "gpu:h100", ["--quantization", "fp8"]),
+    "gemma4-26b-a4b-v6e-1-int8": ("gemma4_26b_a4b_config.json", "tpu:v6e-1", ["--quantization", "int8"]),
+    "gemma4-26b-a4b-v5e-4": ("gemma4_26b_a4b_config.json", "tpu:v5e-4", ["--enable-expert-parallel"]),
+    "gemma4-26b-a4b-h100": ("gemma4_26b_a4b_config.json", "gpu:h100", []),
 }
 
 

@@ -89,7 +89,9 @@ _DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hf = language_model_config(hf)  # Gemma4ForConditionalGeneration: its language model (text prompts only)
     n = int(hf["num_hidden_layers"])
-    if hf.get("use_bidirectional_attention"):
+    # "vision": image tokens see each other both ways; text stays causal, and this family serves
+    # text only (as transformers masks a prompt without image tokens). "all" is not causal at all.
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise UnsupportedModelError(f"gemma4 with use_bidirectional_attention={hf['use_bidirectional_attention']!r} "
                                     "is not supported")
     shared = int(hf.get("num_kv_shared_layers") or 0)
