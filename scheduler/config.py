@@ -7,6 +7,7 @@ from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap"]
 Policy = Literal["fcfs", "priority"]
+KV_GROUP_KINDS = ("full", "window", "chunk")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class SchedulerConfig:
     # image must be computed in one step, after or beside the keys of all of them, so a span
     # never ends inside an image (it stops before it, or waits for a step with room for it).
     whole_images: bool = False
+    # The KV cache's layer groups (hybrid allocation): each group has its own block table over
+    # one shared pool, and a kind that says which of a sequence's blocks its layers can still
+    # read: ("full", 0) every one; ("window", W) the last W positions (a token sees itself and
+    # the W - 1 before it); ("chunk", C) its own C-aligned chunk. Blocks no later token of the
+    # sequence can read are released as the sequence moves on, so windowed and chunked layers
+    # hold a bounded tail. Empty: one full group (every layer keeps every token).
+    kv_groups: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -78,6 +86,13 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         if not isinstance(self.num_state_snapshots, int) or self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be an integer >= 0, got {self.num_state_snapshots!r}")
+        object.__setattr__(self, "kv_groups", tuple((str(k), int(n)) for k, n in self.kv_groups))
+        for kind, size in self.kv_groups:
+            if kind not in KV_GROUP_KINDS or (kind != "full" and size < 1) or (kind == "full" and size):
+                raise ValueError(f"kv_groups: ({kind!r}, {size}) is not a layer group; kinds are ('full', 0), "
+                                 "('window', W >= 1) and ('chunk', C >= 1)")
+        if len(self.kv_groups) > 255:
+            raise ValueError(f"kv_groups: {len(self.kv_groups)} groups, at most 255")
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
@@ -86,6 +101,11 @@ class SchedulerConfig:
     def max_blocks_per_seq(self) -> int:
         """Width of a block-table row: enough blocks for ``max_model_len`` tokens."""
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Block-table rows per request (one per layer group; one without groups)."""
+        return max(1, len(self.kv_groups))
 
     @property
     def num_state_slots(self) -> int:

@@ -20,6 +20,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.kv_cache_manager import first_readable
 
 VOCAB = 101
 _MOD = 1_000_000_007
@@ -83,7 +84,7 @@ class FakeModelRunner:
         assert sum(1 + sr.num_draft_tokens for sr in out.scheduled) <= cfg.max_num_seqs, "too many logits rows"
         ids = [sr.request_id for sr in out.scheduled]
         assert len(set(ids)) == len(ids), "request scheduled twice in a step"
-        assert out.block_tables.shape == (len(out.scheduled), cfg.max_blocks_per_seq)
+        assert out.block_tables.shape == (len(out.scheduled), cfg.num_kv_groups * cfg.max_blocks_per_seq)
         assert out.block_tables.dtype == np.int32
         self.max_step_tokens = max(self.max_step_tokens, total)
 
@@ -98,6 +99,8 @@ class FakeModelRunner:
             self.host[h] = -1
             self.num_swap_in_copies += 1
 
+        if cfg.kv_groups:
+            return self._execute_grouped(out)
         written: set[tuple[int, int]] = set()
         for sr in out.scheduled:
             assert sr.num_tokens >= 1
@@ -142,6 +145,67 @@ class FakeModelRunner:
         return sampled
 
 
+    def _execute_grouped(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Layer groups: each group's table segment holds its own pages of the one device
+        store (a page is one group's at a time). Every token is written through every group;
+        a sampled position reads back, through each group's table, exactly the positions that
+        group's layers attend to (all of them for a full group, the window / chunk tail for
+        a bounded one), which must hold the request's tokens; the 'model' then sees the
+        whole sequence (kept here, as the layers' outputs carry it)."""
+        cfg, bs, W = self.config, self.bs, self.config.max_blocks_per_seq
+        if not hasattr(self, "seqs"):
+            self.seqs: dict[str, list[int]] = {}
+        for nr in out.new_requests:
+            self.seqs[nr.request_id] = list(nr.prompt_token_ids)
+        written: set[tuple[int, int]] = set()
+        spans: dict[str, list[int]] = {}
+        for sr in out.scheduled:
+            assert sr.num_tokens >= 1 and len(sr.token_ids) == sr.num_tokens
+            assert sr.kv_len_after == sr.start + sr.num_tokens <= cfg.max_model_len
+            known = self.seqs[sr.request_id]  # its prompt and every token sampled for it
+            assert len(known) >= sr.start, f"{sr.request_id}: a span starts past the known tokens"
+            spans[sr.request_id] = known[:sr.start] + list(sr.token_ids)
+            nb = -(-sr.kv_len_after // bs)
+            mine: list[int] = []
+            for g, (kind, size) in enumerate(cfg.kv_groups):
+                table = sr.block_table[g * W:(g + 1) * W]
+                lo = first_readable(kind, size, sr.start) // bs
+                assert (table[lo:nb] > 0).all(), f"{sr.request_id}: group {g} lacks a block it reads or writes"
+                assert (table[nb:] == 0).all(), f"{sr.request_id}: group {g}'s table not padded with 0"
+                mine += [b for b in table[:nb].tolist() if b]
+                pos = np.arange(sr.start, sr.kv_len_after)
+                slots = set(zip(table[pos // bs].tolist(), (pos % bs).tolist(), strict=True))
+                assert not (slots & written), "two writers of one KV slot in a step"
+                written |= slots
+                self.device[table[pos // bs], pos % bs] = np.asarray(sr.token_ids, dtype=np.int64)
+            assert len(mine) == len(set(mine)), f"{sr.request_id}: one block in two places"
+            for b in sr.new_block_ids:
+                assert b in mine
+        sampled: dict[str, list[int]] = {}
+        for sr in out.scheduled:
+            if not sr.samples:
+                continue
+            seq = spans[sr.request_id]
+            k = sr.num_draft_tokens
+            targets = []
+            for j in range(k + 1):
+                last = sr.kv_len_after - k + j - 1
+                for g, (kind, size) in enumerate(cfg.kv_groups):
+                    table = sr.block_table[g * W:(g + 1) * W]
+                    pos = np.arange(first_readable(kind, size, last), last + 1)
+                    got = self.device[table[pos // bs], pos % bs]
+                    assert (got == np.asarray(seq)[pos]).all(), (
+                        f"{sr.request_id}: group {g} ({kind} {size}) reads wrong K/V at position {last}")
+                targets.append(next_token(seq[: last + 1]))
+            drafts = sr.token_ids[sr.num_tokens - k:]
+            n = 1
+            while n <= k and targets[n - 1] == drafts[n - 1]:
+                n += 1
+            sampled[sr.request_id] = targets[:n]
+            self.seqs[sr.request_id] += targets[:n]
+        return sampled
+
+
 def check_invariants(s: Scheduler) -> None:
     """Block accounting: ref counts == owners, free queue == unreferenced blocks, etc."""
     kv = s.kv
@@ -165,12 +229,20 @@ def check_invariants(s: Scheduler) -> None:
     holders = set(kv._reqs)
     assert holders == {r.request_id for r in s.running}
     for r in s.running:
-        ids = kv.get_block_ids(r.request_id)
-        assert len(ids) >= -(-r.num_computed_tokens // kv.block_size)
+        st = kv._reqs[r.request_id]
+        n = -(-r.num_computed_tokens // kv.block_size)
         row = kv.tables[kv.slot_of(r.request_id)]
-        assert row[: len(ids)].tolist() == ids and not row[len(ids) :].any()
+        for g, (kind, size) in enumerate(kv.kv_groups):
+            ids = [b.block_id for b in st.groups[g]]
+            assert len(ids) >= n
+            seg = row[g * kv.width:(g + 1) * kv.width]
+            assert seg[: len(ids)].tolist() == ids and not seg[len(ids):].any()
+            # what the next token reads holds K/V; bounded groups hold nothing before it
+            lo = first_readable(kind, size, r.num_computed_tokens) // kv.block_size
+            assert all(ids[lo:n]), f"{r.request_id}: group {g} released a block still read"
+            assert not any(ids[:st.released[g]]) and st.released[g] <= lo
     # Host blocks: exactly those of swapped requests, disjoint.
-    host_owned = [h for rid in kv._host for h in kv._host[rid]]
+    host_owned = [h for rid in kv._host for h in kv.get_host_block_ids(rid)]
     assert len(host_owned) == len(set(host_owned))
     assert len(host_owned) == kv.host_pool.num_blocks - kv.host_pool.num_free_blocks
     assert set(kv._host) == {r.request_id for r in s.swapped}

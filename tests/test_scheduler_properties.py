@@ -19,13 +19,18 @@ EOS = 3
 
 
 @st.composite
-def scenarios(draw, pressure: bool = False):
+def scenarios(draw, pressure: bool = False, groups: bool = False):
     bs = draw(st.sampled_from([1, 2, 4, 8]))
+    kv_groups: tuple = ()
+    if groups:  # layer groups: windowed / chunked ones beside full ones, or alone
+        bounded = draw(st.lists(st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 20)),
+                                min_size=1, max_size=2))
+        kv_groups = tuple(draw(st.permutations([("full", 0)] * draw(st.integers(0, 2)) + bounded)))
     max_model_len = draw(st.integers(8, 96))
     mode = "swap" if pressure else draw(st.sampled_from(["swap", "recompute"]))
     cfg = SchedulerConfig(
         block_size=bs,
-        num_blocks=draw(st.integers(6, 16) if pressure else st.integers(2, 30)),
+        num_blocks=draw(st.integers(6, 16) if pressure else st.integers(2, 30)) * max(1, len(kv_groups)),
         max_model_len=max_model_len,
         max_num_seqs=draw(st.integers(4, 12) if pressure else st.integers(1, 12)),
         max_num_batched_tokens=draw(st.integers(1, 64)),
@@ -34,6 +39,7 @@ def scenarios(draw, pressure: bool = False):
         preemption_mode=mode,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 16])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        kv_groups=kv_groups,
     )
     n = draw(st.integers(1, 12))
     arrivals: dict[int, list[Request]] = {}
@@ -68,6 +74,20 @@ def scenarios(draw, pressure: bool = False):
 @given(scenarios())
 def test_random_schedules_keep_every_invariant(scenario):
     check_scenario(scenario)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios(groups=True), st.booleans(), st.integers(0, 2**16))
+def test_random_schedules_with_bounded_layer_groups(scenario, drafting, seed):
+    """Windowed and chunked layer groups release the blocks no later token reads: every
+    sampled position still reads, through each group's table, exactly the K/V its layers
+    attend to (the fake runner checks it), across prefix hits, preemption (swap and
+    recompute), speculative drafts and aborts, with no block leaked."""
+    check_scenario(scenario, drafter=_drafter(scenario[0], 3, 0.5, seed) if drafting else None)
 
 
 @settings(
@@ -149,4 +169,10 @@ def check_scenario(scenario, drafter=None):
             # whole device pool holds.
             usable_tokens = (cfg.num_blocks - 1) * cfg.block_size
             plen = len(prompts[r.request_id])
-            assert plen > cfg.max_model_len or plen + len(out) > usable_tokens
+            if cfg.kv_groups:  # blocks in every group: bounded ones at most a span's reach
+                n = -(-(plen + len(out)) // cfg.block_size)
+                reach = [-(-(size + cfg.max_num_batched_tokens) // cfg.block_size) + 1 for _, size in cfg.kv_groups]
+                need = sum(n if kind == "full" else min(n, r_) for (kind, _), r_ in zip(cfg.kv_groups, reach))
+                assert plen > cfg.max_model_len or need > cfg.num_blocks - 1
+            else:
+                assert plen > cfg.max_model_len or plen + len(out) > usable_tokens
