@@ -108,6 +108,11 @@ class SchedulerConfig:
         return max(1, len(self.kv_groups))
 
     @property
+    def table_width(self) -> int:
+        """Width of a request's whole block-table row: the groups' rows side by side."""
+        return self.num_kv_groups * self.max_blocks_per_seq
+
+    @property
     def num_state_slots(self) -> int:
         """The state pools' slots: the null slot, one per running request, the snapshots."""
         return 1 + self.max_num_seqs + self.num_state_snapshots if self.recurrent_state else 0

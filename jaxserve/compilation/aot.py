@@ -80,7 +80,7 @@ def program_fingerprint(model_config: ModelConfig, config: EngineConfig, resolve
         "num_pages": resolved.num_pages,
         "num_host_pages": resolved.num_host_pages,
         "page_size": config.page_size,
-        "max_pages_per_seq": resolved.scheduler.max_blocks_per_seq,
+        "max_pages_per_seq": resolved.scheduler.table_width,
         "max_model_len": resolved.max_model_len,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -170,7 +170,8 @@ def abstract_programs(model_config: ModelConfig, config: EngineConfig, target: T
     programs = StepPrograms(
         graphdef=graphdef, state=state, kv_cache=kv_cache, mesh=mesh, input_sharding=rep, index_sharding=rep,
         hidden_size=c.hidden_size, vocab_size=c.vocab_size, attention_backend=config.attention_backend,
-        max_pages_per_seq=resolved.scheduler.max_blocks_per_seq, lora=lora, num_state_arrays=num_state_arrays,
+        max_pages_per_seq=resolved.scheduler.table_width, lora=lora, num_state_arrays=num_state_arrays,
+        num_kv_groups=resolved.scheduler.num_kv_groups,
         multimodal=c.vision is not None, vision=vision, vision_config=c.vision)
     return programs, resolved
 

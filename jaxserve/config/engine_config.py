@@ -358,17 +358,18 @@ class EngineConfig:
         return default_dtype_for_platform(platform) if self.dtype == "auto" else self.dtype
 
     def scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
-                         recurrent: bool = False, encoder_tokens: int = 0, whole_images: bool = False) -> SchedulerConfig:
+                         recurrent: bool = False, encoder_tokens: int = 0, whole_images: bool = False,
+                         kv_groups: tuple[tuple[str, int], ...] = ()) -> SchedulerConfig:
         try:
             return self._scheduler_config(num_pages, max_model_len, num_host_pages, recurrent, encoder_tokens,
-                                          whole_images)
+                                          whole_images, kv_groups)
         except ValueError as e:  # name the field as the user wrote it
             msg = re.sub(r"^(\w+)", lambda m: _ENGINE_NAME.get(m.group(1), m.group(1)), str(e))
             raise ValueError(msg) from None
 
     def _scheduler_config(self, num_pages: int, max_model_len: int, num_host_pages: int,
                           recurrent: bool = False, encoder_tokens: int = 0,
-                          whole_images: bool = False) -> SchedulerConfig:
+                          whole_images: bool = False, kv_groups: tuple[tuple[str, int], ...] = ()) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.page_size,
             num_blocks=num_pages,
@@ -385,6 +386,7 @@ class EngineConfig:
             num_state_snapshots=self.max_num_seqs if recurrent and self.enable_prefix_caching else 0,
             max_num_encoder_tokens=encoder_tokens,
             whole_images=whole_images,
+            kv_groups=kv_groups,
         )
 
     def _check_whole_images(self, model_config: Any) -> None:
@@ -456,7 +458,8 @@ class EngineConfig:
         return ResolvedConfig(
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent,
                                             encoder_tokens=self.encoder_token_budget(model_config),
-                                            whole_images=_bidirectional_images(model_config)),
+                                            whole_images=_bidirectional_images(model_config),
+                                            kv_groups=kv_group_kinds(kv_config)),
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
@@ -465,6 +468,12 @@ class EngineConfig:
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform,
                                          recurrent=states.recurrent, vision_windows=vision_windows(model_config)),
         )
+
+
+def kv_group_kinds(model_config: Any) -> tuple[tuple[str, int], ...]:
+    """The scheduler's layer groups of the model's cache (none for a plain cache)."""
+    groups = getattr(model_config, "kv_layer_groups", None)
+    return groups.kinds if groups is not None else ()
 
 
 def vision_windows(model_config: Any) -> tuple[int, ...]:

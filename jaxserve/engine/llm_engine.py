@@ -116,8 +116,9 @@ class Engine:
         self._monitor = None
         if self.distributed is not None:
             self.channel = distributed.StepChannel(
-                config.max_num_batched_tokens, config.max_num_seqs, self.scheduler_config.max_blocks_per_seq,
-                STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants, bitmask_width(mc.vocab_size))
+                config.max_num_batched_tokens, config.max_num_seqs, self.scheduler_config.table_width,
+                STOP_ID_WIDTH, self.max_model_len, self.plan.sampler_variants, bitmask_width(mc.vocab_size),
+                num_kv_groups=self.scheduler_config.num_kv_groups)
             self._monitor = distributed.PeerMonitor(self.distributed, self._mark_unhealthy).start()
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else getattr(
             self.tokenizer, "eos_token_id", None)
@@ -240,7 +241,7 @@ class Engine:
         return ModelRunner(
             self.model, num_pages=self.num_pages, page_size=config.page_size,
             num_host_pages=self.num_host_pages, attention_backend=config.attention_backend,
-            max_pages_per_seq=self.scheduler_config.max_blocks_per_seq, mesh=self.mesh, steps=steps,
+            max_pages_per_seq=self.scheduler_config.table_width, mesh=self.mesh, steps=steps,
             channel=self.channel if self.is_leader else None, kv_layout=self.resolved.kv_layout,
             kv_cache_dtype=self.resolved.kv_cache_dtype,
             structured=self.structured, expert_parallel=config.enable_expert_parallel,

@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxserve.models.kv_groups import KVLayerGroups, plan_layer_groups
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3")
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -335,6 +337,9 @@ class ModelConfig:
     mrope_interleaved: bool = False
     # The image encoder of a vision-language model (None: text only).
     vision: VisionConfig | None = None
+    # Windowed and chunked layers keep only the K/V they can still read (`kv_layer_groups`),
+    # where the family's model supports layer groups; False: every layer keeps every token.
+    bounded_window_kv: bool = True
 
     def __post_init__(self) -> None:
         from jaxserve.models.registry import supported_architectures
@@ -425,6 +430,29 @@ class ModelConfig:
         """Decoder layers the params stack and the KV cache holds: the model's, then the MTP
         layers served (whose attention and experts are stacked after them)."""
         return self.num_layers + self.mtp_layers
+
+    def layer_kv_kinds(self) -> tuple[tuple[str, int], ...]:
+        """What each layer's attention reads: ("full", 0), ("window", W) or ("chunk", C)."""
+        chunks = self.layer_chunks or (0,) * self.num_layers
+        return tuple(("chunk", c) if c else ("window", w) if w else ("full", 0)
+                     for w, c in zip(self.windows(), chunks, strict=True))
+
+    @property
+    def kv_layer_groups(self) -> KVLayerGroups | None:
+        """The cache's layer groups (`models/kv_groups.py`), or None: one plain cache of every
+        layer (no windowed or chunked layer, the family's model has no groups, MTP layers
+        served, or `bounded_window_kv` off)."""
+        from jaxserve.models.registry import family_of
+
+        if not self.bounded_window_kv or self.mtp_layers or not family_of(self).kv_cache.layer_groups:
+            return None
+        return plan_layer_groups(self.layer_kv_kinds())
+
+    @property
+    def num_cache_layers(self) -> int:
+        """The KV cache's leading axis: a layer group's size, else every stacked layer."""
+        groups = self.kv_layer_groups
+        return groups.group_size if groups is not None else self.num_stacked_layers
 
     def with_mtp(self) -> ModelConfig:
         """This config serving its first multi-token-prediction layer (speculative method "mtp")."""

@@ -26,7 +26,7 @@ from jaxserve.models.llama_family import (
     HF_GLOBALS,
     HF_LAYERS,
     LAYER_SHARDING,
-    LLAMA_KV_CACHE,
+    LLAMA_DECODER_KV_CACHE,
 )
 from jaxserve.models.registry import (
     MODEL_AXIS,
@@ -104,7 +104,7 @@ GPT_OSS = add_builtin(ModelFamily(
     model_class=llama.LlamaForCausalLM,
     param_shapes=llama.expected_param_shapes,
     hf_weight_names=hf_weight_names,
-    kv_cache=LLAMA_KV_CACHE,
+    kv_cache=LLAMA_DECODER_KV_CACHE,
     layer_sharding={**LAYER_SHARDING,
                     "sinks": (None, MODEL_AXIS),  # [L, Hq]: each rank's heads
                     "expert_gate_up_bias": (None, None, MODEL_AXIS)},  # [L, X, 2I]: width split like the weight

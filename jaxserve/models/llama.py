@@ -184,7 +184,7 @@ class LlamaForCausalLM(nnx.Module):
         slots and each token's slot (none: the base model, no LoRA work traced)."""
         cfg = self.config
         k_cache, v_cache = kv_cache[:2]
-        L, P, S, *row = k_cache.shape
+        L, (P, S) = cfg.num_stacked_layers, k_cache.shape[1:3]
         dtype = self.final_norm[...].dtype  # the activations' dtype (the embedding may be int8)
 
         h = self._embed(token_ids, dtype)  # [T, E]
@@ -221,6 +221,13 @@ class LlamaForCausalLM(nnx.Module):
             per_layer["window"] = jnp.asarray(windows, jnp.int32)  # [L], 0: global
         if local_rope is not None and uniform:  # every layer global, or every layer local
             rope, local_rope = (local_rope if windows[0] else rope), None
+        # Layer groups (windowed layers beside full ones): layer l's pages are slot
+        # cache_slot[l] of its group's pages, read through its group's block table.
+        groups = cfg.kv_layer_groups
+        if groups is not None:
+            per_layer["cache_slot"] = jnp.asarray(groups.layer_slot, jnp.int32)
+            if groups.num_groups > 1:
+                per_layer["kv_group"] = jnp.asarray(groups.layer_group, jnp.int32)
 
         # The step's real tokens (the rest of the bucket is padding): quantized projections
         # skip the padded rows' work where the kernel can (the native CPU one).
@@ -236,12 +243,13 @@ class LlamaForCausalLM(nnx.Module):
             cos_sin = rope
             if local_rope is not None:  # Gemma 3: local base on the sliding-window layers
                 cos_sin = jax.tree.map(lambda g, loc: jnp.where(per["window"] > 0, loc, g), rope, local_rope)
-            page_offset = per["layer_id"] * P
+            page_offset = per.get("cache_slot", per["layer_id"]) * P
+            lmd = group_metadata(md, per["kv_group"], groups.num_groups) if "kv_group" in per else md
             lp = _LayerWeights(lp, stacked, per["layer_id"], self.matmul_precision, self.row_tile,
                                lora_lp, onehot, live_rows)
             if cfg.sandwich_norms:  # the branch's output is normed before the skip connection
                 attn, pool = self._attention(
-                    h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn)
+                    h, lp, cos_sin, pool, lmd, page_offset, S, window, attention_fn, kv_update_fn)
                 h = h + self._norm(attn, lp["post_attn_norm"])
                 x = self._norm(h, lp["post_norm"])
                 y = self._norm(self._mlp(x, lp, moe_fn), lp["post_ffn_norm"])
@@ -249,7 +257,7 @@ class LlamaForCausalLM(nnx.Module):
             # h + branch, handed to the branch's last projection (a quantized one adds it in
             # its epilogue on CPU; the same bits as the add).
             h, pool = self._attention(
-                h, lp, cos_sin, pool, md, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
+                h, lp, cos_sin, pool, lmd, page_offset, S, window, attention_fn, kv_update_fn, residual=h)
             x = self._norm(h, lp["post_norm"])
             h = self._mlp(x, lp, moe_fn, residual=h)
             if num_deepstack:  # Qwen3-VL: the image tokens' DeepStack row after layer i < D
@@ -366,6 +374,16 @@ class LlamaForCausalLM(nnx.Module):
         return soft_cap(logits, self.config.final_logit_softcap)
 
 
+def group_metadata(md: AttentionMetadata, group: jax.Array, num_groups: int) -> AttentionMetadata:
+    """The step's metadata as one layer group's layers read it: the group's block tables
+    ([R, G * W] holds the groups' side by side) and slots ([G * T] likewise)."""
+    W = md.block_tables.shape[1] // num_groups
+    T = md.slot_mapping.shape[0] // num_groups
+    return dataclasses.replace(
+        md, block_tables=jax.lax.dynamic_slice_in_dim(md.block_tables, group * W, W, axis=1),
+        slot_mapping=jax.lax.dynamic_slice_in_dim(md.slot_mapping, group * T, T))
+
+
 def page_dims(kv_layout: str, pages: jax.Array) -> tuple[int, ...]:
     """A page's shape as the kernels take it, from a cache array [L, P, S, ...]: (S, Hkv, D)
     or (S, 1, D) in the heads layout (a one-head cache is held without the head axis), (S, C)
@@ -479,10 +497,10 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str
     if layout == "lanes":
         from pallas_kernels.kv_layout import lanes_width
 
-        return (cfg.num_stacked_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
+        return (cfg.num_cache_layers, num_pages, page_size, tp * lanes_width(cfg.num_kv_heads // tp, cfg.head_dim))
     if cfg.num_kv_heads == 1:
-        return (cfg.num_stacked_layers, num_pages, page_size, cfg.head_dim)
-    return (cfg.num_stacked_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return (cfg.num_cache_layers, num_pages, page_size, cfg.head_dim)
+    return (cfg.num_cache_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
 def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layout: str = "heads") -> tuple[int, ...]:
@@ -490,7 +508,7 @@ def kv_scales_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, layou
     flattens the cache into (`pallas_kernels.kv_layout.kv_scales_shape` of L * num_pages)."""
     from pallas_kernels.kv_layout import kv_scales_shape
 
-    return kv_scales_shape(cfg.num_stacked_layers * num_pages, page_size, cfg.num_kv_heads, layout)
+    return kv_scales_shape(cfg.num_cache_layers * num_pages, page_size, cfg.num_kv_heads, layout)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, layout: str = "heads",
@@ -511,5 +529,5 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any, layout
     shape = kv_cache_shape(cfg, 1, page_size, layout, tp)
     total = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
     if np.dtype(dtype).itemsize == 1:  # quantized pages: one f32 scale per token and KV head
-        total += 2 * cfg.num_stacked_layers * page_size * cfg.num_kv_heads * 4
+        total += 2 * cfg.num_cache_layers * page_size * cfg.num_kv_heads * 4
     return total

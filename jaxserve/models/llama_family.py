@@ -5,6 +5,7 @@ them."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxserve.models import llama
@@ -110,6 +111,9 @@ def gguf_weight_names(cfg: ModelConfig) -> WeightNames:
 # The paged K/V pools of `LlamaForCausalLM` (every family whose attention is the Llama block's).
 LLAMA_KV_CACHE = KVCacheSpec(shape=llama.kv_cache_shape, scales_shape=llama.kv_scales_pool_shape,
                              bytes_per_page=llama.kv_cache_bytes_per_page, init=llama.init_kv_cache)
+# The same cache as `LlamaForCausalLM` lays it out: in layer groups when windowed layers sit
+# beside full ones (gpt-oss, Gemma 2 / 3, Mistral's window), their old pages handed back.
+LLAMA_DECODER_KV_CACHE = dataclasses.replace(LLAMA_KV_CACHE, layer_groups=True)
 
 
 def llama_decoder_family(name: str, hf_architecture: str, config_from_hf: Any, support: ModelSupport,
@@ -125,7 +129,7 @@ def llama_decoder_family(name: str, hf_architecture: str, config_from_hf: Any, s
         model_class=llama.LlamaForCausalLM,
         param_shapes=llama.expected_param_shapes,
         hf_weight_names=hf_weight_names,
-        kv_cache=LLAMA_KV_CACHE,
+        kv_cache=LLAMA_DECODER_KV_CACHE,
         layer_sharding=LAYER_SHARDING,
         expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
         support=support,
@@ -146,7 +150,7 @@ LLAMA = add_builtin(ModelFamily(
     gguf_weight_names=gguf_weight_names,
     # llama.cpp permutes Llama-family q/k rows (interleaved RoPE pairs); Qwen's files keep HF's order
     gguf_permuted_qk=lambda cfg: cfg.architecture in ("llama", "mistral", "mixtral"),
-    kv_cache=LLAMA_KV_CACHE,
+    kv_cache=LLAMA_DECODER_KV_CACHE,
     layer_sharding=LAYER_SHARDING,
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
     support=ModelSupport(lora=True, quantized_kv=True, spec_decode=True, tensor_parallel=True, expert_parallel=True),

@@ -72,6 +72,9 @@ class KVCacheSpec:
     state_shapes: Callable[..., tuple[tuple[int, ...], ...]] | None = None
     # Each state pool's axis split over the tensor-parallel ranks (its heads or channels).
     state_split_axes: tuple[int, ...] = ()
+    # The model lays its cache out in layer groups when its config has windowed or chunked
+    # layers (`ModelConfig.kv_layer_groups`): the pool's leading axis is then a group's layers.
+    layer_groups: bool = False
 
     @property
     def recurrent(self) -> bool:

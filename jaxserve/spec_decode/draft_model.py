@@ -64,12 +64,13 @@ class DraftModelProposer:
         self.plan = dataclasses.replace(plan, sampler_variants=(greedy,), swap_sizes=(), prompt_logprobs_top=None)
         self.kv = KVCacheManager(SchedulerConfig(
             block_size=page_size, num_blocks=num_pages, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False))
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+            kv_groups=groups.kinds if (groups := loaded.config.kv_layer_groups) is not None else ()))
         steps = StepConfig(token_buckets=self.plan.token_buckets, request_buckets=self.plan.request_buckets,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, max_logprobs=0, seed=seed)
         self.runner = ModelRunner(loaded, num_pages=num_pages, page_size=page_size, attention_backend=attention_backend,
-                                  max_pages_per_seq=self.kv.width, steps=steps, kv_layout=kv_layout)
+                                  max_pages_per_seq=self.kv.config.table_width, steps=steps, kv_layout=kv_layout)
         self._seqs: dict[str, _DraftSeq] = {}
         self._new: list[NewRequestData] = []
         self._gone: list[str] = []

@@ -35,10 +35,10 @@ class StepArrays:
 
     token_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
-    slot_mapping: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [G * T] int32 (G layer groups' slots side by side; G = 1 mostly)
     cu_q_lens: np.ndarray  # [R+1] int32
     kv_lens: np.ndarray  # [R] int32
-    block_tables: np.ndarray  # [R, max_pages_per_seq] int32
+    block_tables: np.ndarray  # [R, G * max_pages_per_seq] int32
     num_seqs: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [R] int32: the token of each logits row
     num_tokens: int  # real tokens
@@ -51,13 +51,16 @@ class StepArrays:
 
 class BatchBuilder:
     def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, page_size: int,
-                 recurrent: bool = False):
+                 recurrent: bool = False, num_kv_groups: int = 1):
         self.recurrent = recurrent  # also lay out the linear layers' state slots and chunks
+        # Layer groups: a row holds G block tables of max_pages_per_seq / G pages side by side,
+        # and each token gets a slot in each group's pages.
+        self.num_kv_groups = num_kv_groups
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self._token_ids = np.zeros(max_tokens, np.int32)
         self._positions = np.zeros(max_tokens, np.int32)
-        self._slots = np.zeros(max_tokens, np.int32)
+        self._slots = np.zeros(num_kv_groups * max_tokens, np.int32)
         self._cu = np.zeros(max_reqs + 1, np.int32)
         self._kv_lens = np.zeros(max_reqs, np.int32)
         self._tables = np.zeros((max_reqs, max_pages_per_seq), np.int32)
@@ -70,7 +73,10 @@ class BatchBuilder:
         n_reqs = len(spans)
         if n_reqs > R:
             raise ValueError(f"{n_reqs} sequences do not fit the request bucket {R}")
-        tok, pos, slots, lora = self._token_ids[:T], self._positions[:T], self._slots[:T], self._lora_slots[:T]
+        G = self.num_kv_groups
+        W = self.max_pages_per_seq // G
+        tok, pos, lora = self._token_ids[:T], self._positions[:T], self._lora_slots[:T]
+        slots = self._slots[: G * T].reshape(G, T)
         cu, kv, tables, lidx = self._cu[: R + 1], self._kv_lens[:R], self._tables[:R], self._logits_idx[:R]
         t = row = 0
         for i, sp in enumerate(spans):
@@ -84,7 +90,8 @@ class BatchBuilder:
             width = len(sp.block_table)
             tables[i, :width] = sp.block_table
             tables[i, width:] = 0
-            slots[t : t + n] = tables[i, p // S] * S + p % S
+            for g in range(G):
+                slots[g, t : t + n] = tables[i, g * W + p // S] * S + p % S
             cu[i] = t
             kv[i] = sp.start + n
             if row + sp.num_rows > R:
@@ -95,12 +102,12 @@ class BatchBuilder:
         tok[t:] = 0
         lora[t:] = 0
         pos[t:] = 0
-        slots[t:] = np.arange(T - t, dtype=np.int32) % S  # null page
+        slots[:, t:] = np.arange(T - t, dtype=np.int32) % S  # null page
         cu[n_reqs:] = t
         kv[n_reqs:] = 0
         tables[n_reqs:] = 0
         lidx[row:] = 0
         self._num_seqs[0] = n_reqs
         rec = recurrent_inputs(cu, n_reqs, [sp.state_slot for sp in spans], T, R) if self.recurrent else None
-        return StepArrays(tok, pos, slots, cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row, lora_slots=lora,
+        return StepArrays(tok, pos, slots.reshape(G * T), cu, kv, tables, self._num_seqs, lidx, t, n_reqs, row, lora_slots=lora,
                           recurrent=rec)

@@ -88,10 +88,13 @@ class StepChannel:
     """Packs runner calls into fixed-size int32 buffers and broadcasts them from the leader."""
 
     def __init__(self, max_tokens: int, max_reqs: int, max_pages_per_seq: int, num_stop_ids: int,
-                 penalty_width: int, variants: tuple[SamplerFlags, ...], bitmask_width: int = 1):
+                 penalty_width: int, variants: tuple[SamplerFlags, ...], bitmask_width: int = 1,
+                 num_kv_groups: int = 1):
         self.max_tokens, self.max_reqs, self.width = max_tokens, max_reqs, max_pages_per_seq
+        self.num_kv_groups = num_kv_groups  # layer groups: [G * T] slots (`max_pages_per_seq` is the whole row)
         self.variants = variants
-        self.backbone_size = 3 * max_tokens + (max_reqs + 1) + max_reqs * (2 + max_pages_per_seq) + 1
+        self.backbone_size = ((2 + num_kv_groups) * max_tokens + (max_reqs + 1) + max_reqs * (2 + max_pages_per_seq)
+                              + 1)
         self._scalar_fields = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in
                                ("stop_token_ids", "penalty_token_ids", "bias_token_ids", "bias_values",
                                 "token_bitmask")]
@@ -187,17 +190,20 @@ class StepChannel:
         return 0, R * self.penalty_width, R * (self.penalty_width + MAX_LOGIT_BIAS)
 
     def _pack_backbone(self, a: StepArrays, buf: np.ndarray) -> None:
-        T = len(a.token_ids)
-        for i, p in enumerate((a.token_ids, a.positions, a.slot_mapping)):
-            buf[i * self.max_tokens : i * self.max_tokens + T] = p
-        o = 3 * self.max_tokens
+        T, M = len(a.token_ids), self.max_tokens
+        for i, p in enumerate((a.token_ids, a.positions)):
+            buf[i * M : i * M + T] = p
+        buf[2 * M : 2 * M + a.slot_mapping.size] = a.slot_mapping
+        o = (2 + self.num_kv_groups) * M
         for p in (a.cu_q_lens, a.kv_lens, a.logits_indices, a.block_tables.ravel(), a.num_seqs):
             buf[o : o + p.size] = p.ravel()
             o += p.size
 
     def _unpack_backbone(self, buf: np.ndarray, T: int, n_reqs: int, n_tok: int) -> StepArrays:
-        tok, pos, slots = (buf[i * self.max_tokens : i * self.max_tokens + T].copy() for i in range(3))
-        o = 3 * self.max_tokens
+        M, G = self.max_tokens, self.num_kv_groups
+        tok, pos = (buf[i * M : i * M + T].copy() for i in range(2))
+        slots = buf[2 * M : 2 * M + G * T].copy()
+        o = (2 + G) * M
         R = self.max_reqs
         out = []
         for n in (R + 1, R, R, R * self.width, 1):

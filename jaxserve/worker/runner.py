@@ -151,6 +151,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_layout = kv_layout
         self.max_pages_per_seq = max_pages_per_seq
+        groups = loaded.config.kv_layer_groups
+        self.num_kv_groups = groups.num_groups if groups is not None else 1  # block tables per request
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.expert_parallel = expert_parallel
         self.matmul_precision = matmul_precision
@@ -218,7 +220,7 @@ class ModelRunner:
             self.input_batch = InputBatch(steps.request_buckets, steps.max_model_len, steps.max_logprobs, steps.seed,
                                           vocab_size=self.config.vocab_size, structured=structured)
             self.builder = BatchBuilder(steps.max_num_batched_tokens, steps.max_num_seqs, max_pages_per_seq, page_size,
-                                        recurrent=self.recurrent)
+                                        recurrent=self.recurrent, num_kv_groups=self.num_kv_groups)
         self._traffic_log = open(steps.record_traffic_log, "a") if steps and steps.record_traffic_log else None
         # MTP drafts of the last step: request id -> (the history length they follow, drafts)
         self.mtp_drafts: dict[str, tuple[int, list[int]]] = {}
@@ -758,7 +760,8 @@ class ModelRunner:
             max_pages_per_seq=self.max_pages_per_seq,
             lora=abstract(self.lora.weights) if self.lora is not None else None, batch_invariant=self.row_tile > 0,
             num_state_arrays=self.num_state_arrays, multimodal=self.multimodal,
-            vision=abstract(self.vision.params) if self.vision is not None else None, vision_config=self.config.vision)
+            vision=abstract(self.vision.params) if self.vision is not None else None, vision_config=self.config.vision,
+            num_kv_groups=self.num_kv_groups)
 
     def lower_shape(self, key: ShapeKey, max_reqs: int, tensors: SamplingTensors | None = None):
         """Lowers one planned shape on abstract values (no device buffers) and compiles it."""

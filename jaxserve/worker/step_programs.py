@@ -63,13 +63,14 @@ class StepPrograms:
     hidden_size: int
     vocab_size: int
     attention_backend: str
-    max_pages_per_seq: int
+    max_pages_per_seq: int  # a request's whole block-table row (every layer group's)
     lora: dict[str, jax.ShapeDtypeStruct] | None = None  # the LoRA slots (`LoRABatch.weights`); None: off
     batch_invariant: bool = False  # the sampler one row at a time (`sampler.per_row`)
     num_state_arrays: int = 0  # a hybrid model's state pools, last in `kv_cache`
     multimodal: bool = False  # a vision-language model: the backbone takes image rows and 3-D positions
     vision: dict[str, jax.ShapeDtypeStruct] | None = None  # its image encoder's abstract params
     vision_config: Any = None  # and its `VisionConfig`
+    num_kv_groups: int = 1  # the cache's layer groups: [G * T] slots, G block tables per row
 
     @property
     def dtype(self) -> Any:
@@ -96,7 +97,7 @@ class StepPrograms:
                 bidi = self.vision_config is not None and self.vision_config.bidirectional_images
                 mm = abstract_multimodal(T, self.hidden_size, self.dtype, ds, rep, bidirectional=bidi)
             return AttentionMetadata(
-                slot_mapping=i32(T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
+                slot_mapping=i32(self.num_kv_groups * T), cu_q_lens=i32(max_reqs + 1), kv_lens=i32(max_reqs),
                 block_tables=i32(max_reqs, self.max_pages_per_seq), num_seqs=i32(1), recurrent=rec,
                 multimodal=mm,
             )
