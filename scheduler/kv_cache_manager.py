@@ -148,6 +148,7 @@ class KVCacheManager:
         self._host: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.num_released_blocks = 0  # bounded groups' blocks handed back while their request ran
         self.recurrent = config.recurrent_state
         if self.recurrent and self.num_groups > 1:
             raise ValueError("kv_groups: layer groups are not supported with recurrent state")
@@ -399,6 +400,7 @@ class KVCacheManager:
             gone = [b for b in blocks[st.released[g]:lo] if b.block_id]
             self._set_range(st, g, st.released[g], [null] * (lo - st.released[g]))
             st.released[g] = lo
+            self.num_released_blocks += len(gone)
             self.pool.free_blocks(gone)  # (older first: evicted first)
 
     def _set_range(self, st: _Blocks, group: int, start: int, blocks: Sequence[KVBlock]) -> None:

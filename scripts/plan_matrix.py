@@ -129,12 +129,12 @@ def run_case(name: str, flags: list[str], shapes: str | None) -> dict:
             return {"name": name, "error": (res.stderr.strip().splitlines() or ["no output"])[-1], "seconds": seconds}
         with open(manifest) as f:
             m = json.load(f)
-    page = m["program"]["page_size"]
     hbm = m["hbm_per_device"]
     failed = [s["name"] for s in m["shapes"] if not s["compiled"]]
     return {"name": name, "fits": m["fits"], "total": hbm["total_bytes"], "capacity": hbm["capacity_bytes"],
-            "kv_tokens": m["num_pages"] * page,
-            "max_kv_tokens": m["max_num_pages"] * page if m.get("max_num_pages") else None,
+            # tokens of context every layer holds (a layer-grouped cache: divided among its full groups)
+            "kv_tokens": m["kv_tokens"],
+            "max_kv_tokens": m["max_kv_tokens"],
             "shapes": len(m["shapes"]), "failed": failed, "seconds": seconds}
 
 

@@ -229,6 +229,18 @@ class CompileReport:
     state_bytes: int = 0  # per device, a hybrid model's state slots (beside the pages)
     vision_bytes: int = 0  # per device, a vision-language model's image encoder (counted in params_bytes too)
     encoder_cache_host_bytes: int = 0  # host memory of its encoder-output cache (mm_encoder_cache_gb)
+    # The cache's layer groups (`SchedulerConfig.kv_groups`; empty: one plain cache): a page then
+    # holds one group's layers, and a token of context costs one page slot per full group.
+    kv_groups: tuple[tuple[str, int], ...] = ()
+
+    def context_tokens(self, num_pages: int) -> int:
+        """Tokens of K/V the pages hold for every layer: pages x page size, divided among the
+        full layer groups when the cache has groups (windowed and chunked groups hold only a
+        bounded tail per running sequence, not counted; with no full group the context is
+        bounded by the tails alone, and this is the pages' own count)."""
+        tokens = num_pages * self.fingerprint["page_size"]
+        full = sum(1 for kind, _ in self.kv_groups if kind == "full")
+        return tokens // full if full else tokens
 
     @property
     def temp_bytes(self) -> int:
@@ -268,9 +280,10 @@ class CompileReport:
             return (f"does not fit: params {_gb(self.params_bytes)} + KV cache {_gb(self.kv_cache_bytes)} + "
                     f"temporaries {_gb(self.temp_bytes)} = {_gb(self.total_bytes)} > {_gb(cap)} per device"
                     + self._advice())
-        tokens = self.max_num_pages * self.fingerprint["page_size"]
+        tokens = self.context_tokens(self.max_num_pages)
+        grouped = f" in {len(self.kv_groups)} layer groups" if self.kv_groups else ""
         return (f"fits: {_gb(self.total_bytes)} of {_gb(cap)} per device; the largest cache that fits is "
-                f"--num-pages {self.max_num_pages} ({tokens} tokens, "
+                f"--num-pages {self.max_num_pages} ({tokens} tokens{grouped}, "
                 f"{_gb(self.max_num_pages * self.kv_bytes_per_page)} per device)")
 
     def _advice(self) -> str:
@@ -292,6 +305,9 @@ class CompileReport:
             "verdict": self.verdict(),
             "max_num_pages": self.max_num_pages,
             "num_pages": self.num_pages,
+            "kv_groups": [list(g) for g in self.kv_groups],
+            "kv_tokens": self.context_tokens(self.num_pages),
+            "max_kv_tokens": None if self.max_num_pages is None else self.context_tokens(self.max_num_pages),
             "hbm_per_device": {
                 "capacity_bytes": self.capacity_bytes,
                 "params_bytes": self.params_bytes,
@@ -488,7 +504,7 @@ def _compile_plan(model_config: ModelConfig, config: EngineConfig, target: Targe
         kv_bytes_per_page=kv_bytes // resolved.num_pages, num_pages=resolved.num_pages, attention=kernels.attention,
         fingerprint=program_fingerprint(model_config, config, resolved, target.num_devices),
         shapes=tuple(results), versions=target.versions(), wall_seconds=time.perf_counter() - t_start,
-        experts=kernels.experts, state_bytes=state_bytes)
+        experts=kernels.experts, state_bytes=state_bytes, kv_groups=resolved.scheduler.kv_groups)
     if out_dir is not None:
         with open(os.path.join(out_dir, MANIFEST), "w") as f:
             json.dump(report.to_json(), f, indent=1)

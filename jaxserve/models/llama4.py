@@ -20,6 +20,7 @@ NoPE layers too, and the cache holds keys in that order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ from jaxserve.models.deepseek_family import LAYER_SHARDING as DEEPSEEK_SHARDING
 from jaxserve.models.fused import split_qkv
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
 from jaxserve.models.layers import AttentionFn, KVUpdateFn, MoEFn, rms_norm
-from jaxserve.models.llama import single_device_moe
+from jaxserve.models.llama import group_metadata, single_device_moe
 from jaxserve.models.llama_family import HF_GLOBALS, HF_LAYERS, LLAMA_KV_CACHE
 from jaxserve.models.llama_family import LAYER_SHARDING as LLAMA_SHARDING
 from jaxserve.models.lora import LoRABatch
@@ -161,6 +162,12 @@ class Llama4ForCausalLM(Glm4MoeForCausalLM):
         L = config.num_layers
         self._layer_rope = np.asarray(config.layer_rope or (1,) * L, np.int32)  # [L] numpy constants
         self._layer_chunks = np.asarray(config.layer_chunks or (0,) * L, np.int32)
+        # Layer groups (chunked layers beside global ones): layer l's pages are slot
+        # `_cache_slot[l]` of group `_kv_group[l]`'s pages, read through that group's table.
+        groups = config.kv_layer_groups
+        self._num_kv_groups = groups.num_groups if groups is not None else 1
+        self._cache_slot = np.asarray(groups.layer_slot if groups is not None else range(L), np.int32)
+        self._kv_group = np.asarray(groups.layer_group if groups is not None else (0,) * L, np.int32)
 
     def __call__(
         self,
@@ -185,10 +192,12 @@ class Llama4ForCausalLM(Glm4MoeForCausalLM):
                 temperature_scales(cfg, positions))  # [T]
         stack, s = self._stacks(md), cfg.moe_layer_step
         layer_rope, layer_chunks = jnp.asarray(self._layer_rope), jnp.asarray(self._layer_chunks)
+        cache_slot, kv_group = jnp.asarray(self._cache_slot), jnp.asarray(self._kv_group)
 
         def sublayer(h, pool, i, mlp):
-            h, pool = self._attention(h, stack(i), (*rope, layer_rope[i], layer_chunks[i]), pool, md, i * P, views,
-                                      attention_fn, kv_update_fn)
+            lmd = group_metadata(md, kv_group[i], self._num_kv_groups) if self._num_kv_groups > 1 else md
+            h, pool = self._attention(h, stack(i), (*rope, layer_rope[i], layer_chunks[i]), pool, lmd,
+                                      cache_slot[i] * P, views, attention_fn, kv_update_fn)
             return h + mlp(self._norm(h, stack(i)["post_norm"])), pool
 
         def group(carry, g):  # layers g*s .. g*s + s - 1: s - 1 dense, then one with experts
@@ -254,7 +263,7 @@ LLAMA4 = add_builtin(ModelFamily(
     param_shapes=expected_param_shapes,
     hf_weight_names=hf_weight_names,
     layer_ids=layer_ids,
-    kv_cache=LLAMA_KV_CACHE,
+    kv_cache=dataclasses.replace(LLAMA_KV_CACHE, layer_groups=True),  # chunked layers' old pages handed back
     layer_sharding={**LLAMA_SHARDING, **{k: v for k, v in DEEPSEEK_SHARDING.items() if k.startswith("shared_")}},
     expert_parallel_sharding=EXPERT_PARALLEL_SHARDING,
     support=ModelSupport(lora=False, quantized_kv=True, spec_decode=True, tensor_parallel=True, expert_parallel=True),
