@@ -94,12 +94,13 @@ _CHILD = textwrap.dedent("""
 # at tp4 beside the shared expert's split. gpt-oss its sinks split by head and its expert biases
 # (down's added on one width shard only; whole experts' under ep2). Llama 4 its per-layer chunk
 # entering the per-shard attention, its dense / MoE groups and input-scaled experts. Gemma 4 its
-# two attention kinds' stacks and K/V pools split by head, and its MoE block (int8 too); E2B's
+# two attention kinds' stacks and K/V pools split by head (at tp4 both kinds' 2 KV heads replicated
+# up to 4, as 26B-A4B's 2 full-attention KV heads are on 4 chips), and its MoE block (int8 too); E2B's
 # features (per-layer inputs, layers reading earlier K/V, double-wide MLPs) split by head too.
 LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:ep8"),
            "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
            "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2"),
-           "gemma4": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
+           "gemma4": ("tp2", "tp4", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
 
 
 def test_tensor_and_expert_parallel_match_single_device(family_dirs):

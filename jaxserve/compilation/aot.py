@@ -386,6 +386,7 @@ def compile_for_target(model_config: ModelConfig, config: EngineConfig, target: 
     buckets). `on_start(name)` / `on_result(result)` are called as each shape starts and ends
     (from the compile threads)."""
     spec = config.speculative_config
+    model_config = dataclasses.replace(model_config, bounded_window_kv=config.bounded_window_kv)
     if spec is not None and spec.method == "mtp":  # the MTP layer: its weights, cache layer and programs
         model_config = model_config.with_mtp()
     if spec is None or spec.method != "draft_model":

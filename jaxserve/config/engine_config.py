@@ -127,6 +127,9 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # Windowed and chunked layers keep only the K/V they can still read (the cache in layer
+    # groups, `models/kv_groups.py`); False: every layer keeps every token (one plain cache).
+    bounded_window_kv: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"

@@ -221,6 +221,9 @@ class Engine:
             loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, vision=vision))
         if config.limit_mm_per_prompt == 0 and loaded.config.vision is not None:
             loaded = _text_only(loaded)
+        if loaded.config.bounded_window_kv != config.bounded_window_kv:
+            loaded = dataclasses.replace(loaded, config=dataclasses.replace(
+                loaded.config, bounded_window_kv=config.bounded_window_kv))
         held = params_quantization(loaded.params)
         if config.quantization is not None and held != config.quantization:
             raise ValueError(f"quantization={config.quantization!r} but the model's weights are {held or 'not quantized'}")

@@ -77,22 +77,37 @@ def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) ->
     if la is not None and la.num_key_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {la.num_key_heads} linear-attention "
                          "key heads")
-    hkv = cfg.num_kv_heads
+    cfg = dataclasses.replace(cfg, num_kv_heads=_kv_heads_per_split(cfg.num_kv_heads, tp, "KV heads"))
+    if cfg.global_num_kv_heads is not None:  # Gemma 4's full layers: KV heads of their own
+        cfg = dataclasses.replace(cfg, global_num_kv_heads=_kv_heads_per_split(
+            cfg.global_num_kv_heads, tp, "full-attention KV heads"))
+    return cfg
+
+
+def _kv_heads_per_split(hkv: int, tp: int, what: str) -> int:
+    """KV heads as `tp` ranks hold them: unchanged when `tp` divides them, else replicated up to `tp`."""
     if hkv >= tp:
         if hkv % tp:
-            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {hkv} KV heads")
-        return cfg
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {hkv} {what}")
+        return hkv
     if tp % hkv:
         raise ValueError(
-            f"tensor_parallel_size {tp} is not a multiple of the model's {hkv} KV heads, so KV heads "
-            "cannot be replicated evenly"
+            f"tensor_parallel_size {tp} is not a multiple of the model's {hkv} {what}, so they cannot be "
+            "replicated evenly"
         )
-    return dataclasses.replace(cfg, num_kv_heads=tp)
+    return tp
 
 
-def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: int) -> dict[str, Any]:
+def expand_kv_heads(params: dict[str, Any], cfg: ModelConfig, new_num_kv_heads: int,
+                    new_global_kv_heads: int | None = None) -> dict[str, Any]:
     """Repeats each KV head's columns in k/v projections (and biases) `new / old` times, in
-    order, so expanded head j serves the query heads the original head j // rep served."""
+    order, so expanded head j serves the query heads the original head j // rep served.
+    `new_global_kv_heads`: Gemma 4's full layers' own KV heads (`global_k_proj`, ...), alike."""
+    if new_global_kv_heads is not None and new_global_kv_heads != cfg.global_num_kv_heads:
+        glo = dataclasses.replace(cfg, num_kv_heads=cfg.global_num_kv_heads, head_dim=cfg.global_head_dim)
+        layers = {k.removeprefix("global_"): v for k, v in params["layers"].items() if k.startswith("global_")}
+        layers = expand_kv_heads({"layers": layers}, glo, new_global_kv_heads)["layers"]
+        params = {**params, "layers": {**params["layers"], **{"global_" + k: v for k, v in layers.items()}}}
     rep = new_num_kv_heads // cfg.num_kv_heads
     if rep == 1:
         return params

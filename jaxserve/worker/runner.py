@@ -253,7 +253,7 @@ class ModelRunner:
                 out["embed"] = np.ascontiguousarray(np.asarray(params["embed"]).T)  # [E, V]
             return out
         tp = self.mesh.shape[parallel.MODEL_AXIS]
-        params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads)
+        params = parallel.expand_kv_heads(params, config, self.config.num_kv_heads, self.config.global_num_kv_heads)
         return {**params, "layers": fuse_projections(params["layers"], tp, 1 if self.expert_parallel else tp)}
 
     def _model(self, params: dict[str, Any]) -> Any:
