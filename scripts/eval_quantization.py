@@ -104,13 +104,17 @@ def position_logits(engine, ids: list[int]) -> np.ndarray:
     T, S = len(ids), r.page_size
     padded = -(-T // 64) * 64  # a few shapes, so a mode compiles once or twice, not per prompt
     n = -(-padded // S)
-    if n + 1 > r.num_pages or n > r.max_pages_per_seq:
-        raise ValueError(f"{T} tokens need {n} pages: raise num_pages / max_model_len")
-    table = np.zeros((1, r.max_pages_per_seq), np.int32)
-    table[0, :n] = np.arange(1, n + 1)
+    G = r.num_kv_groups  # a layer-grouped cache: each group's own pages and table
+    W = r.max_pages_per_seq // G
+    if G * n + 1 > r.num_pages or n > W:
+        raise ValueError(f"{T} tokens need {G * n} pages: raise num_pages / max_model_len")
+    table = np.zeros((1, G * W), np.int32)
+    for g in range(G):
+        table[0, g * W: g * W + n] = np.arange(1 + g * n, 1 + (g + 1) * n)
+    slots = np.concatenate([np.arange(padded) + (1 + g * n) * S for g in range(G)])
     # causal: the padded tail (token 0 at the next positions) changes no real row
     md = AttentionMetadata(
-        slot_mapping=jnp.asarray(np.arange(padded) + S, jnp.int32), cu_q_lens=jnp.asarray([0, padded], jnp.int32),
+        slot_mapping=jnp.asarray(slots, jnp.int32), cu_q_lens=jnp.asarray([0, padded], jnp.int32),
         kv_lens=jnp.asarray([padded], jnp.int32), block_tables=jnp.asarray(table),
         num_seqs=jnp.asarray([1], jnp.int32))
     tokens = np.zeros(padded, np.int32)
