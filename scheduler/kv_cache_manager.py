@@ -423,10 +423,10 @@ class KVCacheManager:
         start = request.num_computed_tokens + computed.num_tokens
         total = start + num_new_tokens
         num_needed = -(-total // self.block_size)
-        if self.num_groups == 1 and not self._bounded:
-            num_held = st.num_blocks if st is not None else 0
-            if num_needed - num_held - len(computed) <= 0 and not len(computed):
-                return []  # fast path: decode inside the current block
+        if not len(computed) and num_needed <= (st.num_blocks if st is not None else 0) and (
+                st is None or not self._bounded or all(first_readable(*self.kv_groups[g], start) // self.block_size <= st.released[g]
+                                         for g in self._bounded)):
+            return []  # fast path: decode inside the current blocks, nothing to hand back
         if num_needed > self.width:
             return None
         if st is not None and self._bounded:
