@@ -3,7 +3,11 @@
 256 requests decoding under a 2048-token budget (the steady state of a busy server). The
 sampled tokens are prepared outside the timed region, so only scheduler work is measured.
 
-    .venv/bin/python scripts/bench_scheduler.py [--steps N] [--requests R]
+    .venv/bin/python scripts/bench_scheduler.py [--steps N] [--requests R] [--kv-groups gemma3]
+
+`--kv-groups gemma3`: the cache in Gemma 3 27B's layer groups (one full group, six groups with a
+1024-token window; docs/architecture.md), `gpt-oss` gpt-oss's (one full, one 128-token window):
+the per-group tables and the windowed groups' hand-backs on top of the plain step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
 
+KV_GROUPS = {"none": (), "gemma3": (("full", 0),) + (("window", 1024),) * 6,
+             "gpt-oss": (("full", 0), ("window", 128))}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -27,6 +34,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--kv-groups", choices=sorted(KV_GROUPS), default="none")
     args = ap.parse_args()
 
     r, bs = args.requests, args.block_size
@@ -34,11 +42,12 @@ def main() -> None:
     blocks_per_req = -(-max_len // bs)
     cfg = SchedulerConfig(
         block_size=bs,
-        num_blocks=r * blocks_per_req + 1,
+        num_blocks=r * blocks_per_req * max(1, len(KV_GROUPS[args.kv_groups])) + 1,
         max_model_len=max_len,
         max_num_seqs=r,
         max_num_batched_tokens=2048,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_groups=KV_GROUPS[args.kv_groups],
     )
     s = Scheduler(cfg)
     sp = SamplingParams(max_tokens=args.steps + 100, ignore_eos=True)
@@ -68,7 +77,7 @@ def main() -> None:
 
     print(
         f"scheduler step: {r} decoding requests, budget 2048, block_size {bs}, prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}, {args.steps} steps"
+        f"{'off' if args.no_prefix_caching else 'on'}, layer groups {args.kv_groups}, {args.steps} steps"
     )
     # Wall time includes waits for the CPU on a shared machine; thread CPU time does not.
     for name, xs in (("wall", wall), ("thread cpu", cpu)):

@@ -121,13 +121,16 @@ def _hf_logits(model, ids: list[int]) -> np.ndarray:
 def test_ragged_paged_logits_match_transformers(tmp_path, case):
     hf = _make_hf_model(tmp_path, case)
     loaded = load_model(str(tmp_path), dtype="float32")
-    num_pages = 40
-    runner = ModelRunner(loaded, num_pages=num_pages, page_size=PAGE, attention_backend="reference")
+    groups = loaded.config.kv_layer_groups  # windowed layers beside full ones: a table per group
+    G = groups.num_groups if groups is not None else 1
+    num_pages = 1 + 24 * G
+    runner = ModelRunner(loaded, num_pages=num_pages, page_size=PAGE, attention_backend="reference",
+                         max_pages_per_seq=8 * G)
     rng = np.random.default_rng(0)
     pages = rng.permutation(np.arange(1, num_pages))  # page 0 is the null page
-    tables = [pages[0:8], pages[8:16], pages[16:24]]
+    tables = [pages[8 * G * i: 8 * G * (i + 1)] for i in range(3)]  # each group's 8 pages side by side
     seqs = [list(rng.integers(0, 96, n)) for n in (5, 11, 17)]
-    builder = BatchBuilder(max_tokens=64, max_reqs=4, max_pages_per_seq=8, page_size=PAGE)
+    builder = BatchBuilder(max_tokens=64, max_reqs=4, max_pages_per_seq=8 * G, page_size=PAGE, num_kv_groups=G)
     computed = [0, 0, 0]
     # step 1: seq0 whole, seq1 first 6 tokens (chunked), seq2 whole; then mixed and decodes
     plans = [[5, 6, 17], [1, 5, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
