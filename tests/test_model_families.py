@@ -85,7 +85,10 @@ _CHILD = textwrap.dedent("""
 
 # tpN: tensor parallelism over N devices (inside the experts for MoE); epN: expert parallelism;
 # "int8:" int8 weights (the quantized experts' scales split like their weights), against int8 tp1;
-# an int8 width split of routed experts: DeepSeek-V3's and Gemma 4's int8:tp2.
+# an int8 width split of routed experts: DeepSeek-V3's and Gemma 4's int8:tp2; int8 whole experts:
+# gpt-oss's int8:ep2 (Qwen3-MoE's int8 runs took the same paths and were dropped; GLM-4.5 MoE's
+# expert split is DeepSeek-V3's ep2). The windowed / chunked families' layer groups (gpt-oss,
+# Llama 4) are split by head like a plain cache, the groups' tables replicated.
 # Mixtral's experts take the same path as Qwen3-MoE's; Gemma 3's per-layer window entering the
 # per-shard attention is tests/test_gemma3_vl.py's TP check (with images), KV heads replicated
 # 2x tests/test_lora.py's and GLM-4.5 MoE's here; DeepSeek-V3 its query
@@ -97,8 +100,8 @@ _CHILD = textwrap.dedent("""
 # two attention kinds' stacks and K/V pools split by head (at tp4 both kinds' 2 KV heads replicated
 # up to 4, as 26B-A4B's 2 full-attention KV heads are on 4 chips), and its MoE block (int8 too); E2B's
 # features (per-layer inputs, layers reading earlier K/V, double-wide MLPs) split by head too.
-LAYOUTS = {"qwen3_moe": ("tp2", "ep8", "int8:tp1", "int8:ep8"),
-           "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4", "ep2"),
+LAYOUTS = {"qwen3_moe": ("tp2", "ep8"),
+           "deepseek_v3": ("tp2", "ep2", "int8:tp1", "int8:tp2"), "glm4_moe": ("tp4",),
            "gpt_oss": ("tp2", "ep2", "int8:tp1", "int8:ep2"), "llama4": ("tp2", "ep2"),
            "gemma4": ("tp2", "tp4", "ep2", "int8:tp1", "int8:tp2"), "gemma4_e": ("tp2",)}
 

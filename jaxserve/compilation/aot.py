@@ -234,13 +234,20 @@ class CompileReport:
     kv_groups: tuple[tuple[str, int], ...] = ()
 
     def context_tokens(self, num_pages: int) -> int:
-        """Tokens of K/V the pages hold for every layer: pages x page size, divided among the
-        full layer groups when the cache has groups (windowed and chunked groups hold only a
-        bounded tail per running sequence, not counted; with no full group the context is
-        bounded by the tails alone, and this is the pages' own count)."""
-        tokens = num_pages * self.fingerprint["page_size"]
-        full = sum(1 for kind, _ in self.kv_groups if kind == "full")
-        return tokens // full if full else tokens
+        """Tokens of K/V the pages hold: pages x page size for a plain cache. A cache in layer
+        groups is counted filled with `max_model_len`-token sequences: each takes a page per
+        page size of tokens in every full group, and in every bounded group no more than its
+        window or chunk and one step's span reach (what the scheduler holds for it), so
+        windows and chunks longer than `max_model_len` save nothing."""
+        fp = self.fingerprint
+        S = fp["page_size"]
+        if not self.kv_groups:
+            return num_pages * S
+        M = fp["max_model_len"]
+        n = -(-M // S)
+        per_seq = sum(n if kind == "full" else min(n, -(-(size + fp["max_num_batched_tokens"]) // S) + 1)
+                      for kind, size in self.kv_groups)
+        return num_pages * M // per_seq
 
     @property
     def temp_bytes(self) -> int:
