@@ -26,6 +26,7 @@ blocks up to its end and each bounded group's blocks that its next token reads.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,12 +101,13 @@ class KVUsage:
 class _Blocks:
     """Per-request device allocation: logical -> physical blocks per layer group, its table slot."""
 
-    __slots__ = ("groups", "released", "slot", "num_registered", "cacheable")
+    __slots__ = ("groups", "released", "release_at", "slot", "num_registered", "cacheable")
 
     def __init__(self, slot: int, num_groups: int) -> None:
         # groups[g][i]: group g's block for logical block i (the null block once released)
         self.groups: list[list[KVBlock]] = [[] for _ in range(num_groups)]
         self.released = [0] * num_groups  # per group: leading blocks already released
+        self.release_at = 0  # the first next-token position at which a bounded group has a block to hand back
         self.slot = slot  # row of KVCacheManager.tables holding this request's block ids
         # Leading blocks already offered to the prefix cache (registered or duplicates).
         self.num_registered = 0
@@ -141,6 +143,9 @@ class KVCacheManager:
         self.num_groups = len(self.kv_groups)
         # Groups whose blocks are released behind the sequence (windowed, chunked layers).
         self._bounded = [g for g, (kind, _) in enumerate(self.kv_groups) if kind != "full"]
+        # One group of each bounded kind: the groups of a kind hand blocks back together.
+        self._bounded_kinds = [self._bounded[[self.kv_groups[g] for g in self._bounded].index(k)]
+                               for k in dict.fromkeys(self.kv_groups[g] for g in self._bounded)]
         # Only running requests hold device blocks, so max_num_seqs rows usually suffice;
         # the table grows if a caller holds more. A row is the groups' rows side by side.
         self.tables = np.zeros((config.max_num_seqs, self.num_groups * self.width), dtype=np.int32)
@@ -424,8 +429,7 @@ class KVCacheManager:
         total = start + num_new_tokens
         num_needed = -(-total // self.block_size)
         if not len(computed) and num_needed <= (st.num_blocks if st is not None else 0) and (
-                st is None or not self._bounded or all(first_readable(*self.kv_groups[g], start) // self.block_size <= st.released[g]
-                                         for g in self._bounded)):
+                st is None or start < st.release_at):
             return []  # fast path: decode inside the current blocks, nothing to hand back
         if num_needed > self.width:
             return None
@@ -460,7 +464,18 @@ class KVCacheManager:
             new_blocks = pool.get_new_blocks(num_needed - lo)
             self._set(st, g, lo, new_blocks)
             ids += [b.block_id for b in new_blocks]
+        self._update_release_at(st)
         return ids
+
+    def _update_release_at(self, st: _Blocks) -> None:
+        """The first next-token position at which a bounded group has a block to hand back:
+        where its first readable position reaches the block after those released."""
+        at = sys.maxsize
+        for g in self._bounded_kinds:
+            kind, size = self.kv_groups[g]
+            reach = (st.released[g] + 1) * self.block_size  # first_readable(p) >= reach
+            at = min(at, reach + size - 1 if kind == "window" else -(-reach // size) * size)
+        st.release_at = at
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Frees the request's blocks past its first ``num_tokens`` tokens (after rejected
@@ -480,6 +495,7 @@ class KVCacheManager:
             st.released[g] = min(st.released[g], keep)
             self.pool.free_blocks(reversed(extra))
             freed += len(extra)
+        self._update_release_at(st)
         return freed
 
     def free(self, request: Request) -> None:
@@ -563,6 +579,7 @@ class KVCacheManager:
             st.released[g] = lo
             ids += [b.block_id for b in blocks]
             where.update(((g, lo + k), b.block_id) for k, b in enumerate(blocks))
+        self._update_release_at(st)
         # host copies of blocks no token reads any more are dropped, not copied back
         mapping = [(h, where[(g, i)]) for g, i, h in host if (g, i) in where]
         self.host_pool.free([h for _, _, h in host])
