@@ -72,3 +72,34 @@ def test_gemma4_keeps_one_pool_per_attention_kind():
     # ids, not layer groups (yet), so its windows bound nothing.
     cfg = _config("gemma4_31b")
     assert cfg.kv_layer_groups is None and cfg.num_cache_layers == cfg.num_stacked_layers
+
+
+def test_grouped_step_arrays_reach_a_follower_whole(monkeypatch):
+    """A step of a cache in two layer groups: each token gets a slot in each group's pages (from
+    the group's part of its table row), and the multi-host broadcast carries all of them."""
+    from jaxserve.worker import distributed
+    from jaxserve.worker.batch import BatchBuilder, SequenceSpan
+    from jaxserve.worker.compile_plan import sampler_variants
+    from jaxserve.worker.input_batch import STOP_ID_WIDTH
+    from jaxserve.worker.sampler import SamplingTensors
+
+    S, W, T, R = 4, 3, 16, 4
+    row = np.array([5, 6, 7, 0, 9, 2], np.int32)  # group 0: pages 5 6 7; group 1: its first block released
+    arrays = BatchBuilder(T, R, 2 * W, S, num_kv_groups=2).build(
+        [SequenceSpan(np.arange(1, 4, dtype=np.int32), 6, row)], T, R)  # positions 6, 7, 8
+    assert arrays.slot_mapping.shape == (2 * T,)
+    assert arrays.slot_mapping[:3].tolist() == [6 * S + 2, 6 * S + 3, 7 * S + 0]
+    assert arrays.slot_mapping[T:T + 3].tolist() == [9 * S + 2, 9 * S + 3, 2 * S + 0]
+    assert (arrays.slot_mapping[3:T] < S).all() and (arrays.slot_mapping[T + 3:] < S).all()  # padding: null page
+
+    sent: list[np.ndarray] = []
+    monkeypatch.setattr(distributed, "_broadcast", lambda x: sent.append(x.copy()) or x)
+    variants = sampler_variants(0)
+    ch = distributed.StepChannel(T, R, 2 * W, STOP_ID_WIDTH, 32, variants, num_kv_groups=2)
+    flags = next(f for f in variants if f.all_greedy and not f.use_bitmask and not f.use_penalties)
+    ch.send_step(arrays, SamplingTensors.neutral(R, STOP_ID_WIDTH, 32, vocab_size=100), R, flags)
+    replay = iter(sent[1:])
+    monkeypatch.setattr(distributed, "_broadcast", lambda x: next(replay))
+    got, _, _, _ = ch.recv_step(sent[0], {R: SamplingTensors.neutral(R, STOP_ID_WIDTH, 32, vocab_size=100)})
+    for name in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "block_tables"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(arrays, name), err_msg=name)
