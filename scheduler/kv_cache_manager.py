@@ -144,8 +144,10 @@ class KVCacheManager:
         # Groups whose blocks are released behind the sequence (windowed, chunked layers).
         self._bounded = [g for g, (kind, _) in enumerate(self.kv_groups) if kind != "full"]
         # One group of each bounded kind: the groups of a kind hand blocks back together.
-        self._bounded_kinds = [self._bounded[[self.kv_groups[g] for g in self._bounded].index(k)]
-                               for k in dict.fromkeys(self.kv_groups[g] for g in self._bounded)]
+        first_of_kind: dict[tuple[str, int], int] = {}
+        for g in self._bounded:
+            first_of_kind.setdefault(self.kv_groups[g], g)
+        self._bounded_kinds = list(first_of_kind.values())
         # Only running requests hold device blocks, so max_num_seqs rows usually suffice;
         # the table grows if a caller holds more. A row is the groups' rows side by side.
         self.tables = np.zeros((config.max_num_seqs, self.num_groups * self.width), dtype=np.int32)

@@ -462,7 +462,7 @@ class EngineConfig:
             scheduler=self.scheduler_config(num_pages, max_model_len, num_host_pages, recurrent=states.recurrent,
                                             encoder_tokens=self.encoder_token_budget(model_config),
                                             whole_images=_bidirectional_images(model_config),
-                                            kv_groups=kv_group_kinds(kv_config)),
+                                            kv_groups=kv_config.kv_group_kinds),
             dtype=dtype,
             kv_layout=kv_layout,
             kv_cache_dtype=None if self.kv_cache_dtype == "auto" else kv_dtype.name,
@@ -471,12 +471,6 @@ class EngineConfig:
             plan=CompilePlan.from_config(self, swap_enabled=num_host_pages > 0, platform=platform,
                                          recurrent=states.recurrent, vision_windows=vision_windows(model_config)),
         )
-
-
-def kv_group_kinds(model_config: Any) -> tuple[tuple[str, int], ...]:
-    """The scheduler's layer groups of the model's cache (none for a plain cache)."""
-    groups = getattr(model_config, "kv_layer_groups", None)
-    return groups.kinds if groups is not None else ()
 
 
 def vision_windows(model_config: Any) -> tuple[int, ...]:

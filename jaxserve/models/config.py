@@ -449,6 +449,13 @@ class ModelConfig:
         return plan_layer_groups(self.layer_kv_kinds())
 
     @property
+    def kv_group_kinds(self) -> tuple[tuple[str, int], ...]:
+        """The layer groups' kinds, as the scheduler takes them (`SchedulerConfig.kv_groups`;
+        empty for a plain cache)."""
+        groups = self.kv_layer_groups
+        return groups.kinds if groups is not None else ()
+
+    @property
     def num_cache_layers(self) -> int:
         """The KV cache's leading axis: a layer group's size, else every stacked layer."""
         groups = self.kv_layer_groups

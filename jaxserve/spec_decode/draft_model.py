@@ -65,7 +65,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(SchedulerConfig(
             block_size=page_size, num_blocks=num_pages, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
-            kv_groups=groups.kinds if (groups := loaded.config.kv_layer_groups) is not None else ()))
+            kv_groups=loaded.config.kv_group_kinds))
         steps = StepConfig(token_buckets=self.plan.token_buckets, request_buckets=self.plan.request_buckets,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, max_logprobs=0, seed=seed)
