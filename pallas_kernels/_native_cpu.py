@@ -31,6 +31,8 @@ ISA_NEEDS = {"native": (), "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2"
 # "portable", x86-64's SSE2 baseline, runs the loops a CPU without AVX2 (or an ARM host) gets).
 # The engine itself never reads the environment; its configuration is `EngineConfig`.
 TEST_ISA_ENV = "JAXSERVE_TEST_CPU_ISA"
+# Headers every kernel may include (vector math shared between them); part of the build key.
+INCLUDE_DIR = Path(__file__).with_name("_native")
 
 
 def cpu_features() -> str:
@@ -84,7 +86,8 @@ def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
         flags = compile_flags()
     except ValueError as e:
         return None, str(e), ""
-    parts = [source.read_bytes(), " ".join(flags).encode(), version.encode(), jax.__version__.encode(),
+    headers = [h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    parts = [source.read_bytes(), *headers, " ".join(flags).encode(), version.encode(), jax.__version__.encode(),
              cpu_features().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     name = f"{prefix}_{key}"
@@ -99,7 +102,7 @@ def build(source: Path, prefix: str, what: str) -> tuple[Path | None, str, str]:
         out = tmp_dir / out.name
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{INCLUDE_DIR}", f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:

@@ -1,6 +1,6 @@
 """Run in a child process by tests/test_kernels_cpu_units.py, with JAXSERVE_TEST_CPU_ISA
 capping the native kernels' instruction set (it is read when they are built, once per
-process). Checks the native CPU matmul (bf16 and int8 weights), the attention kernel
+process). Checks the native CPU matmul (bf16 and int8 weights, and its gated-activation epilogue), the attention kernel
 (f32, bf16 and int8 pages) and the KV-cache row write against their references and prints one JSON line: the ISA the kernels were built for and
 each check's worst error as a fraction of its bound (<= 1 passes)."""
 
@@ -66,6 +66,38 @@ def int8_checks(rng) -> float:
     return worst
 
 
+def glu_checks(rng) -> float:
+    """The gated-activation epilogue (silu(g) * u of the product's halves) against the same
+    kernel's plain product finished in f64: bf16 x (g and u rounded to bf16 first, one bf16 ulp
+    for the result) over bf16 and int8 weights, f32 x over int8 (f32 out); H = 131 columns
+    (this unit's vector loop and its scalar tail); rows past the live ones 0."""
+    worst = 0.0
+    k, n = 579, 262
+    for m in (1, 4, 5, 64):
+        live = max(1, m - 1)
+        for w_kind, x_dtype in (("bf16", jnp.bfloat16), ("int8", jnp.bfloat16), ("int8", jnp.float32)):
+            x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+            if w_kind == "bf16":
+                w, scale = jnp.asarray(rng.standard_normal((2, k, n)) * 0.05, jnp.bfloat16), None
+            else:
+                w = jnp.asarray(rng.integers(-127, 128, (2, k, n), dtype=np.int8))
+                scale = jnp.asarray(rng.uniform(0.5, 1.5, (2, n)).astype(np.float32) / 127 / 8)
+            call = functools.partial(native_cpu.quantized_matmul_cpu, x, w, scale, 1, rows=live,
+                                     precision="bf16" if x_dtype == jnp.bfloat16 else "highest")
+            got = np.asarray(call(glu="silu"), np.float64)
+            y = np.asarray(call(), np.float64)[:live]  # the plain product, as out's dtype holds it
+            g, u = y[:, : n // 2], y[:, n // 2:]
+            ref = g / (1.0 + np.exp(-g)) * u
+            if x_dtype == jnp.bfloat16:
+                bound = 2.0 ** (np.floor(np.log2(np.abs(ref) + 1e-30)) - 7) + 1e-6 * np.abs(ref) + 1e-30
+            else:
+                bound = 1e-6 * np.abs(ref) + 1e-30
+            worst = max(worst, float(np.max(np.abs(got[:live] - ref) / bound)))
+            if np.any(got[live:] != 0):
+                worst = max(worst, 2.0)
+    return worst
+
+
 def attention_checks() -> float:
     """The attention kernel against the f32 reference on the same (widened) pages: decode and
     prefill rows, 9 query heads on 3 KV heads, D 64 and 72 (this unit's segment paths) and 80
@@ -126,7 +158,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(json.dumps({"isa": native_cpu.isa(), "attention_isa": attn_cpu.isa(),
                       "packed_path": native_cpu.packed_path(), "dense_bf16": dense_checks(rng),
-                      "int8_bf16_x": int8_checks(rng), "attention": attention_checks(),
+                      "int8_bf16_x": int8_checks(rng), "glu": glu_checks(rng), "attention": attention_checks(),
                       "kv_write": kv_write_check(rng)}))
 
 

@@ -53,7 +53,7 @@ def test_native_matmul_attention_and_kv_write_on_unit(unit):
     assert result["isa"] == says, result  # the cap took effect: this unit's path ran
     assert result["attention_isa"] == attention_says, result
     assert result["packed_path"] == (unit != "portable"), result  # so bf16 is the default or not
-    for check in ("dense_bf16", "int8_bf16_x", "attention", "kv_write"):
+    for check in ("dense_bf16", "int8_bf16_x", "glu", "attention", "kv_write"):
         assert result[check] <= 1.0, (check, result)
 
 

@@ -45,6 +45,7 @@ from jaxserve.models.rope import (
 )
 from pallas_kernels.quantized_matmul.dense import dense_matmul
 from pallas_kernels.quantized_matmul.ops import quantized_matmul
+from pallas_kernels.quantized_matmul.reference import GLU_ACTIVATIONS
 
 # Names of the stacked per-layer weights as checkpoints and loaders hold them, with their
 # shapes (E hidden, I intermediate). The model itself runs them fused (`models/fused.py`).
@@ -335,9 +336,12 @@ class LlamaForCausalLM(nnx.Module):
                 extra["glu"] = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
             y = moe_fn(x, weights, experts, lp["expert_gate_up"], lp["expert_down"], **extra)
             return y if residual is None else residual + y
-        gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
-        gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")
-        act = gated_activation(cfg.hidden_act, gate, up)
+        if lp.takes_glu("gate_up_proj", cfg.hidden_act, x, self.shards):  # act(gate) * up in the matmul
+            act = lp.matmul(x, "gate_up_proj", glu=cfg.hidden_act)  # [T, I]
+        else:
+            gate, up = split_gate_up(lp.matmul(x, "gate_up_proj"), self.shards)  # [T, I] each
+            gate, up = lp.plus_lora(gate, x, "gate_proj"), lp.plus_lora(up, x, "up_proj")
+            act = gated_activation(cfg.hidden_act, gate, up)
         return lp.project(act, "down_proj", residual)
 
     def _embed(self, token_ids: jax.Array, dtype: Any) -> jax.Array:
@@ -473,14 +477,24 @@ class _LayerWeights(dict):
         y = self.plus_lora(self.matmul(x, name), x, name)
         return y if residual is None else residual + y
 
-    def matmul(self, x: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
-        """x @ W_name (+ `residual`, which only a stacked projection takes: see `project`)."""
+    def takes_glu(self, name: str, act: str, x: jax.Array, shards: int) -> bool:
+        """Whether `matmul(x, name, glu=act)` may give a gated MLP's activation directly: a
+        stacked projection (the native CPU kernel's, or the quantized op's) of one shard
+        without adapters on its halves, SiLU, bf16 activations. f32 activations keep the
+        separate activation (XLA's exponential: the f32 mode's bits stay as they were)."""
+        return (name in self._stacked and shards == 1 and act in GLU_ACTIVATIONS and x.dtype == jnp.bfloat16
+                and "gate_proj.a" not in self._lora and "up_proj.a" not in self._lora)
+
+    def matmul(self, x: jax.Array, name: str, residual: jax.Array | None = None, glu: str | None = None) -> jax.Array:
+        """x @ W_name (+ `residual`, which only a stacked projection takes: see `project`);
+        with `glu` (a stacked projection: `takes_glu`) the gated activation of its two halves."""
         if name in self._stacked and scale_name(name) not in self._stacked:  # bf16, native CPU matmul
-            return dense_matmul(x, self._stacked[name], layer=self._layer, residual=residual, rows=self._live_rows)
+            return dense_matmul(x, self._stacked[name], layer=self._layer, residual=residual, rows=self._live_rows,
+                                glu=glu)
         if name in self._stacked:
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
-                                    precision=self._precision, residual=residual, rows=self._live_rows)
-        if residual is not None:
+                                    precision=self._precision, residual=residual, rows=self._live_rows, glu=glu)
+        if residual is not None or glu is not None:
             raise ValueError(f"{name} is not a stacked projection: `project` adds its residual")
         return tiled_matmul(x, self[name], self._row_tile)
 

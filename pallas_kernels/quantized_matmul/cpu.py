@@ -24,10 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._native_cpu import build, instruction_set
+from pallas_kernels.quantized_matmul.reference import check_glu
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 _SYMBOL = "JaxserveQuantizedMatmulCpu"
 _RESIDUAL = "Residual"  # the target with a residual operand: name and symbol take this suffix
+_GLU = "Glu"  # the target whose epilogue is a gated activation (out [M, N / 2])
+_GLU_CODES = {"silu": 1}
 PRECISIONS = ("highest", "bf16")
 
 
@@ -45,7 +48,7 @@ def _register() -> tuple[str | None, str]:
         return None, why
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
-        for suffix in ("", _RESIDUAL):
+        for suffix in ("", _RESIDUAL, _GLU):
             jax.ffi.register_ffi_target(name + suffix, jax.ffi.pycapsule(getattr(lib, _SYMBOL + suffix)),
                                         platform="cpu")
     except (OSError, AttributeError) as e:
@@ -104,7 +107,8 @@ def quantized_matmul_cpu(
     residual: jax.Array | None = None,  # [M, N], x.dtype: added to the result
     rows: jax.Array | int | None = None,  # int32 scalar: the live rows (None: all M)
     out_dtype: jnp.dtype | None = None,  # x.dtype, or float32 from bf16 x (None: x.dtype)
-) -> jax.Array:  # [M, N], out_dtype
+    glu: str | None = None,  # "silu": out [M, N / 2] = silu(y[:, :N/2]) * y[:, N/2:]
+) -> jax.Array:  # [M, N] (or [M, N / 2] with glu), out_dtype
     """The reference's contract (reference.py), computed by the native kernel. With
     `transposed`, w is [N, K] (output channels as rows) and read in that layout.
 
@@ -117,7 +121,10 @@ def quantized_matmul_cpu(
     precision "bf16" (x rounded to bf16 before the products) lets rows past 8 run on bf16
     dot-product instructions (AVX512-BF16) at twice the f32 FMA rate; bf16 x always does.
     With `residual`, the result is `residual + product` as that separate add gives it (same
-    bits), written once instead of written, read back and added.
+    bits), written once instead of written, read back and added. With `glu`, the result is
+    the reference's `gated(product, glu)` (the product rounded to out's dtype, the activation
+    in f32, rounded once), computed from the f32 sums in one pass: the exponential is the
+    kernel's own (~2 ulp), so a value may differ from XLA's in the last bit before rounding.
     """
     name, why = _register()
     if name is None:
@@ -138,8 +145,15 @@ def quantized_matmul_cpu(
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.dtype(x.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
-    out = jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
     attrs = {"bf16_products": precision == "bf16", "w_transposed": transposed}
+    if glu is not None:
+        check_glu(glu, n, residual, transposed)
+        if out_dtype != x.dtype:
+            raise ValueError(f"glu writes x's dtype ({x.dtype}), not {out_dtype}")
+        out = jax.ShapeDtypeStruct((x.shape[0], n // 2), out_dtype)
+        call = jax.ffi.ffi_call(name + _GLU, out, vmap_method="sequential")
+        return call(x, w, scale, layer, rows, glu=_GLU_CODES[glu], **attrs)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
     if residual is None:
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w, scale, layer, rows, **attrs)
     if residual.shape != out.shape or residual.dtype != out_dtype:

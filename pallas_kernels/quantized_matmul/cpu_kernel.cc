@@ -12,6 +12,12 @@
 // residual + that, as the separate add would give it (the product rounded to out's dtype,
 // then the sum rounded), without writing the product and reading it back.
 //
+// With `glu` (the ...Glu target; 1: SiLU) the result is a gated MLP's activation instead:
+// out [M, N / 2] = act(g) * u, g and u the product's columns j and N / 2 + j as the plain
+// call would write them (rounded to out's dtype first), act and the product in f32, rounded
+// once. The matmul's sums go to an f32 scratch and one pass over it writes out: the gate/up
+// product is never written in out's dtype and read back by a separate elementwise program.
+//
 // `rows` (int32 []): the live rows. Only rows [0, rows) are computed, the rest of out is
 // written 0: a padded batch pays for its real tokens only. Which path runs still follows M
 // (the padded shape), so a live row's bits do not depend on how many rows are live.
@@ -64,6 +70,7 @@
 #include <thread>
 #include <vector>
 
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1136,9 +1143,93 @@ void prepare_rows(const Prep& q, int64_t m0, int64_t m1) {
   }
 }
 
+// ---- The gated activation's pass (the ...Glu target) ----
+enum Glu : int64_t { kGluNone = 0, kGluSilu = 1 };
+
+// silu(g) * u as XLA expands jax.nn.silu (g * (1 / (1 + exp(-g)))), in f32.
+inline float silu_times(float g, float u) { return g * (1.0f / (1.0f + std::exp(-g))) * u; }
+
+#if defined(QMM_AVX512)
+// f32 -> the nearest bf16 (ties to even; NaN stays NaN, quiet) as f32: f32_to_bf16's rounding.
+inline __m512 round_bf16_16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#elif defined(QMM_AVX2)
+inline __m256 round_bf16_8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+
+// Rows [m0, m1) of out [M, N / 2] from the scaled sums s [M, N] (`round`: g and u rounded to
+// bf16 first, as the plain call's bf16 out holds them; out bf16 or f32).
+void glu_rows(const float* s, int64_t N, bool round, bool out_bf16, void* out, int64_t m0, int64_t m1) {
+  const int64_t H = N / 2;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* g = s + m * N;
+    const float* u = g + H;
+    int64_t j = 0;
+#if defined(QMM_AVX512)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j + 16 <= H; j += 16) {
+      __m512 gv = _mm512_loadu_ps(g + j), uv = _mm512_loadu_ps(u + j);
+      if (round) {
+        gv = round_bf16_16(gv);
+        uv = round_bf16_16(uv);
+      }
+      const __m512 e = jaxserve_native::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(gv, _mm512_div_ps(one, _mm512_add_ps(one, e))), uv);
+      if (out_bf16) {
+        const __m512i h = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(y)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + m * H + j),
+                            _mm512_cvtepi32_epi16(h));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(out) + m * H + j, y);
+      }
+    }
+#elif defined(QMM_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= H; j += 8) {
+      __m256 gv = _mm256_loadu_ps(g + j), uv = _mm256_loadu_ps(u + j);
+      if (round) {
+        gv = round_bf16_8(gv);
+        uv = round_bf16_8(uv);
+      }
+      const __m256 e = jaxserve_native::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 y = _mm256_mul_ps(_mm256_mul_ps(gv, _mm256_div_ps(one, _mm256_add_ps(one, e))), uv);
+      if (out_bf16) {
+        const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(y)), 16);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + m * H + j),
+                         _mm256_castsi256_si128(packed));
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(out) + m * H + j, y);
+      }
+    }
+#endif
+    for (; j < H; ++j) {
+      float gj = g[j], uj = u[j];
+      if (round) {
+        gj = bf16_to_f32(f32_to_bf16(gj));
+        uj = bf16_to_f32(f32_to_bf16(uj));
+      }
+      const float y = silu_times(gj, uj);
+      if (out_bf16) static_cast<uint16_t*>(out)[m * H + j] = f32_to_bf16(y);
+      else static_cast<float*>(out)[m * H + j] = y;
+    }
+  }
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual,
-                  ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed) {
+                  ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed, int64_t glu = kGluNone) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
   const auto wtype = w.element_type();
   if (wtype != ffi::S8 && wtype != ffi::BF16) return ffi::Error::InvalidArgument("w must be int8 or bfloat16");
@@ -1163,11 +1254,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
     if (residual->element_type() != ot || rd.size() != 2 || rd[0] != padded_m || rd[1] != N)
       return ffi::Error::InvalidArgument("residual must be [M, N] in out's dtype");
   }
+  if (glu != kGluNone) {
+    if (glu != kGluSilu) return ffi::Error::InvalidArgument("glu must be 1 (silu)");
+    if (N % 2 != 0 || residual != nullptr || w_transposed || ot != xt)
+      return ffi::Error::InvalidArgument("a gated activation takes an even N, no residual, w [K, N], out in x's dtype");
+  }
+  const auto od = out->dimensions();
+  const int64_t out_n = glu != kGluNone ? N / 2 : N;
+  if (od.size() != 2 || od[0] != padded_m || od[1] != out_n)
+    return ffi::Error::InvalidArgument(glu != kGluNone ? "out must be [M, N / 2]" : "out must be [M, N]");
   if (padded_m == 0 || N == 0) return ffi::Error::Success();
   // Rows past the live ones are 0 and cost nothing else.
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, padded_m);
   const size_t elt = ot == ffi::BF16 ? 2 : 4;
-  std::memset(static_cast<char*>(out->untyped_data()) + M * N * elt, 0, (padded_m - M) * N * elt);
+  std::memset(static_cast<char*>(out->untyped_data()) + M * out_n * elt, 0, (padded_m - M) * out_n * elt);
   if (M == 0) return ffi::Error::Success();
   // The layer as dynamic_index_in_dim takes it: negative counts from the end, then clamped.
   int64_t l = layer.typed_data()[0];
@@ -1183,8 +1283,16 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   p.w = static_cast<const char*>(w.untyped_data()) + l * K * N * p.wsize;
   p.wt = w_transposed;
   p.scale = scaled ? scale.typed_data() + l * N : nullptr;
-  p.out = out->untyped_data();
-  p.out_bf16 = ot == ffi::BF16;
+  // A gated call's sums (scaled, f32) go to a scratch [M, N] that the gated pass reads.
+  thread_local std::vector<float> gated_sums;
+  if (glu != kGluNone) {
+    gated_sums.resize(M * N);
+    p.out = gated_sums.data();
+    p.out_bf16 = false;
+  } else {
+    p.out = out->untyped_data();
+    p.out_bf16 = ot == ffi::BF16;
+  }
   p.packed_path = padded_m > kDirectMaxRows;
   p.residual = residual != nullptr ? residual->untyped_data() : nullptr;
   p.xb = nullptr;
@@ -1253,6 +1361,17 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
     }
   }
   run(p, items, pool);
+  if (glu != kGluNone) {
+    const bool round = ot == ffi::BF16, out_bf16 = ot == ffi::BF16;
+    const float* sums = gated_sums.data();
+    void* o = out->untyped_data();
+    // In parallel past ~32k outputs (a prefill's rows); row blocks of 16.
+    const int64_t blocks = M * (N / 2) >= (1 << 15) ? (M + 15) / 16 : 1;
+    const int64_t per = (M + blocks - 1) / blocks;
+    if (blocks == 1) glu_rows(sums, N, round, out_bf16, o, 0, M);
+    else
+      parallel_for(blocks, pool, [=](int64_t b) { glu_rows(sums, N, round, out_bf16, o, b * per, std::min(M, (b + 1) * per)); });
+  }
   return ffi::Error::Success();
 }
 
@@ -1268,7 +1387,13 @@ ffi::Error ImplResidual(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return Matmul(pool, x, w, scale, layer, live, &residual, out, bf16_products, w_transposed);
 }
 
-// The operands both targets take first.
+ffi::Error ImplGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> out,
+                   bool bf16_products, bool w_transposed, int64_t glu) {
+  return Matmul(pool, x, w, scale, layer, live, nullptr, out, bf16_products, w_transposed, glu);
+}
+
+// The operands every target takes first.
 auto bind_operands() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -1293,6 +1418,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpuResidual, ImplResidual,
                                   .Ret<ffi::AnyBuffer>()          // out [M, N] = residual + x @ w * scale
                                   .Attr<bool>("bf16_products")
                                   .Attr<bool>("w_transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmulCpuGlu, ImplGlu,
+                              bind_operands()
+                                  .Ret<ffi::AnyBuffer>()          // out [M, N / 2] = act(g) * u
+                                  .Attr<bool>("bf16_products")
+                                  .Attr<bool>("w_transposed")
+                                  .Attr<int64_t>("glu"));         // 1: silu
 
 // The instruction set this build's inner loops were compiled for (the test log and `jaxserve
 // info` name it, so a result says which path produced it).

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels._dispatch import by_target_platform
 from pallas_kernels._validate import check_float, check_matmul_operands, check_shape
 from pallas_kernels.quantized_matmul import cpu as native_cpu
-from pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
+from pallas_kernels.quantized_matmul.reference import check_glu, quantized_matmul_reference
 
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 BACKENDS = ("auto", "reference", "cpu")
@@ -65,7 +65,8 @@ def quantized_matmul(
     transposed: bool = False,
     residual: jax.Array | None = None,  # [M, N], x.dtype
     rows: jax.Array | int | None = None,  # int32 scalar: the live rows of x (None: all)
-) -> jax.Array:  # [M, N], x.dtype
+    glu: str | None = None,  # "silu": the gated activation of the result, [M, N / 2]
+) -> jax.Array:  # [M, N] (or [M, N / 2] with glu), x.dtype
     """`(x @ w) * scale` with f32 accumulation (see reference.py for the contract).
 
     backend: "auto" (the best path of the platform the program is compiled for: on CPU the
@@ -85,13 +86,17 @@ def quantized_matmul(
     past it are don't-care: the native CPU kernel skips their work and writes 0 there; the
     reference (and so every TPU/GPU program) computes them as usual. Live rows are the same
     bits either way.
+    glu: "silu" gives a gated MLP's activation of the result instead (silu(gate) * up of its
+    two halves, computed in f32 from the result as rounded to x's dtype: reference.py), which
+    the native CPU kernel computes in its epilogue (the [M, N] product is never written).
     """
     _validate(x, w, scale, layer, transposed, residual, rows)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in native_cpu.PRECISIONS:
         raise ValueError(f"precision must be one of {native_cpu.PRECISIONS}, got {precision!r}")
-    kw = {"precision": precision, "transposed": transposed}
+    check_glu(glu, w.shape[-2] if transposed else w.shape[-1], residual, transposed)
+    kw = {"precision": precision, "transposed": transposed, "glu": glu}
     if backend == "reference":
         return quantized_matmul_reference(x, w, scale, layer, residual=residual, **kw)
     if backend == "cpu":

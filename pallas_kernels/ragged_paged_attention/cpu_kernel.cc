@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -44,6 +45,12 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if defined(__AVX512F__)
+using jaxserve_native::exp16;
+#elif defined(RPA_AVX2)
+using jaxserve_native::exp8;
+#endif
 
 constexpr int64_t kQueryBlock = 8;  // query tokens of one sequence that share each K/V row
 constexpr int64_t kPagesAhead = 3;  // K/V pages prefetched into L2 ahead of the one being read
@@ -109,17 +116,6 @@ inline float to_f32(E4M3 x) { return half_to_f32(e4m3_as_half(x.b)); }  // value
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// exp(x) to ~2 ulp, the vector forms' shared constants (exp16, exp8): x clamped to [kLo, kHi]
-// (2^n stays a normal float), n = round(x * log2(e)), r = x - n ln2 with ln2 in two parts,
-// exp(r) from Cephes' degree-7 polynomial (kPoly, highest power first, then r^2 * p + r + 1),
-// scaled by 2^n.
-struct ExpPoly {
-  static constexpr float kLo = -87.3f, kHi = 88.3f, kLog2e = 1.44269504f;
-  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  static constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-};
-
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -143,19 +139,6 @@ inline __m512 load16(const E4M3* p) {  // value / 256, as to_f32(E4M3)
   return _mm512_cvtph_ps(h);
 }
 
-// exp(x) to ~2 ulp (ExpPoly), 16 lanes; 2^n applied by scalef.
-inline __m512 exp16(__m512 x) {
-  using E = ExpPoly;
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(E::kLo)), _mm512_set1_ps(E::kHi));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(E::kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(E::kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(E::kPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(E::kPoly[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -254,21 +237,6 @@ inline __m256 load8(const E4M3* p) {  // value / 256, as to_f32(E4M3)
   const __m128i nan = _mm_cmpeq_epi16(low, _mm_set1_epi16(0x7f));
   h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
   return _mm256_cvtph_ps(h);
-}
-
-// exp(x) to ~2 ulp (ExpPoly), 8 lanes; 2^n built in the exponent field.
-inline __m256 exp8(__m256 x) {
-  using E = ExpPoly;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(E::kLo)), _mm256_set1_ps(E::kHi));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(E::kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(E::kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(E::kPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(E::kPoly[i]));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // Lanes [0, count) of 8 set (all bits), the rest clear: a maskload / maskstore mask.
