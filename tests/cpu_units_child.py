@@ -70,10 +70,11 @@ def glu_checks(rng) -> float:
     """The gated-activation epilogue (silu(g) * u of the product's halves) against the same
     kernel's plain product finished in f64: bf16 x (g and u rounded to bf16 first, one bf16 ulp
     for the result) over bf16 and int8 weights, f32 x over int8 (f32 out); H = 131 columns
-    (this unit's vector loop and its scalar tail); rows past the live ones 0."""
+    (this unit's vector loop and its scalar tail); rows past the live ones 0; a call longer
+    than one of the gated path's row chunks."""
     worst = 0.0
     k, n = 579, 262
-    for m in (1, 4, 5, 64):
+    for m in (1, 4, 5, 64, 300):  # 300: two of the kernel's 256-row chunks
         live = max(1, m - 1)
         for w_kind, x_dtype in (("bf16", jnp.bfloat16), ("int8", jnp.bfloat16), ("int8", jnp.float32)):
             x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)

@@ -15,8 +15,9 @@
 // With `glu` (the ...Glu target; 1: SiLU) the result is a gated MLP's activation instead:
 // out [M, N / 2] = act(g) * u, g and u the product's columns j and N / 2 + j as the plain
 // call would write them (rounded to out's dtype first), act and the product in f32, rounded
-// once. The matmul's sums go to an f32 scratch and one pass over it writes out: the gate/up
-// product is never written in out's dtype and read back by a separate elementwise program.
+// once. The matmul's sums go to an f32 scratch (row chunks of kGluRows) and one pass over it
+// writes out: the gate/up product is never written in out's dtype and read back by a separate
+// elementwise program.
 //
 // `rows` (int32 []): the live rows. Only rows [0, rows) are computed, the rest of out is
 // written 0: a padded batch pays for its real tokens only. Which path runs still follows M
@@ -101,6 +102,7 @@ constexpr int64_t kPanelK = 384;        // k rows of one packed panel (even: bf1
 constexpr int64_t kMBlock = 128;        // target rows of one packed m-block (48 measured 5-9% slower)
 constexpr int64_t kMaxSpan = 4;         // 64-column panels packed together at most
 constexpr int64_t kPackAhead = 8;       // weight rows prefetched ahead while packing
+constexpr int64_t kGluRows = 256;       // rows of a gated call's chunk (its f32 scratch: kGluRows x N)
 // Columns of the f32 micro kernel's strip of a panel: AVX-512's 6 x 64 tile takes the whole
 // panel; AVX2's 6 x 16 ymm tile a quarter, each strip run over every row tile of the m-block
 // while it sits in L1 (a whole f32 panel is 96 KB: walking it per tile ran from L2).
@@ -1227,6 +1229,41 @@ void glu_rows(const float* s, int64_t N, bool round, bool out_bf16, void* out, i
   }
 }
 
+// Splits the problem into items (packed: m-blocks x panel spans; direct: k-parts x column
+// parts, or column parts of w [N, K]) and runs them on the calling thread and the pool.
+void run_problem(Problem& p, ffi::ThreadPool& pool) {
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t items;
+  thread_local std::vector<float> partial;
+  thread_local std::vector<PackedItem> packed;
+  std::unique_ptr<std::atomic<int64_t>[]> parts_done;
+#if defined(QMM_PACKED)
+  if (p.packed_path) {
+    packed_items(p, workers, packed);
+    p.packed = packed.data();
+    items = static_cast<int64_t>(packed.size());
+  } else
+#endif
+  if (p.wt) {  // column parts only: each channel's dot product runs along its own row
+    Problem split = p;  // the k-parts w [K, N] would be cut in (`direct_t_item_any` follows them)
+    direct_split(split, workers);
+    p.krows = split.krows;
+    p.cw = std::clamp<int64_t>((p.N + 4 * workers - 1) / (4 * workers), 64, 1024) / 4 * 4;
+    items = (p.N + p.cw - 1) / p.cw;
+  } else {
+    direct_split(p, workers);
+    items = p.nparts * p.kparts;
+    if (p.kparts > 1) {
+      partial.resize(p.kparts * p.M * p.N);
+      p.partial = partial.data();
+      parts_done.reset(new std::atomic<int64_t>[p.nparts]);
+      for (int64_t i = 0; i < p.nparts; ++i) parts_done[i].store(0, std::memory_order_relaxed);
+      p.parts_done = parts_done.get();
+    }
+  }
+  run(p, items, pool);
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, const ffi::AnyBuffer* residual,
                   ffi::Result<ffi::AnyBuffer> out, bool bf16_products, bool w_transposed, int64_t glu = kGluNone) {
@@ -1283,16 +1320,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   p.w = static_cast<const char*>(w.untyped_data()) + l * K * N * p.wsize;
   p.wt = w_transposed;
   p.scale = scaled ? scale.typed_data() + l * N : nullptr;
-  // A gated call's sums (scaled, f32) go to a scratch [M, N] that the gated pass reads.
-  thread_local std::vector<float> gated_sums;
-  if (glu != kGluNone) {
-    gated_sums.resize(M * N);
-    p.out = gated_sums.data();
-    p.out_bf16 = false;
-  } else {
-    p.out = out->untyped_data();
-    p.out_bf16 = ot == ffi::BF16;
-  }
+  p.out = out->untyped_data();  // a gated call's chunks write to their scratch instead (below)
+  p.out_bf16 = ot == ffi::BF16;
   p.packed_path = padded_m > kDirectMaxRows;
   p.residual = residual != nullptr ? residual->untyped_data() : nullptr;
   p.xb = nullptr;
@@ -1331,46 +1360,34 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
     if (blocks == 1) prepare_rows(q, 0, M);
     else parallel_for(blocks, pool, [&q, per, M](int64_t b) { prepare_rows(q, b * per, std::min(M, (b + 1) * per)); });
   }
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  int64_t items;
-  thread_local std::vector<float> partial;
-  thread_local std::vector<PackedItem> packed;
-  std::unique_ptr<std::atomic<int64_t>[]> parts_done;
-#if defined(QMM_PACKED)
-  if (p.packed_path) {
-    packed_items(p, workers, packed);
-    p.packed = packed.data();
-    items = static_cast<int64_t>(packed.size());
-  } else
-#endif
-  if (p.wt) {  // column parts only: each channel's dot product runs along its own row
-    Problem split = p;  // the k-parts w [K, N] would be cut in (`direct_t_item_any` follows them)
-    direct_split(split, workers);
-    p.krows = split.krows;
-    p.cw = std::clamp<int64_t>((N + 4 * workers - 1) / (4 * workers), 64, 1024) / 4 * 4;
-    items = (N + p.cw - 1) / p.cw;
-  } else {
-    direct_split(p, workers);
-    items = p.nparts * p.kparts;
-    if (p.kparts > 1) {
-      partial.resize(p.kparts * M * N);
-      p.partial = partial.data();
-      parts_done.reset(new std::atomic<int64_t>[p.nparts]);
-      for (int64_t i = 0; i < p.nparts; ++i) parts_done[i].store(0, std::memory_order_relaxed);
-      p.parts_done = parts_done.get();
-    }
+  if (glu == kGluNone) {
+    run_problem(p, pool);
+    return ffi::Error::Success();
   }
-  run(p, items, pool);
-  if (glu != kGluNone) {
-    const bool round = ot == ffi::BF16, out_bf16 = ot == ffi::BF16;
+  // Gated: row chunks of at most kGluRows, so that the f32 scratch stays [kGluRows, N] (and
+  // in cache for the gated pass) however many rows a prefill has. A chunk of the packed path
+  // is whole m-blocks, so the weight panels are packed as often as in one call.
+  thread_local std::vector<float> gated_sums;
+  const float* x_rows = p.x;
+  const uint16_t* xb_rows = p.xb;
+  const int64_t H = N / 2;
+  for (int64_t c0 = 0; c0 < M; c0 += kGluRows) {
+    Problem q = p;
+    q.M = std::min(kGluRows, M - c0);
+    q.x = x_rows != nullptr ? x_rows + c0 * K : nullptr;
+    q.xb = xb_rows != nullptr ? xb_rows + c0 * p.Kp : nullptr;
+    gated_sums.resize(q.M * N);
+    q.out = gated_sums.data();
+    q.out_bf16 = false;
+    run_problem(q, pool);
+    const bool bf16 = ot == ffi::BF16;  // g and u rounded as the plain call's bf16 out holds them
     const float* sums = gated_sums.data();
-    void* o = out->untyped_data();
+    void* o = static_cast<char*>(out->untyped_data()) + c0 * H * elt;
     // In parallel past ~32k outputs (a prefill's rows); row blocks of 16.
-    const int64_t blocks = M * (N / 2) >= (1 << 15) ? (M + 15) / 16 : 1;
-    const int64_t per = (M + blocks - 1) / blocks;
-    if (blocks == 1) glu_rows(sums, N, round, out_bf16, o, 0, M);
+    const int64_t rows = q.M, blocks = rows * H >= (1 << 15) ? (rows + 15) / 16 : 1;
+    if (blocks == 1) glu_rows(sums, N, bf16, bf16, o, 0, rows);
     else
-      parallel_for(blocks, pool, [=](int64_t b) { glu_rows(sums, N, round, out_bf16, o, b * per, std::min(M, (b + 1) * per)); });
+      parallel_for(blocks, pool, [=](int64_t b) { glu_rows(sums, N, bf16, bf16, o, b * 16, std::min(rows, (b + 1) * 16)); });
   }
   return ffi::Error::Success();
 }
