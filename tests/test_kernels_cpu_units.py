@@ -129,7 +129,8 @@ def test_bf16_head_logits_keep_the_f32_sums(m):
 
 
 def test_bad_operands_are_named_for_both_cpu_matmuls():
-    """One layout check (`check_matmul_operands`) for the quantized and the dense matmul."""
+    """One layout check (`check_matmul_operands`, `check_glu`) for the quantized and the dense
+    matmul."""
     from pallas_kernels.quantized_matmul.ops import quantized_matmul
 
     x = jnp.zeros((2, 8), jnp.bfloat16)
@@ -140,5 +141,11 @@ def test_bad_operands_are_named_for_both_cpu_matmuls():
             call(rows=jnp.zeros((2,), jnp.int32))
         with pytest.raises(ValueError, match=r"residual must have shape \[M, N\]"):
             call(residual=jnp.zeros((2, 5), jnp.bfloat16))
+        with pytest.raises(ValueError, match="glu must be one of"):
+            call(glu="gelu")
+        with pytest.raises(ValueError, match="no residual"):
+            call(glu="silu", residual=jnp.zeros((2, 4), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"an even N \(5\)"):
+        dense_matmul(x, jnp.zeros((8, 5), jnp.bfloat16), glu="silu")
     with pytest.raises(ValueError, match=r"w must have shape \[K, N\]"):
         dense_matmul(x, jnp.zeros((9, 4), jnp.bfloat16))

@@ -495,7 +495,7 @@ class _LayerWeights(dict):
             return quantized_matmul(x, self._stacked[name], self._stacked[scale_name(name)], layer=self._layer,
                                     precision=self._precision, residual=residual, rows=self._live_rows, glu=glu)
         if residual is not None or glu is not None:
-            raise ValueError(f"{name} is not a stacked projection: `project` adds its residual")
+            raise ValueError(f"{name} is not a stacked projection: only those take a residual or a glu")
         return tiled_matmul(x, self[name], self._row_tile)
 
 
