@@ -137,7 +137,7 @@ class ServingCore:
         threads = o.frontend_threads or max(1, min(4, (os.cpu_count() or 1) // 4))
         self.frontend = FrontendPool(self.engine.tokenizer, threads, o.tokenizer_backlog_chars, o.chat_template)
         self.metrics.set_frontend(self.frontend)
-        kv_tokens = self.engine.num_pages * self.engine_config.page_size
+        kv_tokens = self.engine.num_pages * self.engine.config.page_size
         self.admission = Admission(
             self.engine.config.max_num_seqs + o.max_queued_requests,
             o.max_queued_tokens if o.max_queued_tokens is not None else 4 * kv_tokens)
@@ -155,7 +155,7 @@ class ServingCore:
             self._tasks.append(asyncio.create_task(log_status(self.loop_runner, self.metrics, o.log_interval)))
         self._tasks.append(asyncio.create_task(self._watch_engine_health()))
         logger.info("serving %s (max_model_len %d, %d KV pages of %d tokens; %d tenant%s, work limit %d tokens)",
-                    self.model_name, self.engine.max_model_len, self.engine.num_pages, self.engine_config.page_size,
+                    self.model_name, self.engine.max_model_len, self.engine.num_pages, self.engine.config.page_size,
                     len(self.auth.tenants), "" if len(self.auth.tenants) == 1 else "s", self.admission.max_tokens)
 
     def _server_processor(self, engine_processor: InputProcessor) -> InputProcessor:

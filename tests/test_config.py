@@ -58,3 +58,25 @@ def test_unset_scheduling_limits_take_the_platforms_defaults():
     assert EngineConfig(max_num_seqs=3).with_platform_defaults("tpu").max_num_seqs == 3
     with pytest.raises(ValueError, match="max_num_batched_tokens must be"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_tpu_pages_grow_until_the_block_table_fits_the_kernel():
+    """The TPU kernel holds [max_num_seqs, pages per sequence] in SMEM: an unset page size is
+    the smallest power of two from 16 that fits there (CPU and GPU read the table from memory:
+    16 whatever the context); a set one that does not fit is refused naming one that does."""
+    from pallas_kernels import block_table_entries_limit
+
+    limit = block_table_entries_limit("tpu")
+    assert EngineConfig().with_platform_defaults("tpu").page_size == 16
+    for platform in ("cpu", "gpu"):
+        assert EngineConfig(max_model_len=131072).with_platform_defaults(platform).page_size == 16
+    long = EngineConfig(max_model_len=131072).with_platform_defaults("tpu")
+    assert long.max_num_seqs == 64 and long.page_size == 64
+    assert 64 * 131072 // 64 <= limit < 64 * 131072 // 32
+    assert EngineConfig(max_model_len=131072, max_num_seqs=16).with_platform_defaults("tpu").page_size == 16
+    assert EngineConfig(max_model_len=131072, page_size=128).with_platform_defaults("tpu").page_size == 128
+    with pytest.raises(ValueError, match="page_size 16: max_num_seqs 64 x 8192 pages .* use page_size 64"):
+        EngineConfig(max_model_len=131072, page_size=16).with_platform_defaults("tpu")
+    model = dataclasses.replace(TINY, max_position_embeddings=131072)
+    resolved = EngineConfig(max_model_len=131072, num_pages=16).resolve(model, platform="tpu")
+    assert resolved.scheduler.block_size == 64 and resolved.scheduler.max_blocks_per_seq == 2048

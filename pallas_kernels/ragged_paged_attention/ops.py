@@ -303,6 +303,17 @@ def _tpu_device_kind() -> str | None:
     return None
 
 
+def block_table_entries_limit(platform: str) -> int | None:
+    """The most block-table entries (sequences x pages per sequence) the attention kernel on
+    `platform` holds; None: no limit (the CPU and GPU kernels read the table from memory, the
+    TPU kernel holds it in SMEM: `tpu.max_table_entries`)."""
+    if platform != "tpu":
+        return None
+    from pallas_kernels.ragged_paged_attention.tpu import max_table_entries
+
+    return max_table_entries()
+
+
 def kv_cache_layout(platform: str) -> KVLayout:
     """The page layout a cache on `platform` is allocated in: lanes on TPU, where XLA keeps
     `[S, C]` pages row-major and unpadded so neither the Mosaic kernel nor the reference (the

@@ -56,6 +56,23 @@ from pallas_kernels.ragged_paged_attention import window
 
 _MASKED = -1e30
 _SUB = 8  # tokens: the row granularity of a sequence's work within a token block
+# The block table is a scalar-prefetched operand: all of it sits in SMEM, 1 MiB on v5e, v5p and
+# v6e (`pltpu.get_tpu_info().smem_capacity_bytes`). Compiled for v6e and v5e with libtpu
+# 0.0.42.1: a 1008 KiB table fits (with 256 sequences and 8192 tokens' other scalars), a
+# 1024 KiB one does not (XLA:TPU's RESOURCE_EXHAUSTED, 3.1 KiB over). The rest of SMEM holds
+# the other scalar operands ([R] lengths, [R + 1] offsets, a word per query block) and Mosaic's
+# own words; 16 KiB is kept for them.
+SMEM_BYTES = 1 << 20
+SMEM_RESERVED_BYTES = 16 << 10
+
+
+def max_table_entries() -> int:
+    """The most block-table entries (max_num_seqs x pages per sequence) the kernel holds."""
+    return (SMEM_BYTES - SMEM_RESERVED_BYTES) // 4
+
+
+def table_fits(num_seqs: int, pages_per_seq: int) -> bool:
+    return num_seqs * pages_per_seq <= max_table_entries()
 
 
 def supports(num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> bool:
@@ -404,8 +421,13 @@ def ragged_paged_attention_tpu(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, lanes = k_pages.shape
-    _, max_pages = block_tables.shape
+    num_rows, max_pages = block_tables.shape
     group = num_q_heads // num_kv_heads
+    if not table_fits(num_rows, max_pages):
+        raise ValueError(
+            f"block_tables [{num_rows}, {max_pages}] ({num_rows * max_pages * 4 / 2**10:.0f} KiB) do not fit the TPU "
+            f"kernel's SMEM ({max_table_entries() * 4 // 2**10} KiB for the table): use larger pages (fewer per "
+            "sequence), fewer sequences or a shorter max_model_len")
     if lanes != lanes_width(num_kv_heads, head_dim) or not lanes_supported(head_dim):
         raise ValueError(f"k_pages rows of {lanes} lanes do not hold {num_kv_heads} heads of D={head_dim} "
                          "in the lanes layout")
