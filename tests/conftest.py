@@ -16,6 +16,11 @@ import sys
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile-only TPU targets need no chip: libtpu may load in this process and in the children
+# tests start (`jaxserve compile` compiles in child processes) while one holds its single-user
+# lockfile, instead of failing with ABORTED. Set here, not by whichever module imports first,
+# so that a test file run alone behaves as in the whole suite.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _ACCEL_TPU = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "accel" / "tpu"
 if _ACCEL_TPU.is_dir() and str(_ACCEL_TPU) not in sys.path:
     sys.path.append(str(_ACCEL_TPU))

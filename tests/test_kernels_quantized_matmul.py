@@ -4,7 +4,6 @@ and compile-only checks that TPU/GPU programs fuse the weight's conversion into 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +16,6 @@ from pallas_kernels.quantized_matmul.ops import quantized_matmul, quantized_matm
 from pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
 
 S = jax.ShapeDtypeStruct
-
-# Compile-only TPU targets need no chip: let libtpu load while another process (a parallel
-# test run) holds its single-user lockfile, instead of failing with ABORTED.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @pytest.fixture(scope="module", autouse=True)
