@@ -75,7 +75,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.model_config = types.SimpleNamespace(architecture=architecture, vocab_size=vocab_size, num_layers=1,
                                                   hidden_size=8)
-        self.config = types.SimpleNamespace(max_num_seqs=8)
+        self.config = types.SimpleNamespace(max_num_seqs=8, page_size=16)  # the engine's resolved config
         self.input_processor = InputProcessor(InputLimits(vocab_size, max_model_len, max_logprobs=5, max_n=4),
                                               tokenizer)
         self.max_model_len, self.num_pages, self.dtype = max_model_len, 64, "float32"
