@@ -46,7 +46,7 @@ DEFAULT_PAGE_SIZE = 16
 
 def default_page_size(platform: str, max_model_len: int, max_num_seqs: int) -> int:
     """16 tokens, or where the attention kernel holds the whole block table in a fixed space
-    (TPU: SMEM) the smallest power of two above it whose table fits, as vLLM picks TPU
+    (TPU: SMEM) the smallest power of two from 16 whose table fits, as vLLM picks TPU
     block sizes from the context length. Bigger pages cost prefix-cache granularity (a hit
     is counted in whole pages) and a part-filled last page per sequence, nothing else."""
     from pallas_kernels import block_table_entries_limit

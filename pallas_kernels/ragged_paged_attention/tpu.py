@@ -57,11 +57,11 @@ from pallas_kernels.ragged_paged_attention import window
 _MASKED = -1e30
 _SUB = 8  # tokens: the row granularity of a sequence's work within a token block
 # The block table is a scalar-prefetched operand: all of it sits in SMEM, 1 MiB on v5e, v5p and
-# v6e (`pltpu.get_tpu_info().smem_capacity_bytes`). Compiled for v6e and v5e with libtpu
-# 0.0.42.1: a 1008 KiB table fits (with 256 sequences and 8192 tokens' other scalars), a
-# 1024 KiB one does not (XLA:TPU's RESOURCE_EXHAUSTED, 3.1 KiB over). The rest of SMEM holds
-# the other scalar operands ([R] lengths, [R + 1] offsets, a word per query block) and Mosaic's
-# own words; 16 KiB is kept for them.
+# v6e (`pltpu.get_tpu_info().smem_capacity_bytes`). Compiled with libtpu 0.0.42.1: a 1008 KiB
+# table fits on v6e (also with 256 sequences and 8192 tokens' other scalars; v5e was compiled up
+# to 768 KiB), a 1024 KiB one fails on both (XLA:TPU's RESOURCE_EXHAUSTED, 3.1 KiB over). The
+# rest of SMEM holds the other scalar operands ([R] lengths, [R + 1] offsets, a word per query
+# block) and Mosaic's own words; 16 KiB is kept for them.
 SMEM_BYTES = 1 << 20
 SMEM_RESERVED_BYTES = 16 << 10
 
