@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -31,9 +32,12 @@ def main() -> None:
     model, coordinator, n, pid, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist = dict(coordinator=coordinator, num_processes=n, process_id=pid, tensor_parallel_size=n,
                 heartbeat_timeout_s=2.0) if n > 1 else {}
-    # f32: the processes' programs differ (a mesh, or none) and must give the same tokens
+    # f32: the processes' programs differ (a mesh, or none) and must give the same tokens. The
+    # single-process runs (two checkpoints of one shape) may share a compilation cache
+    # (MULTIHOST_TEST_CACHE); a group's processes compile at the same time and keep none.
+    cache = os.environ.get("MULTIHOST_TEST_CACHE") if n == 1 else None
     engine = Engine(EngineConfig(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
-                                 max_model_len=128, compilation_cache_dir=None, strict_compile_guard=True,
+                                 max_model_len=128, compilation_cache_dir=cache, strict_compile_guard=True,
                                  max_logprobs=0, structured_outputs=False, **dist))
     if mode != "watch":
         engine.warmup()

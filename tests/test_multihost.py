@@ -38,15 +38,22 @@ def _last_json(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single_process_tokens(tiny_model):
+def single_env(tmp_path_factory) -> dict[str, str]:
+    """The single-process children's environment: one compilation cache for both checkpoints
+    (same shapes, same programs), so the second loads what the first compiled."""
+    return {**os.environ, "MULTIHOST_TEST_CACHE": str(tmp_path_factory.mktemp("mh_cache"))}
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(tiny_model, single_env):
     single = subprocess.run([sys.executable, CHILD, tiny_model, "-", "1", "0", "generate"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=single_env)
     assert single.returncode == 0, single.stderr[-3000:]
     return _last_json(single.stdout)["tokens"]
 
 
 def test_two_processes_match_single_process_and_update_weights_together(tiny_model, single_process_tokens,
-                                                                      tmp_path):
+                                                                      single_env, tmp_path):
     """Then a weight update: a path no process can read is refused by all (nothing changes,
     the group keeps serving), another checkpoint is taken by both, and the group answers as
     one process on that checkpoint does, with nothing compiled."""
@@ -54,7 +61,7 @@ def test_two_processes_match_single_process_and_update_weights_together(tiny_mod
 
     second = save_tiny_llama(tmp_path / "second", 2, seed=1)
     single = subprocess.run([sys.executable, CHILD, second, "-", "1", "0", "generate"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=single_env)
     assert single.returncode == 0, single.stderr[-3000:]
     coordinator = f"127.0.0.1:{free_port()}"
     follower = _spawn(tiny_model, coordinator, 2, 1, "update", None, second)
