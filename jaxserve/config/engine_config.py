@@ -44,14 +44,22 @@ def scheduling_defaults(platform: str) -> tuple[int, int]:
 DEFAULT_PAGE_SIZE = 16
 
 
+def _block_table_limit(platform: str) -> int | None:
+    """`pallas_kernels.block_table_entries_limit`, whose kernels are imported only for a TPU:
+    every EngineConfig is checked for "gpu" at construction, which needs no kernel."""
+    if platform != "tpu":
+        return None
+    from pallas_kernels import block_table_entries_limit
+
+    return block_table_entries_limit(platform)
+
+
 def default_page_size(platform: str, max_model_len: int, max_num_seqs: int) -> int:
     """16 tokens, or where the attention kernel holds the whole block table in a fixed space
     (TPU: SMEM) the smallest power of two from 16 whose table fits, as vLLM picks TPU
     block sizes from the context length. Bigger pages cost prefix-cache granularity (a hit
     is counted in whole pages) and a part-filled last page per sequence, nothing else."""
-    from pallas_kernels import block_table_entries_limit
-
-    limit = block_table_entries_limit(platform)
+    limit = _block_table_limit(platform)
     page = DEFAULT_PAGE_SIZE
     if limit is None:
         return page
@@ -63,9 +71,7 @@ def default_page_size(platform: str, max_model_len: int, max_num_seqs: int) -> i
 def check_block_table(platform: str, page_size: int, max_model_len: int, max_num_seqs: int) -> None:
     """A clear error where the attention kernel cannot hold the block table (TPU: SMEM)
     rather than XLA's RESOURCE_EXHAUSTED at the first compile."""
-    from pallas_kernels import block_table_entries_limit
-
-    limit = block_table_entries_limit(platform)
+    limit = _block_table_limit(platform)
     pages = -(-max_model_len // page_size)
     if limit is None or max_num_seqs * pages <= limit:
         return
