@@ -28,9 +28,10 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 HQ, HKV, D, PAGE = 9, 3, 64, 16
 
 
-def build(seqs: list[tuple[int, int]], num_tokens: int, num_rows: int, max_ctx: int, seed=0):
+def build(seqs: list[tuple[int, int]], num_tokens: int, num_rows: int, max_ctx: int, dtype=np.float32, seed=0):
     """Random batch with (q_len, kv_len) per sequence; shuffled pages of a pool twice the
-    batch's size (so the live pages are scattered as in a serving cache), f32."""
+    batch's size (so the live pages are scattered as in a serving cache); q and the pages in
+    `dtype` (f32, or bf16 as the CPU's default serves)."""
     rng = np.random.default_rng(seed)
     max_pages = -(-max_ctx // PAGE)
     pages_per = [-(-kl // PAGE) for _, kl in seqs]
@@ -48,20 +49,22 @@ def build(seqs: list[tuple[int, int]], num_tokens: int, num_rows: int, max_ctx: 
     q = rng.standard_normal((num_tokens, HQ, D), np.float32)
     kp = rng.standard_normal((num_pages, PAGE, HKV, D), np.float32)
     vp = rng.standard_normal((num_pages, PAGE, HKV, D), np.float32)
+    q, kp, vp = (jnp.asarray(x, dtype) for x in (q, kp, vp))
     args = (q, kp, vp, kv_lens, tables, cu, np.array([len(seqs)], np.int32))
-    kv_bytes = sum(k for _, k in seqs) * HKV * D * 4 * 2
+    kv_bytes = sum(k for _, k in seqs) * HKV * D * np.dtype(dtype).itemsize * 2
     return [jnp.asarray(a) for a in args], kv_bytes
 
 
-def cases() -> dict[str, tuple]:
+def cases(dtype=np.float32) -> dict[str, tuple]:
+    b = functools.partial(build, dtype=dtype)
     return {
-        "decode B=64 ctx=160": build([(1, 160)] * 64, 64, 64, 256),
-        "decode B=64 ctx=256": build([(1, 256)] * 64, 64, 64, 256),
-        "decode B=64 ctx=1024": build([(1, 1024)] * 64, 64, 64, 1024),
-        "prefill 512 (new seq)": build([(512, 512)], 512, 8, 2048),
-        "prefill 512 (ctx 2048)": build([(512, 2048)], 512, 8, 2048),
-        "mixed T=512: 63 dec@512 + 449 pf": build([(1, 512)] * 63 + [(449, 449)], 512, 64, 1024),
-        "decode B=1 ctx=256": build([(1, 256)], 8, 8, 256),
+        "decode B=64 ctx=160": b([(1, 160)] * 64, 64, 64, 256),
+        "decode B=64 ctx=256": b([(1, 256)] * 64, 64, 64, 256),
+        "decode B=64 ctx=1024": b([(1, 1024)] * 64, 64, 64, 1024),
+        "prefill 512 (new seq)": b([(512, 512)], 512, 8, 2048),
+        "prefill 512 (ctx 2048)": b([(512, 2048)], 512, 8, 2048),
+        "mixed T=512: 63 dec@512 + 449 pf": b([(1, 512)] * 63 + [(449, 449)], 512, 64, 1024),
+        "decode B=1 ctx=256": b([(1, 256)], 8, 8, 256),
     }
 
 
@@ -98,9 +101,11 @@ def main() -> None:
     ap.add_argument("--chunk-pages", type=int, default=None, help="reference tuning")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default=None, help="substring of the case names to run")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="q and the pages")
+    ap.add_argument("--no-reference", action="store_true", help="time the native kernel only")
     a = ap.parse_args()
     ok, why = native_cpu.available()
-    fns = {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=D**-0.5,
+    fns = {} if a.no_reference else {"reference": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=D**-0.5,
                                                   block_q=a.block_q, chunk_pages=a.chunk_pages))}
     if ok:
         fns["native"] = jax.jit(functools.partial(native_cpu.ragged_paged_attention_cpu, sm_scale=D**-0.5))
@@ -108,12 +113,12 @@ def main() -> None:
     print(f"device={jax.devices()[0]} load avg {os.getloadavg()[0]:.2f}; native: {why}")
     print(f"copy bandwidth (XLA, 256 MB, read + write): {bw / 1e9:.1f} GB/s")
     print(f"{'case':36s} {'impl':>9s} {'median ms':>10s} {'min ms':>8s} {'KV GB/s':>8s} {'speedup':>8s}")
-    for name, (args, kv_bytes) in cases().items():
+    for name, (args, kv_bytes) in cases(jnp.dtype(a.dtype)).items():
         if a.only and a.only not in name:
             continue
         res = bench(fns, args, a.reps)
         for impl, (t, t_min) in res.items():
-            speed = f"{res['reference'][0] / t:7.2f}x" if impl != "reference" else f"{'':8s}"
+            speed = f"{res['reference'][0] / t:7.2f}x" if impl != "reference" and "reference" in res else f"{'':8s}"
             print(f"{name:36s} {impl:>9s} {t * 1e3:10.3f} {t_min * 1e3:8.3f} {kv_bytes / t / 1e9:8.2f} {speed}")
 
 
