@@ -2,8 +2,8 @@
 runs on CPU) against the pure-jnp reference, interleaved in the same run.
 
 SmolLM2-135M-like shapes (Hq=9, Hkv=3, D=64, page 16; f32, or `--dtype bfloat16` as the
-CPU's default serves; pages shuffled in a pool larger than the batch). Prints the median (and min: the machine is shared) time per call, the
-effective bandwidth (unique K+V bytes of the real contexts / median time; meaningful for
+CPU's default serves; pages shuffled in a pool larger than the batch). Prints the median
+(and min: the machine is shared) time per call, the effective bandwidth (unique K+V bytes of the real contexts / median time; meaningful for
 decode, prefill is compute-bound), the native/reference speedup, and this machine's copy
 bandwidth measured in the same run (an XLA copy of a 256 MB array, bytes read + written).
 
