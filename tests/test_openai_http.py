@@ -17,6 +17,7 @@ import pytest
 from conftest import EMBEDDED_SERVER_KEY as KEY
 from server_harness import batch_generate, wait_until
 
+from pallas_kernels.quantized_matmul import cpu as quantized_matmul_cpu
 from scheduler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -147,7 +148,7 @@ def test_async_client_streams_and_n(base, model):
         assert set(finish) == {0, 1} and all(texts.values())
     again = asyncio.run(main())
     same = [t for t, _ in again] == [t for t, _ in results]  # seeded: reproducible
-    if not same and _bf16_dot_products():
+    if not same and quantized_matmul_cpu.bf16_dot_products():
         # Known, not fixed: with bf16 dot products (AVX512-BF16) the second run's streams can
         # differ (the tree before the 2026-12-08 kernel changes failed this check in 2 of 4
         # runs on Zen 5). Not root-caused; likely a row's logits following the step's shape
@@ -156,11 +157,6 @@ def test_async_client_streams_and_n(base, model):
         pytest.xfail("seeded streams differ between batch shapes with bf16 dot products")
     assert same
 
-
-def _bf16_dot_products() -> bool:
-    from pallas_kernels.quantized_matmul import cpu
-
-    return cpu.bf16_dot_products()
 
 
 def test_logprobs_stop_and_logit_bias(client, base, model):
